@@ -1,0 +1,362 @@
+"""The CPU compatibility layer for megatron-core: each patch registered with the reason it exists.
+
+megatron-core assumes CUDA in a handful of places (see shared/CPU_RUNTIME.md). On a CPU-only torch
+build we paper over them at run time without editing site-packages. Every patch is a function
+registered with ``@cpu_patch(name, why)``; ``install()`` applies each exactly once (idempotent) and
+refuses to run against a megatron-core version the patches were not written and tested for.
+
+None of this is ever installed when CUDA is usable: see ``megatron.rl.runtime.setup_runtime``.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import threading
+from typing import Callable
+
+import torch
+
+from megatron.rl.runtime import torch_attention
+from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
+
+log = logging.getLogger(__name__)
+
+# megatron-core versions whose CUDA assumptions these patches were checked against.
+SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
+ALLOW_UNTESTED_ENV = "MEGATRON_RL_ALLOW_UNTESTED_MCORE"
+
+
+class UnsupportedMegatronCoreVersion(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    name: str
+    why: str
+    apply: Callable[[], None]
+
+
+PATCHES: dict[str, Patch] = {}
+INSTALLED: list[str] = []
+_lock = threading.Lock()
+_cpu_mode: CudaToCpuMode | None = None
+
+
+def cpu_patch(name: str, why: str):
+    """Register a patch function. Registration order is application order."""
+
+    def deco(fn):
+        if name in PATCHES:
+            raise ValueError(f"duplicate CPU patch name {name!r}")
+        PATCHES[name] = Patch(name, why, fn)
+        return fn
+
+    return deco
+
+
+def check_mcore_version(version: str | None = None) -> str:
+    """Raise unless megatron-core is a version these patches were tested against."""
+    if version is None:
+        from megatron.core import package_info
+
+        version = package_info.__version__
+    if version not in SUPPORTED_MCORE_VERSIONS and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+        raise UnsupportedMegatronCoreVersion(
+            f"megatron-core {version} is installed, but megatron-rl's CPU runtime layer was written for "
+            f"{', '.join(SUPPORTED_MCORE_VERSIONS)} (its CUDA workarounds patch internals that change between "
+            f"releases). Install a supported one: pip install megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]}, "
+            f"or set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
+    return version
+
+
+# --------------------------------------------------------------------------- torch.cuda stubs
+
+
+class _SyncStream:
+    """Stand-in for torch.cuda.Stream and torch.cuda.Event: CPU work is synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _SyncStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, *args):
+        return 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+@cpu_patch("torch.cuda.current_device",
+           "megatron allocates with device=torch.cuda.current_device(); returning 'cpu' puts those tensors on CPU")
+def _patch_current_device():
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.set_device = _noop
+    torch.cuda.device_count = lambda: 0
+
+
+@cpu_patch("torch.cuda.synchronize", "timers, DDP and inference synchronise the device; CPU work is synchronous")
+def _patch_synchronize():
+    torch.cuda.synchronize = _noop
+    torch.cuda.empty_cache = _noop
+    torch.cuda.is_current_stream_capturing = lambda: False
+
+
+@cpu_patch("torch.cuda.Stream/Event/stream/current_stream",
+           "DDP grad-reduce overlap and inference create streams and events; synchronous stand-ins")
+def _patch_streams():
+    torch.cuda.Stream = _SyncStream
+    torch.cuda.Event = _SyncStream
+    torch.cuda.stream = lambda stream=None: _SyncStream()
+    torch.cuda.current_stream = lambda *a, **k: _SyncStream()
+    torch.cuda.default_stream = lambda *a, **k: _SyncStream()
+
+
+@cpu_patch("torch.cuda.nvtx", "range push/pop markers for profilers; no-ops")
+def _patch_nvtx():
+    torch.cuda.nvtx.range_push = _noop
+    torch.cuda.nvtx.range_pop = _noop
+
+
+@cpu_patch("torch.cuda.memory_*/mem_get_info",
+           "the dynamic inference context sizes its KV buffer from device memory statistics; report the host's")
+def _patch_memory_stats():
+    import psutil
+
+    def mem_get_info(*args, **kwargs):
+        vm = psutil.virtual_memory()
+        return vm.available, vm.total
+
+    torch.cuda.mem_get_info = mem_get_info
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(torch.cuda, name, lambda *a, **k: 0)
+    torch.cuda.reset_peak_memory_stats = _noop
+    torch.cuda.memory_stats = lambda *a, **k: collections.defaultdict(int)
+
+
+@cpu_patch("torch.cuda RNG -> CPU generator",
+           "CudaRNGStatesTracker saves/restores the 'CUDA' RNG around TP regions; on CPU that is the CPU generator, "
+           "which its fork() then swaps in and out correctly")
+def _patch_rng():
+    import torch.cuda.random as cuda_random
+
+    import megatron.core.tensor_parallel.random as mpu_random
+
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = _noop  # torch.manual_seed() calls it; the CPU generator is already seeded
+    cuda_random.get_rng_state = torch.cuda.get_rng_state
+    cuda_random.set_rng_state = torch.cuda.set_rng_state
+    mpu_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+class _DropCpuRngWarning(logging.Filter):
+    def filter(self, record):
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+@cpu_patch("silence 'CPU RNG state changed within GPU RNG context'",
+           "expected here: the 'GPU' RNG is the CPU generator, so megatron's sanity warning fires on every fork")
+def _patch_rng_warning():
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropCpuRngWarning())
+
+
+@cpu_patch("WrappedTorchNorm with sequence parallel",
+           "the torch-norm fallback (no apex/TE) asserts sequence_parallel is off; allow it and tag the norm weights "
+           "sequence_parallel so finalize_model_grads all-reduces their grads across TP ranks")
+def _patch_torch_norm():
+    from megatron.core.transformer import torch_norm
+
+    norm_classes = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+    def new(cls, config, hidden_size, eps=1e-5, **_unused):
+        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
+            raise ValueError("zero-centred gamma / memory-efficient layer norm need transformer-engine or apex")
+        if config.normalization not in norm_classes:
+            raise ValueError(f"normalization {config.normalization!r} is not supported by the torch fallback")
+        module = norm_classes[config.normalization](normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            for p in module.parameters():
+                p.sequence_parallel = True
+        return module
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+@cpu_patch("DistributedOptimizer with torch Adam",
+           "without apex/TE the distributed optimizer falls back to torch Adam, whose per-param 'step' breaks "
+           "checkpoint loading: empty state on a fresh optimizer (assert len(steps)==1), KeyError 'step' in the "
+           "fully_reshardable loader, in-place copies into views of leaves without no_grad, and one shared 'step' "
+           "tensor after load that Adam increments once per param (silent divergence)")
+def _patch_distributed_optimizer():
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    if do.HAVE_APEX_OR_TE:
+        return
+    cls = do.DistributedOptimizer
+    orig_sharded_state_dict = cls.sharded_state_dict
+    orig_load_state_dict = cls.load_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        if is_loading:
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    state = self.optimizer.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = torch.zeros_like(p.data)
+                        state["exp_avg_sq"] = torch.zeros_like(p.data)
+        return orig_sharded_state_dict(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
+
+    @torch.no_grad()
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][order]
+        targets = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, dst in targets.items():
+            if key in tensors:
+                dst.copy_(tensors[key])
+
+    def load_state_dict(self, state_dict):
+        result = orig_load_state_dict(self, state_dict)
+        steps = {g["step"] for g in state_dict.get("optimizer", {}).get("param_groups", []) if "step" in g}
+        if len(steps) > 1:
+            raise RuntimeError(f"checkpoint has inconsistent optimizer steps across param groups: {sorted(steps)}")
+        for state in self.optimizer.state.values():
+            if steps:
+                state["step"] = torch.tensor(float(next(iter(steps))))
+            elif torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()  # un-share
+        return result
+
+    cls.sharded_state_dict = sharded_state_dict
+    cls._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    cls.load_state_dict = load_state_dict
+    cls.load_parameter_state_from_dp_reshardable = torch.no_grad()(cls.load_parameter_state_from_dp_reshardable)
+
+
+@cpu_patch("moe_utils TE names",
+           "without transformer-engine, router_gating_linear references the undefined name te_general_gemm "
+           "(NameError); define the TE-only names as None so the torch paths are taken")
+def _patch_moe_te_names():
+    from megatron.core.transformer.moe import moe_utils
+
+    if moe_utils.HAVE_TE:
+        return
+    for name in ("te_general_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+                 "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs", "fused_unpermute",
+                 "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+@cpu_patch("moe_utils.maybe_move_tensor_to_cpu",
+           "the alltoall dispatcher converts split sizes to numpy only when tensor.is_cuda; on CPU they stay tensors "
+           "and all_to_all_single(output_split_sizes=tensor) raises TypeError")
+def _patch_moe_split_sizes():
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.cpu()
+            if as_numpy:
+                tensor = tensor.numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+@cpu_patch("flash-attn paged kernels -> pure torch",
+           "dynamic-batching inference calls flash_attn_varlen_func / flash_attn_with_kvcache (CUDA-only)")
+def _patch_flash_attn():
+    from megatron.core.transformer import attention
+
+    if attention.flash_attn_varlen_func is None:
+        attention.flash_attn_varlen_func = torch_attention.flash_attn_varlen_func
+        attention.flash_attn_with_kvcache = torch_attention.flash_attn_with_kvcache
+        attention.is_fa_min_version = lambda *a, **k: True
+
+
+@cpu_patch("inference.communication_utils._is_cuda",
+           "pipeline-parallel inference asserts tensors are CUDA before send/recv/broadcast")
+def _patch_inference_comm():
+    from megatron.core.inference import communication_utils
+
+    communication_utils._is_cuda = _noop
+
+
+@cpu_patch("CudaToCpuMode",
+           "device='cuda', integer devices, .cuda(), .to('cuda'), torch.device('cuda'), pin_memory=True and "
+           "Tensor.type() == 'torch.cuda.FloatTensor' checks, rewritten at the torch-function level")
+def _patch_device_mode():
+    enter_cpu_mode()
+
+
+def enter_cpu_mode() -> None:
+    """Enter the device-rewriting mode in the calling thread (torch-function modes are thread-local).
+
+    ``install()`` enters it in the installing thread; threads that run megatron-core code (e.g. an
+    inference worker thread) call this once at start.
+    """
+    global _cpu_mode
+    if cpu_mode_active():
+        return
+    mode = CudaToCpuMode()
+    mode.__enter__()
+    _cpu_mode = mode
+
+
+def cpu_mode_active() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+
+def install(skip: tuple[str, ...] = ()) -> list[str]:
+    """Apply every registered patch once. Returns the names applied by this call.
+
+    ``skip`` leaves named patches out (benchmarks use it to measure the device-rewriting mode's cost).
+    """
+    if torch.cuda.is_available() and os.environ.get("MEGATRON_RL_FORCE_CPU") != "1":
+        raise RuntimeError("the CPU runtime layer must not be installed when CUDA is available")
+    check_mcore_version()
+    applied = []
+    with _lock:
+        for name, patch in PATCHES.items():
+            if name in INSTALLED or name in skip:
+                continue
+            patch.apply()
+            INSTALLED.append(name)
+            applied.append(name)
+    if applied:
+        log.debug("megatron-rl CPU runtime: applied %d patches", len(applied))
+    return applied

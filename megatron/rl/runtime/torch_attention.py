@@ -1,0 +1,92 @@
+"""Pure-torch stand-ins for flash-attn's paged kernels, used by megatron-core's dynamic inference.
+
+megatron-core's dynamic-batching attention calls ``flash_attn_varlen_func`` (prefill, paged KV
+through ``block_table``) and ``flash_attn_with_kvcache`` (decode). Both are CUDA-only; these
+functions have the same calling convention and semantics (causal masks aligned bottom-right, as
+flash-attn does when query and key lengths differ) and run anywhere.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [num_blocks, block_size, heads, dim], block ids of one request -> [length, heads, dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_ids[:num_blocks].long()].reshape(-1, *cache.shape[2:])[:length]
+
+
+def _expand_kv_heads(k: torch.Tensor, v: torch.Tensor, num_q_heads: int, head_dim_axis: int):
+    """Grouped-query attention: repeat each KV head for the query heads that share it."""
+    num_kv_heads = k.shape[head_dim_axis]
+    if num_kv_heads == num_q_heads:
+        return k, v
+    rep = num_q_heads // num_kv_heads
+    return k.repeat_interleave(rep, dim=head_dim_axis), v.repeat_interleave(rep, dim=head_dim_axis)
+
+
+def _attend(q, k, v, scale: float, causal: bool) -> torch.Tensor:
+    """q [Lq, h, d], k/v [Lk, h_kv, d] -> [Lq, h, d]."""
+    k, v = _expand_kv_heads(k, v, q.shape[1], head_dim_axis=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if causal:
+        lq, lk = q.shape[0], k.shape[0]
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                           softmax_scale=None, causal=False, block_table=None, **_unused):
+    """Variable-length attention over concatenated sequences.
+
+    q: [total_q, heads, dim]; k/v: [total_k, kv_heads, dim], or paged caches
+    [num_blocks, block_size, kv_heads, dim] when ``block_table`` [batch, max_blocks] is given.
+    """
+    scale = softmax_scale or q.shape[-1] ** -0.5
+    out = torch.zeros_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        if lq <= 0 or lk <= 0:
+            continue
+        if block_table is not None:
+            kb, vb = _gather_blocks(k, block_table[b], lk), _gather_blocks(v, block_table[b], lk)
+        else:
+            kb, vb = k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
+        out[cq[b]:cq[b + 1]] = _attend(q[cq[b]:cq[b + 1]], kb, vb, scale, causal)
+    return out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, block_table=None,
+                            softmax_scale=None, **_unused):
+    """Decode-step attention against a (paged) KV cache, vectorised over the batch.
+
+    q: [batch, q_len, heads, dim]; caches [num_blocks, block_size, kv_heads, dim] with
+    ``block_table`` [batch, max_blocks], or [batch, max_len, kv_heads, dim] without.
+    ``cache_seqlens`` [batch]: valid cache length per request (including the new tokens).
+    """
+    scale = softmax_scale or q.shape[-1] ** -0.5
+    batch, q_len, heads, _ = q.shape
+    lens = cache_seqlens.long()
+    max_len = max(int(lens.max()), 1)
+    if block_table is not None:
+        block_size = k_cache.shape[1]
+        num_blocks = (max_len + block_size - 1) // block_size
+        table = block_table[:, :num_blocks].long().clamp(min=0)  # -1 marks unused blocks
+        kb = k_cache[table].reshape(batch, num_blocks * block_size, *k_cache.shape[2:])[:, :max_len]
+        vb = v_cache[table].reshape(batch, num_blocks * block_size, *v_cache.shape[2:])[:, :max_len]
+    else:
+        kb, vb = k_cache[:, :max_len], v_cache[:, :max_len]
+    kb, vb = _expand_kv_heads(kb, vb, heads, head_dim_axis=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), kb.float()) * scale
+    key_pos = torch.arange(max_len, device=q.device)
+    allowed = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [b, 1, 1, k]
+    if causal and q_len > 1:
+        query_pos = torch.arange(q_len, device=q.device)[None, :, None] + (lens[:, None, None] - q_len)
+        allowed = allowed & (key_pos[None, None, :] <= query_pos)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no valid key -> zeros
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vb.float()).to(q.dtype)

@@ -1,0 +1,45 @@
+"""megatron-rl: RL post-training (GRPO/PPO) on Megatron Core.
+
+Installs the ``megatron.rl`` packages into the ``megatron`` namespace shared with the
+``megatron-core`` wheel; the repo's ``megatron/`` deliberately has no ``__init__.py``.
+"""
+from setuptools import find_namespace_packages, setup
+
+MCORE_VERSION = "0.16.1"  # the version the CPU runtime layer was written and tested against
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="Reinforcement-learning post-training (GRPO, PPO) for Megatron Core models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_namespace_packages(include=["megatron.rl", "megatron.rl.*"]),
+    include_package_data=True,
+    package_data={"megatron.rl": ["**/*.json", "**/*.jsonl", "**/*.yaml"]},
+    install_requires=[
+        f"megatron-core=={MCORE_VERSION}",
+        "torch>=2.4",
+        "pydantic>=2",
+        "numpy",
+        "pyyaml",
+        "fastapi",
+        "uvicorn",
+        "httpx",
+        "openai>=1.0",
+        # megatron-core needs these but does not declare them: without psutil a torch_dist
+        # checkpoint save hangs (its writer subprocess dies); tqdm is used by inference.
+        "psutil",
+        "tqdm",
+        "tensorboard",
+    ],
+    extras_require={
+        "hf": ["transformers>=4.40", "tokenizers", "safetensors"],
+        # apex is optional too but is not on PyPI; build it from source if you want it.
+        "gpu": ["transformer-engine[pytorch]"],
+        "wandb": ["wandb"],
+        "math": ["sympy"],
+        "dev": ["pytest>=7", "pytest-timeout", "transformers>=4.40", "tokenizers", "safetensors", "sympy",
+                "matplotlib"],
+    },
+)
