@@ -1,0 +1,292 @@
+"""The inference API every agent talks to: requests, responses and the backend interface.
+
+Agents only ever see an :class:`InferenceInterface`. Backends (the in-process Megatron Core engine,
+an OpenAI-compatible HTTP server, Hugging Face ``transformers``, a deterministic fake for tests)
+register themselves by name with ``@InferenceInterface.register("name")`` and are built with
+:func:`build_inference_interface` from a flag or a YAML value.
+
+Log-prob convention (all backends): ``InferenceResponse.logprobs[i]`` is the log-probability of the
+i-th *generated* token under ``softmax(logits / T)``, the temperature-scaled distribution *before*
+top-p / top-k truncation. That is exactly what the trainer recomputes with a teacher-forced forward
+at the sampling temperature. For greedy decoding (``temperature == 0``) backends use ``T = 1``.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import importlib
+import logging
+import threading
+from typing import Any, Callable, ClassVar, Literal, Sequence, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "GenerationArgs",
+    "ChatMessage",
+    "InferenceRequest",
+    "InferenceResponse",
+    "InferenceInterface",
+    "InferenceError",
+    "build_inference_interface",
+    "registered_backends",
+    "expand_requests",
+    "logprob_temperature",
+]
+
+
+class InferenceError(RuntimeError):
+    """A backend could not serve a request at all (unreachable server, unknown backend, ...)."""
+
+
+class GenerationArgs(BaseModel):
+    """Sampling parameters of one request. Invalid values raise ``pydantic.ValidationError`` naming the field.
+
+    temperature: >= 0; 0 means greedy (argmax). top_p: in (0, 1]. top_k: 0 disables top-k.
+    max_tokens: maximum number of generated tokens (>= 1). stop: generation ends *before* the first
+    occurrence of any of these strings in the generated text (the stop string is not returned).
+    seed: makes sampling reproducible per request (backends derive per-sample seeds for ``n > 1``).
+    n: number of independent samples for this request (each becomes its own response).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(256, ge=1)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: Any) -> Any:
+        # OpenAI accepts a single string or a list; None means "no stop strings".
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_non_empty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty (an empty stop string would end generation at once)")
+        return v
+
+
+class ChatMessage(BaseModel):
+    """One chat turn: ``role`` is usually "system", "user" or "assistant"."""
+
+    role: str
+    content: str
+
+
+class InferenceRequest(BaseModel):
+    """Either a plain text ``prompt`` or chat ``messages`` (exactly one), plus generation args.
+
+    Chat messages are rendered to text by the backend with the tokenizer's chat template (see
+    :mod:`megatron.rl.inference.chat_template`); an agent never handles tokenizers itself.
+    """
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> "InferenceRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("InferenceRequest needs exactly one of `prompt` or `messages` "
+                             f"(got prompt={'set' if self.prompt is not None else 'None'}, "
+                             f"messages={'set' if self.messages is not None else 'None'})")
+        if self.prompt is not None and self.prompt == "":
+            raise ValueError("InferenceRequest.prompt is empty: give at least one character of prompt text")
+        if self.messages is not None and len(self.messages) == 0:
+            raise ValueError("InferenceRequest.messages is empty: give at least one chat message")
+        return self
+
+
+class InferenceResponse(BaseModel):
+    """The result of one sample.
+
+    text: generated text only (without the prompt, without a matched stop string).
+    token_ids: prompt token ids followed by generated token ids, shape [prompt_length + num_generated].
+    prompt_length: number of prompt tokens at the front of ``token_ids``.
+    logprobs: one float per generated token (see the module docstring for the convention), or None when
+      the backend cannot provide them (e.g. a remote server that does not return them).
+    finish_reason: "stop" (EOS or stop string), "length" (hit max_tokens / max sequence length),
+      "error" (this request failed; ``error`` says why; other requests in the batch are unaffected).
+    prompt_text: the prompt as the backend saw it (chat requests: the rendered template).
+    error: human-readable reason when ``finish_reason == "error"`` (an addition to the contract).
+    """
+
+    text: str
+    token_ids: list[int]
+    prompt_length: int
+    logprobs: list[float] | None = None
+    finish_reason: Literal["stop", "length", "error"]
+    prompt_text: str | None = None
+    error: str | None = None
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_length:]
+
+    @classmethod
+    def failed(cls, message: str, prompt_text: str | None = None) -> "InferenceResponse":
+        """A per-request error response (the batch carries on)."""
+        return cls(text="", token_ids=[], prompt_length=0, logprobs=None, finish_reason="error",
+                   prompt_text=prompt_text, error=message)
+
+
+# Built-in backends live in modules that may import heavy or optional packages, so they are imported
+# on first use only. A backend in any other module registers itself when that module is imported.
+_BUILTIN_BACKEND_MODULES: dict[str, str] = {
+    "megatron": "megatron.rl.inference.megatron",
+    "openai": "megatron.rl.inference.openai",
+    "huggingface": "megatron.rl.inference.huggingface",
+    "fake": "megatron.rl.inference.fake",
+}
+
+_T = TypeVar("_T", bound=type)
+
+
+class InferenceInterface(abc.ABC):
+    """Base class of all inference backends.
+
+    Subclasses implement :meth:`agenerate`; many concurrent requests are handed over in one call and
+    batched by the backend, never serialised. Register a subclass with
+    ``@InferenceInterface.register("name")`` and build it with ``build_inference_interface("name", ...)``.
+    """
+
+    _registry: ClassVar[dict[str, type["InferenceInterface"]]] = {}
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def register(cls, name: str) -> Callable[[_T], _T]:
+        """Class decorator registering a backend under ``name`` (a duplicate name is an error)."""
+
+        def deco(backend_cls: _T) -> _T:
+            if not (isinstance(backend_cls, type) and issubclass(backend_cls, InferenceInterface)):
+                raise TypeError(f"@InferenceInterface.register({name!r}) needs an InferenceInterface subclass, "
+                                f"got {backend_cls!r}")
+            existing = InferenceInterface._registry.get(name)
+            if existing is not None and existing is not backend_cls and \
+                    (existing.__module__, existing.__qualname__) != (backend_cls.__module__, backend_cls.__qualname__):
+                raise ValueError(f"inference backend name {name!r} is already registered to "
+                                 f"{existing.__module__}.{existing.__qualname__}")
+            backend_cls.name = name
+            InferenceInterface._registry[name] = backend_cls
+            return backend_cls
+
+        return deco
+
+    @abc.abstractmethod
+    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        """Generate for all ``requests`` together.
+
+        Returns ``sum(r.generation_args.n for r in requests)`` responses: request order, and a request
+        with ``n > 1`` yields ``n`` consecutive responses. A request the backend cannot serve (e.g. a
+        prompt longer than the model's maximum length) gets a ``finish_reason="error"`` response; it
+        never fails the other requests.
+        """
+
+    def generate(self, prompt: str | InferenceRequest | Sequence[InferenceRequest],
+                 **generation_args: Any) -> list[InferenceResponse]:
+        """Synchronous wrapper around :meth:`agenerate`; always returns a list of responses.
+
+        ``generate("Hello", temperature=0, max_tokens=8)`` builds one request from a text prompt and
+        keyword :class:`GenerationArgs`; ``generate([req1, req2])`` runs prepared requests (keyword
+        args are then not allowed). Works from plain code and from inside a running event loop (it then
+        runs the coroutine on a helper thread with its own loop).
+        """
+        if isinstance(prompt, str):
+            requests = [InferenceRequest(prompt=prompt, generation_args=GenerationArgs(**generation_args))]
+        else:
+            if generation_args:
+                raise TypeError("generate(): keyword generation args are only accepted with a text prompt; "
+                                "put them in each InferenceRequest.generation_args instead "
+                                f"(got {sorted(generation_args)})")
+            requests = [prompt] if isinstance(prompt, InferenceRequest) else list(prompt)
+        return run_sync(self.agenerate(requests))
+
+    async def aclose(self) -> None:
+        """Release resources (connections, KV caches). Default: nothing to release."""
+
+    def close(self) -> None:
+        run_sync(self.aclose())
+
+    def __enter__(self) -> "InferenceInterface":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def run_sync(coro: Any) -> Any:
+    """Run a coroutine to completion from synchronous code, even when this thread has a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = asyncio.run(coro)
+        except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+    t = threading.Thread(target=target, name="inference-run-sync")
+    t.start()
+    t.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def registered_backends() -> list[str]:
+    """Names of all registered backends, importing the built-in ones that can be imported."""
+    for name, module in _BUILTIN_BACKEND_MODULES.items():
+        if name not in InferenceInterface._registry:
+            try:
+                importlib.import_module(module)
+            except ImportError as e:  # an optional dependency or a module not written yet
+                logger.debug("inference backend %r unavailable: %s", name, e)
+    return sorted(InferenceInterface._registry)
+
+
+def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:
+    """Build the backend registered as ``name`` with ``kwargs``; unknown names list the registered ones."""
+    if name not in InferenceInterface._registry and name in _BUILTIN_BACKEND_MODULES:
+        importlib.import_module(_BUILTIN_BACKEND_MODULES[name])  # let a real ImportError surface
+    if name not in InferenceInterface._registry:
+        raise InferenceError(f"unknown inference backend {name!r}; registered backends: "
+                             f"{', '.join(registered_backends())}")
+    return InferenceInterface._registry[name](**kwargs)
+
+
+def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceRequest]:
+    """Flatten ``n > 1`` into ``n`` single-sample requests, in response order.
+
+    Sample ``i`` of a seeded request gets seed ``seed + i`` so the samples differ but stay reproducible.
+    """
+    out: list[InferenceRequest] = []
+    for req in requests:
+        ga = req.generation_args
+        if ga.n == 1:
+            out.append(req)
+            continue
+        for i in range(ga.n):
+            seed = None if ga.seed is None else ga.seed + i
+            out.append(req.model_copy(update={"generation_args": ga.model_copy(update={"n": 1, "seed": seed})}))
+    return out
+
+
+def logprob_temperature(temperature: float) -> float:
+    """Temperature of the distribution log-probs are reported under (greedy reports under T=1)."""
+    return 1.0 if temperature == 0 else temperature

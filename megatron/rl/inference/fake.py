@@ -1,0 +1,142 @@
+"""A tiny deterministic inference backend for tests: ``build_inference_interface("fake")``.
+
+It is a real (if silly) language model, so agents, the inference server and trainers can be tested
+against it with exact expectations and no weights or downloads:
+
+* tokens are UTF-8 bytes (ids 0..255) plus an end-of-sequence id 256;
+* the next-token logits depend only on the previous token: row ``prev`` of a fixed random 257x257
+  table (seeded, identical in every process); only printable ASCII (32..126) and EOS can be generated;
+* sampling honours temperature / top-k / top-p / seed / stop / max_tokens / n exactly like the real
+  backends, and log-probs follow the API convention (temperature-scaled, before truncation, T=1 when
+  greedy), so :meth:`FakeInference.score` (a teacher-forced "forward") reproduces them exactly.
+
+Constructor knobs: ``max_seq_len`` (prompt + generation limit; longer prompts get a per-request
+error), ``delay_s`` (awaited once per ``agenerate`` call, to simulate a forward pass), ``eos_bias``.
+Counters ``num_batches``, ``num_requests`` and ``max_batch_size`` show how requests were batched.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+import numpy as np
+
+from megatron.rl.inference.api import (GenerationArgs, InferenceInterface, InferenceRequest, InferenceResponse,
+                                       expand_requests, logprob_temperature)
+from megatron.rl.inference.chat_template import builtin_chat_template
+
+__all__ = ["FakeInference", "sample_token"]
+
+EOS_ID = 256
+VOCAB_SIZE = 257
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    m = np.max(x[np.isfinite(x)])
+    z = x - m
+    return z - np.log(np.sum(np.exp(z)))
+
+
+def sample_token(logits: np.ndarray, args: GenerationArgs, rng: np.random.Generator) -> tuple[int, float]:
+    """Pick the next token from ``logits`` [vocab] and return ``(token, logprob)``.
+
+    The log-prob is under ``softmax(logits / T)`` (T=1 when greedy), before top-k/top-p truncation.
+    """
+    logp = _log_softmax(logits.astype(np.float64) / logprob_temperature(args.temperature))
+    if args.temperature == 0:
+        tok = int(np.argmax(logits))
+        return tok, float(logp[tok])
+    probs = np.exp(logp)
+    if args.top_k > 0 and args.top_k < probs.size:
+        kth = np.sort(probs)[-args.top_k]
+        probs = np.where(probs >= kth, probs, 0.0)
+    if args.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order]) / probs.sum()
+        keep = order[: int(np.searchsorted(cum, args.top_p) + 1)]  # smallest prefix with mass >= top_p
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[keep] = True
+        probs = np.where(mask, probs, 0.0)
+    probs = probs / probs.sum()
+    tok = int(rng.choice(probs.size, p=probs))
+    return tok, float(logp[tok])
+
+
+@InferenceInterface.register("fake")
+class FakeInference(InferenceInterface):
+    """Deterministic byte-level bigram model (see the module docstring)."""
+
+    def __init__(self, max_seq_len: int = 2048, delay_s: float = 0.0, eos_bias: float = -1.0, table_seed: int = 0):
+        self.max_seq_len = int(max_seq_len)
+        self.delay_s = float(delay_s)
+        table = np.random.default_rng(table_seed).normal(scale=2.0, size=(VOCAB_SIZE, VOCAB_SIZE))
+        allowed = np.zeros(VOCAB_SIZE, dtype=bool)
+        allowed[32:127] = True
+        allowed[EOS_ID] = True
+        table[:, ~allowed] = -np.inf
+        table[:, EOS_ID] = eos_bias
+        self.table = table
+        self.num_batches = 0
+        self.num_requests = 0
+        self.max_batch_size = 0
+
+    # -- tokenizer-ish helpers (the fake is its own tokenizer) -----------------------------------------
+    @staticmethod
+    def tokenize(text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    @staticmethod
+    def detokenize(ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def logits(self, prev_token: int) -> np.ndarray:
+        """Next-token logits [vocab] given the previous token."""
+        return self.table[prev_token]
+
+    def score(self, token_ids: Sequence[int], prompt_length: int, temperature: float = 1.0) -> list[float]:
+        """Teacher-forced log-probs of ``token_ids[prompt_length:]`` under ``softmax(logits / T)``."""
+        t = logprob_temperature(temperature)
+        return [float(_log_softmax(self.logits(token_ids[i - 1]) / t)[token_ids[i]])
+                for i in range(prompt_length, len(token_ids))]
+
+    # -- generation -----------------------------------------------------------------------------------
+    def _generate_one(self, req: InferenceRequest, index: int) -> InferenceResponse:
+        ga = req.generation_args
+        prompt_text = req.prompt if req.prompt is not None else builtin_chat_template(req.messages or [])
+        prompt_ids = self.tokenize(prompt_text)
+        if len(prompt_ids) >= self.max_seq_len:
+            return InferenceResponse.failed(
+                f"prompt is {len(prompt_ids)} tokens, the model's maximum sequence length is {self.max_seq_len}; "
+                "shorten the prompt", prompt_text=prompt_text)
+        # Unseeded requests are still deterministic (seeded by their position), which keeps tests exact.
+        rng = np.random.default_rng(ga.seed if ga.seed is not None else 1_000_003 + index)
+        ids, logprobs = list(prompt_ids), []
+        finish = "length"
+        budget = min(ga.max_tokens, self.max_seq_len - len(prompt_ids))
+        text = ""
+        for _ in range(budget):
+            tok, lp = sample_token(self.logits(ids[-1]), ga, rng)
+            ids.append(tok)
+            logprobs.append(lp)
+            if tok == EOS_ID:
+                finish = "stop"
+                break
+            text = self.detokenize(ids[len(prompt_ids):])
+            hit = [text.find(s) for s in ga.stop if s in text]
+            if hit:
+                text = text[: min(hit)]
+                finish = "stop"
+                break
+        else:
+            text = self.detokenize(ids[len(prompt_ids):])
+        return InferenceResponse(text=text, token_ids=ids, prompt_length=len(prompt_ids), logprobs=logprobs,
+                                 finish_reason=finish, prompt_text=prompt_text)
+
+    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        flat = expand_requests(requests)
+        self.num_batches += 1
+        self.num_requests += len(flat)
+        self.max_batch_size = max(self.max_batch_size, len(flat))
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
+        return [self._generate_one(r, i) for i, r in enumerate(flat)]

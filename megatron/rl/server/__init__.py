@@ -1,0 +1,1 @@
+"""HTTP servers: ``server.inference`` (OpenAI-compatible inference server) and ``server.agent`` (environments)."""
