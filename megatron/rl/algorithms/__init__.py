@@ -1,0 +1,26 @@
+"""RL algorithm math as pure tensor functions: advantages, policy losses, KL, entropy, IS, aggregation.
+
+No process groups and no globals: callers pass tensors (and global counts they all-reduced) in.
+Variants are registered by name; the registries' ``names()`` serve as argparse choices.
+"""
+from megatron.rl.algorithms.advantages import (ADVANTAGE_ESTIMATORS, compute_advantages, drgrpo_advantages,
+                                              groups_with_same_reward, grpo_advantages, rloo_advantages,
+                                              validate_rewards)
+from megatron.rl.algorithms.aggregation import AGGREGATIONS, LossNormalizers, aggregate_loss, local_normalizers
+from megatron.rl.algorithms.entropy import (entropy_bonus, entropy_from_logits, entropy_from_partials,
+                                           entropy_partials)
+from megatron.rl.algorithms.importance_sampling import logprob_gap_stats, truncated_is_weights
+from megatron.rl.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
+from megatron.rl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig, compute_token_loss, ppo_clip_loss
+from megatron.rl.algorithms.registry import Registry
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "Registry",
+    "compute_advantages", "grpo_advantages", "drgrpo_advantages", "rloo_advantages", "validate_rewards",
+    "groups_with_same_reward",
+    "LossNormalizers", "aggregate_loss", "local_normalizers",
+    "entropy_from_logits", "entropy_partials", "entropy_from_partials", "entropy_bonus",
+    "logprob_gap_stats", "truncated_is_weights",
+    "kl_k1", "kl_k2", "kl_k3", "kl_penalty",
+    "PolicyLossConfig", "compute_token_loss", "ppo_clip_loss",
+]

@@ -1,0 +1,123 @@
+"""Reduce a per-token loss to the scalar a micro-batch back-propagates, with GLOBAL normalisers.
+
+The normalisers (token count, sequence count) are counts over the whole optimizer step: all
+micro-batches of all data-parallel ranks. The caller computes the local counts with
+:func:`local_normalizers` and all-reduces them (SUM over DP, summed over micro-batches) before the
+first micro-batch. Because each micro-batch then contributes ``(its part of the numerator) /
+(global denominator)``, **the per-micro-batch losses SUM to the global loss** (and their gradients
+sum to its gradient), whatever the micro-batch size, DP size or packing layout.
+
+How to feed this to megatron-core's schedule (0.16.1) so the gradient is exactly the gradient of
+the global loss: set ``config.calculate_per_token_loss = True`` (then DDP sums gradients over DP
+instead of averaging, and the schedule does not divide by ``num_microbatches``) and let the loss
+function return the 3-tuple ``(aggregate_loss(...), torch.tensor(0, dtype=torch.int), report)``:
+a token count of 0 makes ``finalize_model_grads`` skip its 1/num_tokens rescaling (it only scales
+when the all-reduced count is > 0). With the default ``calculate_per_token_loss = False`` the
+schedule divides each micro-batch loss by ``num_microbatches`` and DDP averages over DP, so the
+loss would have to be multiplied by ``num_microbatches * dp_size`` to compensate.
+
+Modes (registered in ``AGGREGATIONS``, flag ``--grpo-loss-aggregation``):
+
+* ``token``    sum of masked token losses / global number of loss tokens.
+* ``sequence`` per sequence: mean over its loss tokens; then sum / global number of sequences.
+* ``drgrpo``   sum of masked token losses / (global number of sequences * max_len), max_len a
+               constant (e.g. the generation budget), so long answers are not favoured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron.rl.algorithms.registry import Registry
+
+
+@dataclass(frozen=True)
+class LossNormalizers:
+    """Global (all micro-batches, all DP ranks) denominators.
+
+    num_tokens: loss tokens (mask == 1). num_sequences: sequences with at least one loss token.
+    max_len: the Dr.GRPO constant length (only for ``drgrpo``).
+    """
+
+    num_tokens: Optional[float] = None
+    num_sequences: Optional[float] = None
+    max_len: Optional[float] = None
+
+
+AggregationFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor], LossNormalizers], torch.Tensor]
+
+AGGREGATIONS: Registry[AggregationFn] = Registry("loss aggregation", "--grpo-loss-aggregation")
+
+
+def _require(value: Optional[float], name: str, mode: str) -> float:
+    if value is None:
+        raise ValueError(f"loss aggregation {mode!r} needs the global {name}; pass LossNormalizers({name}=...)")
+    if not value > 0:
+        raise ValueError(f"loss aggregation {mode!r}: global {name} must be > 0, got {value} "
+                         f"(no loss tokens in the whole step?)")
+    return float(value)
+
+
+def local_normalizers(mask: torch.Tensor, seq_ids: Optional[torch.Tensor] = None) -> tuple[int, int]:
+    """This micro-batch's (num loss tokens, num sequences with >= 1 loss token).
+
+    ``mask`` [...] of 0/1, ``seq_ids`` [...] same shape (sequence index per token; padding any value
+    with mask 0). Sum these over micro-batches and all-reduce over DP to get :class:`LossNormalizers`.
+    """
+    sel = mask.bool()
+    num_tokens = int(sel.sum())
+    num_sequences = 0 if seq_ids is None else int(torch.unique(seq_ids[sel]).numel())
+    return num_tokens, num_sequences
+
+
+@AGGREGATIONS.register("token")
+def aggregate_token(loss: torch.Tensor, mask: torch.Tensor, seq_ids: Optional[torch.Tensor],
+                    norm: LossNormalizers) -> torch.Tensor:
+    """sum(loss * mask) / global num_tokens."""
+    del seq_ids
+    return (loss * mask.to(loss.dtype)).sum() / _require(norm.num_tokens, "num_tokens", "token")
+
+
+@AGGREGATIONS.register("sequence")
+def aggregate_sequence(loss: torch.Tensor, mask: torch.Tensor, seq_ids: Optional[torch.Tensor],
+                       norm: LossNormalizers) -> torch.Tensor:
+    """sum over sequences of (mean of its masked token losses) / global num_sequences.
+
+    Needs ``seq_ids``: a sequence's tokens must all be in this micro-batch (packing never splits one).
+    """
+    if seq_ids is None:
+        raise ValueError("loss aggregation 'sequence' needs seq_ids (sequence index of every token)")
+    denom = _require(norm.num_sequences, "num_sequences", "sequence")
+    loss, mask, seq_ids = loss.reshape(-1), mask.reshape(-1), seq_ids.reshape(-1)
+    sel = mask.bool()
+    if not bool(sel.any()):
+        return loss.sum() * 0.0  # keeps the graph (and DDP's hooks) alive for an all-padding micro-batch
+    _, inverse = torch.unique(seq_ids[sel], return_inverse=True)
+    num = int(inverse.max()) + 1
+    sums = torch.zeros(num, dtype=loss.dtype, device=loss.device).index_add(0, inverse, loss[sel])
+    counts = torch.zeros(num, dtype=loss.dtype, device=loss.device).index_add(
+        0, inverse, torch.ones_like(loss[sel]))
+    return (sums / counts).sum() / denom
+
+
+@AGGREGATIONS.register("drgrpo")
+def aggregate_drgrpo(loss: torch.Tensor, mask: torch.Tensor, seq_ids: Optional[torch.Tensor],
+                     norm: LossNormalizers) -> torch.Tensor:
+    """sum(loss * mask) / (global num_sequences * max_len)."""
+    del seq_ids
+    denom = _require(norm.num_sequences, "num_sequences", "drgrpo") * _require(norm.max_len, "max_len", "drgrpo")
+    return (loss * mask.to(loss.dtype)).sum() / denom
+
+
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, normalizers: LossNormalizers,
+                   seq_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scalar loss of one micro-batch. loss/mask/seq_ids: same shape ([N] or [bins, seq_length]).
+
+    Summing this over all micro-batches of all DP ranks gives the global loss (see module doc).
+    """
+    if loss.shape != mask.shape or (seq_ids is not None and seq_ids.shape != loss.shape):
+        raise ValueError(f"loss {tuple(loss.shape)}, mask {tuple(mask.shape)} and seq_ids "
+                         f"{None if seq_ids is None else tuple(seq_ids.shape)} must have the same shape")
+    return AGGREGATIONS.get(mode)(loss, mask, seq_ids, normalizers)
