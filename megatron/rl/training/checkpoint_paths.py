@@ -1,0 +1,218 @@
+"""Checkpoint directory layout: names, the tracker file, completeness checks and atomic publishing.
+
+Layout (Megatron-LM convention)::
+
+    <dir>/latest_checkpointed_iteration.txt     "<int>" or "release"
+    <dir>/iter_0000100/                         a megatron.core.dist_checkpointing torch_dist checkpoint
+    <dir>/release/                              model-only form written by conversion tools
+    <dir>/iter_0000200.tmp-<stamp>/             a save in progress (or one killed mid-way): never loaded
+
+A save writes into a ``.tmp-`` directory, renames it into place once every rank has finished, then
+rewrites the tracker with write-to-temp + ``os.replace``. ``dist_checkpointing`` writes its
+``metadata.json`` last (after all shards, behind a barrier), so that file is the completion marker: a
+directory without it is never loaded. Nothing here touches torch.distributed; callers decide which
+rank runs what.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+# Written last by dist_checkpointing.save (rank 0, after every rank's shards): the completion marker.
+COMPLETION_MARKER = "metadata.json"
+# Also required: torch DCP's global metadata (written by the coordinator at the end) and the common state.
+REQUIRED_FILES = (COMPLETION_MARKER, ".metadata", "common.pt")
+TMP_INFIX = ".tmp-"
+TRASH_INFIX = ".replaced-"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_PARTIAL_RE = re.compile(r"^(iter_\d{7,}|release)(\.tmp-|\.replaced-)")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the path, the problem and the fix."""
+
+
+def checkpoint_dir_name(iteration: int | str) -> str:
+    """``iter_0000100`` for an int (zero-padded to 7 digits), ``release`` for ``"release"``."""
+    if iteration == RELEASE:
+        return RELEASE
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise ValueError(f"checkpoint iteration must be an int >= 0 or 'release', got {iteration!r}")
+    return f"iter_{iteration:07d}"
+
+
+def tmp_dir_name(iteration: int | str, stamp: str) -> str:
+    return f"{checkpoint_dir_name(iteration)}{TMP_INFIX}{stamp}"
+
+
+def new_stamp() -> str:
+    """Unique-enough suffix for temp directories: UTC time + pid of the rank that chose it."""
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}"
+
+
+def missing_files(ckpt_dir: Path) -> list[str]:
+    """Required files absent from ``ckpt_dir`` (empty list = a complete checkpoint directory)."""
+    return [name for name in REQUIRED_FILES if not (ckpt_dir / name).is_file()]
+
+
+def is_complete(ckpt_dir: Path) -> bool:
+    return ckpt_dir.is_dir() and not missing_files(ckpt_dir)
+
+
+def partial_dirs(root: Path) -> list[Path]:
+    """Leftovers of interrupted saves (``*.tmp-*``) or of interrupted replacements (``*.replaced-*``)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _PARTIAL_RE.match(p.name))
+
+
+def complete_iterations(root: Path) -> list[int]:
+    """Iterations that have a complete ``iter_XXXXXXX`` directory under ``root`` (ascending)."""
+    if not root.is_dir():
+        return []
+    its = []
+    for p in root.iterdir():
+        m = _ITER_RE.match(p.name)
+        if m and is_complete(p):
+            its.append(int(m.group(1)))
+    return sorted(its)
+
+
+def read_tracker(root: Path) -> int | str | None:
+    """The tracker's content: an int iteration, ``"release"``, or None when there is no tracker file.
+
+    Raises CheckpointError when the file exists but does not hold an int >= 0 or "release".
+    """
+    tracker = root / TRACKER_FILENAME
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if text == RELEASE:
+        return RELEASE
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise CheckpointError(
+            f"corrupt tracker file {tracker}: expected an iteration number or 'release', found {text[:80]!r}. "
+            f"Write the iteration of a complete checkpoint directory into it (complete ones: "
+            f"{complete_iterations(root) or 'none'}), or point --load at a checkpoint directory.")
+    return value
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_tracker(root: Path, iteration: int | str) -> None:
+    """Atomically set the tracker to ``iteration``: write a temp file, fsync, ``os.replace``, fsync the dir."""
+    checkpoint_dir_name(iteration)  # validates
+    tmp = root / f"{TRACKER_FILENAME}{TMP_INFIX}{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / TRACKER_FILENAME)
+    _fsync_dir(root)
+
+
+def publish(tmp_dir: Path, final_dir: Path) -> None:
+    """Rename a finished temp checkpoint into place, replacing an existing checkpoint of the same name.
+
+    An existing ``final_dir`` is first renamed aside (``*.replaced-*``) and deleted after the new one is
+    in place, so at every instant ``final_dir`` is either the old complete checkpoint or the new one
+    (except the instant between the two renames, which a loader reports as 'missing').
+    """
+    missing = missing_files(tmp_dir)
+    if missing:
+        raise CheckpointError(f"refusing to publish {tmp_dir}: it lacks {missing} (the save did not finish)")
+    trash = None
+    if final_dir.exists():
+        trash = final_dir.with_name(f"{final_dir.name}{TRASH_INFIX}{new_stamp()}")
+        logger.warning("replacing existing checkpoint %s", final_dir)
+        os.rename(final_dir, trash)
+    os.rename(tmp_dir, final_dir)
+    _fsync_dir(final_dir.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_partial_dirs(root: Path) -> list[Path]:
+    """Delete leftovers of interrupted saves under ``root`` (call on one rank, before starting a save)."""
+    removed = []
+    for p in partial_dirs(root):
+        logger.warning("removing %s: left by an interrupted checkpoint save, never loaded", p)
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint directory ``--load load_dir`` would load, or None when there is none yet.
+
+    ``load_dir`` may be a checkpoint directory itself (it holds ``metadata.json``) or a save directory
+    with a tracker file. Returns None when ``load_dir`` does not exist or holds no tracker (nothing was
+    ever published there). Raises CheckpointError when the tracker is corrupt or names a directory that
+    is missing or incomplete: that is never silently replaced by an older checkpoint.
+    """
+    root = Path(load_dir)
+    if not root.is_dir():
+        return None
+    if (root / COMPLETION_MARKER).is_file() or (root / "common.pt").is_file():
+        return root
+    leftovers = partial_dirs(root)
+    if leftovers:
+        logger.info("ignoring %d partial checkpoint dir(s) in %s (interrupted saves): %s",
+                    len(leftovers), root, ", ".join(p.name for p in leftovers))
+    value = read_tracker(root)
+    if value is None:
+        return None
+    ckpt = root / checkpoint_dir_name(value)
+    if not ckpt.is_dir():
+        raise CheckpointError(
+            f"{root / TRACKER_FILENAME} names {value!r} but {ckpt} does not exist. Complete checkpoints "
+            f"present: {complete_iterations(root) or 'none'}; write one of them into the tracker file, "
+            f"or load a checkpoint directory directly.")
+    return ckpt
+
+
+def resolve_checkpoint_dir(load_dir: str | os.PathLike) -> Path:
+    """Like :func:`latest_checkpoint` but every 'nothing to load' case is a CheckpointError, and the
+    directory found must be complete."""
+    root = Path(load_dir)
+    if not root.exists():
+        raise CheckpointError(f"checkpoint directory {root} does not exist: check --load / --pretrained-checkpoint")
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint path {root} is not a directory")
+    ckpt = latest_checkpoint(root)
+    if ckpt is None:
+        found = complete_iterations(root)
+        hint = (f"complete checkpoints present: {found}; write one into {TRACKER_FILENAME} or load "
+                f"{root / checkpoint_dir_name(found[-1])} directly" if found else
+                "it holds no complete checkpoint either; start without --load, or point it at a save directory")
+        raise CheckpointError(f"no {TRACKER_FILENAME} in {root}: {hint}")
+    missing = missing_files(ckpt)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {ckpt} is incomplete or corrupt: missing {', '.join(missing)} (an interrupted save or a "
+            f"partial copy). Point the tracker at a complete checkpoint (complete ones: "
+            f"{complete_iterations(ckpt.parent) or 'none'}) or re-copy the directory.")
+    return ckpt
