@@ -1,0 +1,84 @@
+"""Thin process-group helpers. Each works in a single process without ``torch.distributed`` initialised.
+
+Callers pass groups in explicitly; nothing here reads global configuration.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def is_rank0() -> bool:
+    return get_rank() == 0
+
+
+def barrier(group=None) -> None:
+    if is_initialized():
+        dist.barrier(group=group)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place sum over ``group``; returns ``tensor``."""
+    if is_initialized() and get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_reduce_mean(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """In-place mean over ``group``; returns ``tensor``."""
+    n = get_world_size(group)
+    all_reduce_sum(tensor, group)
+    if n > 1:
+        tensor /= n
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    if is_initialized() and get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src_global_rank: int, group=None) -> torch.Tensor:
+    """In-place broadcast from ``src_global_rank`` (a global rank that belongs to ``group``)."""
+    if is_initialized() and get_world_size(group) > 1:
+        dist.broadcast(tensor, src=src_global_rank, group=group)
+    return tensor
+
+
+def broadcast_object(obj, src_global_rank: int = 0, group=None):
+    """Broadcast a picklable object; returns the source's object on every rank."""
+    if not is_initialized() or get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src_global_rank, group=group)
+    return box[0]
+
+
+def last_pipeline_stage_rank() -> int:
+    """Global rank of the last pipeline stage in this rank's pipeline (megatron-core parallel_state)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_last_rank()
+
+
+def broadcast_from_last_pipeline_stage(tensor: torch.Tensor) -> torch.Tensor:
+    """Give every stage of this pipeline the last stage's ``tensor`` (in place; same shape/dtype everywhere)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    return tensor
