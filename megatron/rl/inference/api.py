@@ -165,6 +165,20 @@ class InferenceInterface(abc.ABC):
 
     _registry: ClassVar[dict[str, type["InferenceInterface"]]] = {}
     name: ClassVar[str] = ""
+    #: True when the backend merges concurrent ``agenerate`` calls itself (continuous batching, e.g. a
+    #: dynamic engine). The inference server then forwards each HTTP request as soon as it arrives instead
+    #: of collecting requests into one ``agenerate`` call.
+    continuous_batching: ClassVar[bool] = False
+
+    @classmethod
+    def from_cli(cls, argv: list[str]) -> "InferenceInterface":
+        """Build the backend from command-line flags (used by ``python -m megatron.rl.server.inference``).
+
+        A backend that needs its own flags (e.g. the Megatron backend: model architecture + ``--load``)
+        overrides this; the server passes it every argument after ``--``.
+        """
+        raise NotImplementedError(f"inference backend {cls.name!r} takes no command-line flags; pass constructor "
+                                  "arguments with --backend-arg KEY=VALUE instead")
 
     @classmethod
     def register(cls, name: str) -> Callable[[_T], _T]:

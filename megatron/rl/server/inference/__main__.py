@@ -1,0 +1,89 @@
+"""Start the OpenAI-compatible inference server on a registered backend.
+
+Examples::
+
+    python -m megatron.rl.server.inference --backend fake --port 8000
+    python -m megatron.rl.server.inference --backend huggingface --backend-arg model_path=/models/tiny
+    # a backend with its own flags (e.g. the Megatron backend on a checkpoint) gets everything after "--"
+    # through its ``from_cli(argv)`` classmethod:
+    python -m megatron.rl.server.inference --backend megatron --port 8000 -- --load /ckpts/run1 <model flags>
+
+Binds 127.0.0.1 by default. ``--api-key`` (or env ``MEGATRON_RL_INFERENCE_API_KEY``) makes ``/v1/*`` require
+``Authorization: Bearer <key>``; ``/health`` stays open for probes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from megatron.rl.inference.api import InferenceInterface, build_inference_interface, registered_backends
+from megatron.rl.server.inference.app import ServerConfig, create_app
+
+logger = logging.getLogger("megatron.rl.server.inference")
+
+API_KEY_ENV = "MEGATRON_RL_INFERENCE_API_KEY"
+
+
+def _parse_backend_arg(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--backend-arg {text!r}: expected KEY=VALUE (VALUE is JSON or a string)")
+    key, value = text.split("=", 1)
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron.rl.server.inference",
+                                description="OpenAI-compatible inference server over a megatron-rl backend.")
+    p.add_argument("--backend", required=True, help="registered backend name (e.g. megatron, huggingface, fake)")
+    p.add_argument("--backend-arg", action="append", type=_parse_backend_arg, default=[], metavar="KEY=VALUE",
+                   help="constructor argument for the backend (repeatable; VALUE parsed as JSON when it is JSON)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default="megatron-rl", help="model id reported by /v1/models and expected "
+                                                                "in requests' `model` field")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require this bearer token on /v1/* (default: ${API_KEY_ENV} if set)")
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="collect requests arriving within this window into one backend call")
+    p.add_argument("--max-batch-requests", type=int, default=256, help="most requests per backend call")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def build_backend(name: str, backend_args: dict, extra_argv: list[str]) -> InferenceInterface:
+    if extra_argv:
+        if name not in registered_backends():
+            build_inference_interface(name)  # raises the "unknown backend, registered: ..." error
+        return InferenceInterface._registry[name].from_cli(extra_argv)
+    return build_inference_interface(name, **backend_args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
+    backend = build_backend(args.backend, dict(args.backend_arg), extra)
+    cfg = ServerConfig(model_name=args.model_name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
+                       max_batch_requests=args.max_batch_requests, default_max_tokens=args.default_max_tokens)
+    logger.info("serving backend %r as model %r on http://%s:%d", args.backend, args.model_name, args.host, args.port)
+    uvicorn.run(create_app(backend, cfg), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""FastAPI app exposing any :class:`InferenceInterface` as an OpenAI-compatible server.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
+(schemas and extensions: :mod:`megatron.rl.server.inference.schemas`).
+
+Batching. Concurrent HTTP requests reach the backend together: a single :class:`RequestBatcher` task
+takes the first waiting request, collects everything else that arrives within ``batch_window_s`` (or
+while the previous batch is still running), and hands the lot to one ``backend.agenerate`` call. So a
+static-batching backend (Hugging Face, the fake) sees big batches under load, and a burst of 200
+requests becomes a handful of calls. A backend that batches concurrent calls itself
+(``continuous_batching = True``, e.g. a dynamic engine) gets each request forwarded immediately.
+
+Failure isolation: a bad request is answered 400 (generation args) or 422 (malformed JSON / wrong types)
+before it reaches the backend; a per-request backend error (``finish_reason="error"``, e.g. a prompt
+longer than the model) answers that HTTP request 400; an exception from the backend fails only the
+requests of that batch (500) and the server keeps serving. A client that disconnects mid-request is
+dropped from the queue if its batch has not started; otherwise its results are discarded when they
+arrive, so the backend is never left waiting on a dead connection.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
+from megatron.rl.server.inference.schemas import (ChatCompletionBody, CompletionBody, chat_request,
+                                                  completion_requests, describe_validation_error)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["create_app", "RequestBatcher", "ServerConfig"]
+
+
+@dataclass
+class ServerConfig:
+    """Server settings. ``api_key``: when set, ``/v1/*`` require ``Authorization: Bearer <api_key>``."""
+    model_name: str = "megatron-rl"
+    api_key: str | None = None
+    batch_window_s: float = 0.005
+    max_batch_requests: int = 256
+    default_max_tokens: int = 256
+
+
+class BackendFailure(RuntimeError):
+    """The backend raised while serving a batch."""
+
+
+@dataclass
+class _Pending:
+    requests: list[InferenceRequest]
+    future: asyncio.Future
+    num_samples: int = 0
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    requests: int = 0
+    samples: int = 0
+    max_batch_samples: int = 0
+    dropped_disconnected: int = 0
+    backend_errors: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class RequestBatcher:
+    """Collects concurrent requests into ``agenerate`` batches (see the module docstring)."""
+
+    def __init__(self, backend: InferenceInterface, window_s: float, max_batch_requests: int):
+        self.backend = backend
+        self.window_s = window_s
+        self.max_batch_requests = max_batch_requests
+        self.stats = BatchStats()
+        self._queue: asyncio.Queue[_Pending] | None = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._queue = asyncio.Queue()
+        if not self.backend.continuous_batching:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="inference-batcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def submit(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        n = sum(r.generation_args.n for r in requests)
+        self.stats.requests += 1
+        if self.backend.continuous_batching:
+            self._count_batch(n)
+            return await self._call_backend(requests)
+        fut = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(requests, fut, n))
+        return await fut
+
+    def _count_batch(self, samples: int) -> None:
+        self.stats.batches += 1
+        self.stats.samples += samples
+        self.stats.max_batch_samples = max(self.stats.max_batch_samples, samples)
+
+    async def _call_backend(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        try:
+            out = await self.backend.agenerate(requests)
+        except Exception as e:  # noqa: BLE001 - reported to the callers of this batch, the server carries on
+            self.stats.backend_errors += 1
+            logger.exception("inference backend failed on a batch of %d requests", len(requests))
+            raise BackendFailure(f"{type(e).__name__}: {e}") from e
+        expected = sum(r.generation_args.n for r in requests)
+        if len(out) != expected:
+            self.stats.backend_errors += 1
+            raise BackendFailure(f"backend returned {len(out)} responses for {expected} samples")
+        return out
+
+    async def _collect(self) -> list[_Pending]:
+        first = await self._queue.get()
+        batch, count = [first], len(first.requests)
+        deadline = asyncio.get_running_loop().time() + self.window_s
+        while count < self.max_batch_requests:
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                item = self._queue.get_nowait() if remaining <= 0 else \
+                    await asyncio.wait_for(self._queue.get(), remaining)
+            except (asyncio.QueueEmpty, asyncio.TimeoutError):
+                break
+            batch.append(item)
+            count += len(item.requests)
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            batch = await self._collect()
+            live = [p for p in batch if not p.future.done()]  # done = cancelled by a client disconnect
+            self.stats.dropped_disconnected += len(batch) - len(live)
+            if not live:
+                continue
+            flat = [r for p in live for r in p.requests]
+            self._count_batch(sum(p.num_samples for p in live))
+            try:
+                out = await self._call_backend(flat)
+            except BackendFailure as e:
+                for p in live:
+                    if not p.future.done():
+                        p.future.set_exception(e)
+                continue
+            start = 0
+            for p in live:
+                if not p.future.done():
+                    p.future.set_result(out[start:start + p.num_samples])
+                start += p.num_samples
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+async def _wait_unless_disconnected(request: Request, coro: Any) -> Any:
+    """Await ``coro``; if the client disconnects first, cancel it and return None."""
+    work = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    logger.info("client disconnected before its response was ready; request dropped")
+    return None
+
+
+def _logprobs_completion(resp: InferenceResponse) -> dict[str, Any]:
+    return {"tokens": [f"token_id:{t}" for t in resp.generated_token_ids], "token_logprobs": resp.logprobs,
+            "top_logprobs": None, "text_offset": None}
+
+
+def _logprobs_chat(resp: InferenceResponse) -> dict[str, Any]:
+    return {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                        for t, lp in zip(resp.generated_token_ids, resp.logprobs or [])]}
+
+
+def _usage(responses: list[InferenceResponse]) -> dict[str, int]:
+    prompt = sum(r.prompt_length for r in responses)
+    completion = sum(len(r.generated_token_ids) for r in responses)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def create_app(backend: InferenceInterface, config: ServerConfig | None = None) -> FastAPI:
+    """Build the FastAPI app serving ``backend``. Run it with uvicorn (see ``python -m megatron.rl.server.inference``)."""
+    cfg = config or ServerConfig()
+    batcher = RequestBatcher(backend, cfg.batch_window_s, cfg.max_batch_requests)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batcher.start()
+        try:
+            yield
+        finally:
+            await batcher.stop()
+            await backend.aclose()
+
+    app = FastAPI(title="megatron-rl inference server", lifespan=lifespan)
+    app.state.batcher = batcher
+    app.state.backend = backend
+
+    async def check_auth(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(token.encode(), cfg.api_key.encode()):
+            raise _AuthError()
+
+    @app.exception_handler(_AuthError)
+    async def _auth_failed(request: Request, exc: _AuthError) -> JSONResponse:
+        return _error(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
+                      kind="authentication_error")
+
+    def check_model(model: str | None) -> JSONResponse | None:
+        if model is not None and model != cfg.model_name:
+            return _error(404, f"model {model!r} is not served here; this server serves {cfg.model_name!r} "
+                               "(see GET /v1/models)", param="model", kind="not_found_error")
+        return None
+
+    async def run(request: Request, requests: list[InferenceRequest]) -> list[InferenceResponse] | JSONResponse:
+        try:
+            out = await _wait_unless_disconnected(request, batcher.submit(requests))
+        except BackendFailure as e:
+            return _error(500, f"inference backend error: {e}", kind="server_error")
+        if out is None:  # client gone; the status is never seen
+            return _error(499, "client disconnected")
+        errors = [r.error or "request failed" for r in out if r.finish_reason == "error"]
+        if errors:
+            return _error(400, errors[0], param="prompt")
+        return out
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "backend": backend.name, "model": cfg.model_name, "stats": batcher.stats.as_dict()}
+
+    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
+                                            "owned_by": f"megatron-rl:{backend.name}"}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    async def completions(body: CompletionBody, request: Request):
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        if body.stream:
+            return _error(400, "stream=true is not supported by this server; send stream=false", param="stream")
+        if body.echo:
+            return _error(400, "echo=true is not supported; the prompt is returned in prompt_text / prompt_token_ids",
+                          param="echo")
+        try:
+            reqs = completion_requests(body, cfg.default_max_tokens)
+        except (ValidationError, ValueError) as e:
+            msg, param = describe_validation_error(e)
+            return _error(400, msg, param=param)
+        out = await run(request, reqs)
+        if isinstance(out, JSONResponse):
+            return out
+        choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason,
+                    "logprobs": _logprobs_completion(r) if body.logprobs is not None else None,
+                    "token_ids": r.generated_token_ids, "prompt_token_ids": r.token_ids[:r.prompt_length],
+                    "prompt_text": r.prompt_text} for i, r in enumerate(out)]
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": cfg.model_name, "choices": choices, "usage": _usage(out)}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    async def chat_completions(body: ChatCompletionBody, request: Request):
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        if body.stream:
+            return _error(400, "stream=true is not supported by this server; send stream=false", param="stream")
+        try:
+            req = chat_request(body, cfg.default_max_tokens)
+        except (ValidationError, ValueError) as e:
+            msg, param = describe_validation_error(e)
+            return _error(400, msg, param=param)
+        out = await run(request, [req])
+        if isinstance(out, JSONResponse):
+            return out
+        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
+                    "logprobs": _logprobs_chat(r) if body.logprobs else None, "token_ids": r.generated_token_ids,
+                    "prompt_token_ids": r.token_ids[:r.prompt_length], "prompt_text": r.prompt_text}
+                   for i, r in enumerate(out)]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": cfg.model_name, "choices": choices, "usage": _usage(out),
+                "prompt_token_ids": out[0].token_ids[:out[0].prompt_length]}
+
+    return app
+
+
+class _AuthError(Exception):
+    pass
