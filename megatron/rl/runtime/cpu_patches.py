@@ -109,22 +109,28 @@ class _SyncStream:
         return False
 
 
-def _noop(*args, **kwargs):
-    return None
+def _noop_factory():
+    """A fresh no-op per stubbed name: torch._dynamo's trace rules reject one function object bound
+    to several torch.cuda names ("Duplicate torch object ... with different rules")."""
+
+    def noop(*args, **kwargs):
+        return None
+
+    return noop
 
 
 @cpu_patch("torch.cuda.current_device",
            "megatron allocates with device=torch.cuda.current_device(); returning 'cpu' puts those tensors on CPU")
 def _patch_current_device():
     torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.set_device = _noop
+    torch.cuda.set_device = _noop_factory()
     torch.cuda.device_count = lambda: 0
 
 
 @cpu_patch("torch.cuda.synchronize", "timers, DDP and inference synchronise the device; CPU work is synchronous")
 def _patch_synchronize():
-    torch.cuda.synchronize = _noop
-    torch.cuda.empty_cache = _noop
+    torch.cuda.synchronize = _noop_factory()
+    torch.cuda.empty_cache = _noop_factory()
     torch.cuda.is_current_stream_capturing = lambda: False
 
 
@@ -140,8 +146,8 @@ def _patch_streams():
 
 @cpu_patch("torch.cuda.nvtx", "range push/pop markers for profilers; no-ops")
 def _patch_nvtx():
-    torch.cuda.nvtx.range_push = _noop
-    torch.cuda.nvtx.range_pop = _noop
+    torch.cuda.nvtx.range_push = _noop_factory()
+    torch.cuda.nvtx.range_pop = _noop_factory()
 
 
 @cpu_patch("torch.cuda.memory_*/mem_get_info",
@@ -156,7 +162,7 @@ def _patch_memory_stats():
     torch.cuda.mem_get_info = mem_get_info
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(torch.cuda, name, lambda *a, **k: 0)
-    torch.cuda.reset_peak_memory_stats = _noop
+    torch.cuda.reset_peak_memory_stats = _noop_factory()
     torch.cuda.memory_stats = lambda *a, **k: collections.defaultdict(int)
 
 
@@ -171,7 +177,7 @@ def _patch_rng():
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    torch.cuda.manual_seed_all = _noop  # torch.manual_seed() calls it; the CPU generator is already seeded
+    torch.cuda.manual_seed_all = _noop_factory()  # torch.manual_seed() calls it; the CPU generator is already seeded
     cuda_random.get_rng_state = torch.cuda.get_rng_state
     cuda_random.set_rng_state = torch.cuda.set_rng_state
     mpu_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
@@ -311,7 +317,7 @@ def _patch_flash_attn():
 def _patch_inference_comm():
     from megatron.core.inference import communication_utils
 
-    communication_utils._is_cuda = _noop
+    communication_utils._is_cuda = _noop_factory()
 
 
 @cpu_patch("CudaToCpuMode",
@@ -341,18 +347,15 @@ def cpu_mode_active() -> bool:
     return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
 
 
-def install(skip: tuple[str, ...] = ()) -> list[str]:
-    """Apply every registered patch once. Returns the names applied by this call.
-
-    ``skip`` leaves named patches out (benchmarks use it to measure the device-rewriting mode's cost).
-    """
+def install() -> list[str]:
+    """Apply every registered patch once. Returns the names applied by this call (empty if done before)."""
     if torch.cuda.is_available() and os.environ.get("MEGATRON_RL_FORCE_CPU") != "1":
         raise RuntimeError("the CPU runtime layer must not be installed when CUDA is available")
     check_mcore_version()
     applied = []
     with _lock:
         for name, patch in PATCHES.items():
-            if name in INSTALLED or name in skip:
+            if name in INSTALLED:
                 continue
             patch.apply()
             INSTALLED.append(name)

@@ -1,0 +1,93 @@
+"""The pure-torch paged attention must equal dense causal attention computed another way (SDPA)."""
+import pytest
+import torch
+
+from megatron.rl.runtime import torch_attention as ta
+
+
+def _sdpa_reference(q, k, v, causal_offset):
+    """q [Lq,h,d], k/v [Lk,hk,d]; query i sees keys <= i + causal_offset (bottom-right alignment)."""
+    h, hk = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(h // hk, dim=1)
+    v = v.repeat_interleave(h // hk, dim=1)
+    lq, lk = q.shape[0], k.shape[0]
+    mask = torch.arange(lk)[None, :] <= (torch.arange(lq)[:, None] + causal_offset)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+def _paged(seqs_k, block_size, num_blocks, perm_seed=0):
+    """Scatter per-request K tensors into a shuffled paged cache; return cache and block table."""
+    hk, d = seqs_k[0].shape[1:]
+    cache = torch.full((num_blocks, block_size, hk, d), float("nan"))  # unused slots must never be read
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(perm_seed)).tolist()
+    max_blocks = max((len(s) + block_size - 1) // block_size for s in seqs_k)
+    table = torch.full((len(seqs_k), max_blocks), -1, dtype=torch.int32)
+    for b, s in enumerate(seqs_k):
+        for j in range((len(s) + block_size - 1) // block_size):
+            blk = order.pop()
+            chunk = s[j * block_size:(j + 1) * block_size]
+            cache[blk, :len(chunk)] = chunk
+            table[b, j] = blk
+    return cache, table
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_varlen_prefill_matches_sdpa(heads, kv_heads):
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 1, 9]
+    d = 8
+    q = torch.randn(sum(lens), heads, d, generator=g)
+    k = torch.randn(sum(lens), kv_heads, d, generator=g)
+    v = torch.randn(sum(lens), kv_heads, d, generator=g)
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    out = ta.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+    for b in range(3):
+        s, e = cu[b].item(), cu[b + 1].item()
+        ref = _sdpa_reference(q[s:e], k[s:e], v[s:e], causal_offset=0)
+        torch.testing.assert_close(out[s:e], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_paged_chunked_prefill_matches_sdpa():
+    """Queries are the last tokens of longer cached sequences (chunked prefill over a paged cache)."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, block = 4, 2, 8, 4
+    k_lens, q_lens = [7, 12], [3, 12]
+    ks = [torch.randn(n, kv_heads, d, generator=g) for n in k_lens]
+    vs = [torch.randn(n, kv_heads, d, generator=g) for n in k_lens]
+    qs = [torch.randn(n, heads, d, generator=g) for n in q_lens]
+    k_cache, table = _paged(ks, block, num_blocks=10)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for b, vv in enumerate(vs):
+        for j in range((len(vv) + block - 1) // block):
+            chunk = vv[j * block:(j + 1) * block]
+            v_cache[table[b, j], :len(chunk)] = chunk
+    cu_q = torch.tensor([0, 3, 15], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 19], dtype=torch.int32)
+    out = ta.flash_attn_varlen_func(torch.cat(qs), k_cache, v_cache, cu_q, cu_k, 12, 12, causal=True,
+                                    block_table=table)
+    for b in range(2):
+        ref = _sdpa_reference(qs[b], ks[b], vs[b], causal_offset=k_lens[b] - q_lens[b])
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kvcache_decode_matches_sdpa():
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, d, block = 4, 1, 8, 4
+    lens = [1, 6, 13]
+    ks = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
+    vs = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
+    k_cache, table = _paged(ks, block, num_blocks=12, perm_seed=3)
+    v_cache = torch.zeros_like(k_cache)
+    for b, vv in enumerate(vs):
+        for j in range((len(vv) + block - 1) // block):
+            chunk = vv[j * block:(j + 1) * block]
+            v_cache[table[b, j], :len(chunk)] = chunk
+    k_cache = k_cache.nan_to_num(0.0)
+    q = torch.randn(3, 1, heads, d, generator=g)
+    out = ta.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                     causal=True, block_table=table)
+    for b in range(3):
+        ref = _sdpa_reference(q[b], ks[b], vs[b], causal_offset=lens[b] - 1)
+        torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-5)
