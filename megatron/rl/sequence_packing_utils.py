@@ -1,0 +1,463 @@
+"""Sequence packing for RL training: plan, distribute, build packed tensors, (un)pack per-token values.
+
+Rollouts have very different lengths; padding each to ``--seq-length`` wastes most of the compute.
+Packing places several sequences in one row ("bin") of ``--seq-length`` tokens:
+
+1. :func:`plan_packing` -> :class:`PackingInfo`: first-fit decreasing (deterministic) into bins of
+   ``bin_capacity`` tokens with at most ``max_sequences_per_bin`` sequences each. With
+   ``max_sequences_per_bin=1`` the same code gives the ordinary unpacked (one sequence per row) layout.
+2. :func:`distribute_bins` -> :class:`BinDistribution`: bins dealt to data-parallel ranks and micro-
+   batches, ``fifo`` or ``round-robin`` (``--rl-sequence-packing-algo``), padded with empty bins so
+   every rank runs the same number of micro-batches.
+3. :func:`build_packed_batch` -> :class:`PackedBatch`: tokens, labels, position ids (reset to 0 at
+   every sequence start), loss mask and per-token values aligned with the labels, sequence ids, and
+   the boundaries for attention: ``packed_seq_params()`` (megatron-core ``PackedSeqParams``,
+   ``qkv_format="thd"``) or ``attention_mask()`` (block-diagonal causal, for the local layer spec).
+4. :func:`get_microbatch_dataloader` iterates a rank's rows micro-batch by micro-batch.
+5. :func:`pack_per_token` / :func:`unpack_per_token` move per-token values (log-probs) between the
+   packed layout and per-sequence tensors.
+
+Layouts. A sequence ``s`` has ``L_s`` tokens. Its *predicted layout* has ``L_s - 1`` entries: entry
+``j - 1`` belongs to token ``j`` (its log-prob given tokens ``< j``); token 0 is never predicted. In a
+bin, the sequence occupies positions ``start .. start + L_s - 1``; position ``start + j - 1`` holds
+``labels = token j`` and every label-aligned value of token ``j``; the sequence's last position has
+no label inside the sequence (label ``pad``, loss mask 0). This is megatron's convention: the logits
+at position ``p`` score ``labels[p]``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from megatron.rl.algorithms.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+SEQ_LENGTH_FLAG = "--seq-length"
+MAX_SEQS_FLAG = "--rl-sequence-packing-max-sequences-per-bin"
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. The packing plan
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PackingInfo:
+    """Where every sequence goes. All fields are plain tuples of ints (deterministic, picklable).
+
+    bin_capacity: tokens per bin (``--seq-length``).
+    seq_lengths: [num_seqs] tokens of each sequence.
+    seq_to_bin_idx: [num_seqs] bin holding each sequence.
+    seq_starts: [num_seqs] offset of each sequence inside its bin.
+    bins: [num_bins] bin membership: the sequence indices of each bin, in their order in the bin.
+    """
+
+    bin_capacity: int
+    seq_lengths: tuple[int, ...]
+    seq_to_bin_idx: tuple[int, ...]
+    seq_starts: tuple[int, ...]
+    bins: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.seq_lengths)
+
+    @property
+    def num_bins(self) -> int:
+        return len(self.bins)
+
+    @property
+    def bin_token_counts(self) -> list[int]:
+        """Tokens used in each bin."""
+        return [sum(self.seq_lengths[s] for s in b) for b in self.bins]
+
+    @property
+    def efficiency(self) -> float:
+        """Packing efficiency: real tokens / (num_bins * bin_capacity), in (0, 1]; 1.0 for no sequences."""
+        if not self.bins:
+            return 1.0
+        return sum(self.seq_lengths) / (self.num_bins * self.bin_capacity)
+
+
+def plan_packing(seq_lengths: Sequence[int], bin_capacity: int,
+                 max_sequences_per_bin: Optional[int] = None) -> PackingInfo:
+    """First-fit decreasing packing of sequences (token counts) into bins of ``bin_capacity`` tokens.
+
+    Sequences are taken longest first (ties: lower index first) and each goes into the lowest-index
+    bin that has room for its tokens and fewer than ``max_sequences_per_bin`` sequences; otherwise a
+    new bin is opened. Inside a bin, sequences are laid out in increasing sequence index. The result
+    depends only on the inputs (deterministic on every rank).
+
+    Raises ValueError for a sequence longer than ``bin_capacity`` (naming its index, its length and
+    ``--seq-length``), a non-positive length, or ``max_sequences_per_bin < 1``.
+    """
+    if bin_capacity < 1:
+        raise ValueError(f"{SEQ_LENGTH_FLAG} (bin capacity) must be >= 1, got {bin_capacity}")
+    if max_sequences_per_bin is not None and max_sequences_per_bin < 1:
+        raise ValueError(f"{MAX_SEQS_FLAG} must be >= 1, got {max_sequences_per_bin}")
+    lengths = [int(x) for x in seq_lengths]
+    for i, n in enumerate(lengths):
+        if n < 1:
+            raise ValueError(f"sequence {i} has length {n}; every sequence needs at least one token")
+        if n > bin_capacity:
+            raise ValueError(f"sequence {i} has {n} tokens, more than {SEQ_LENGTH_FLAG}={bin_capacity}; "
+                             f"raise {SEQ_LENGTH_FLAG} or shorten prompts/generations (max_tokens)")
+    max_count = max_sequences_per_bin or len(lengths) or 1
+
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    free: list[int] = []
+    members: list[list[int]] = []
+    # Bins that are full (no room for even the shortest remaining sequence, or at the count limit)
+    # are skipped by starting the scan at the first bin that is still open.
+    first_open = 0
+    shortest_left = lengths[order[-1]] if order else 0
+    for i in order:
+        n = lengths[i]
+        target = -1
+        for b in range(first_open, len(members)):
+            if free[b] >= n and len(members[b]) < max_count:
+                target = b
+                break
+        if target < 0:
+            target = len(members)
+            free.append(bin_capacity)
+            members.append([])
+        free[target] -= n
+        members[target].append(i)
+        while first_open < len(members) and (free[first_open] < shortest_left
+                                             or len(members[first_open]) >= max_count):
+            first_open += 1
+
+    seq_to_bin = [0] * len(lengths)
+    starts = [0] * len(lengths)
+    bins = []
+    for b, seqs in enumerate(members):
+        seqs = sorted(seqs)
+        offset = 0
+        for s in seqs:
+            seq_to_bin[s], starts[s] = b, offset
+            offset += lengths[s]
+        bins.append(tuple(seqs))
+    return PackingInfo(bin_capacity, tuple(lengths), tuple(seq_to_bin), tuple(starts), tuple(bins))
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Dealing bins to DP ranks and micro-batches
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BinDistribution:
+    """``assignment[rank][microbatch]`` = the bin indices (``None`` = empty padding bin) of that micro-batch.
+
+    Every rank has ``num_microbatches`` micro-batches of exactly ``micro_batch_size`` bins.
+    """
+
+    algo: str
+    dp_size: int
+    micro_batch_size: int
+    num_microbatches: int
+    assignment: tuple[tuple[tuple[Optional[int], ...], ...], ...]
+
+    def for_rank(self, rank: int) -> list[Optional[int]]:
+        """This rank's bins, micro-batch after micro-batch (rows of its :class:`PackedBatch`)."""
+        return [b for mb in self.assignment[rank] for b in mb]
+
+    @property
+    def num_padding_bins(self) -> int:
+        return sum(b is None for rank in self.assignment for mb in rank for b in mb)
+
+
+DistributionFn = Callable[[list[Optional[int]], int, int, int], list[list[list[Optional[int]]]]]
+
+PACKING_ALGOS: Registry[DistributionFn] = Registry("sequence packing algorithm", "--rl-sequence-packing-algo")
+
+
+@PACKING_ALGOS.register("fifo")
+def _fifo(bins: list[Optional[int]], dp_size: int, mbs: int, num_mb: int) -> list[list[list[Optional[int]]]]:
+    """Bins in order: rank r takes the r-th contiguous block, each micro-batch the next ``mbs`` bins.
+
+    Keeps FFD's order (fullest bins first), so the first ranks/micro-batches get the fullest bins.
+    """
+    per_rank = mbs * num_mb
+    return [[bins[r * per_rank + m * mbs: r * per_rank + (m + 1) * mbs] for m in range(num_mb)]
+            for r in range(dp_size)]
+
+
+@PACKING_ALGOS.register("round-robin")
+def _round_robin(bins: list[Optional[int]], dp_size: int, mbs: int, num_mb: int) -> list[list[list[Optional[int]]]]:
+    """Dealt like cards, twice: bin i goes to rank ``i % dp_size``; that rank's j-th bin goes to
+    micro-batch ``j % num_microbatches`` (slot ``j // num_microbatches``). Balances the token load,
+    since FFD puts the fullest bins first and the padding bins last."""
+    out = [[[None] * mbs for _ in range(num_mb)] for _ in range(dp_size)]
+    for i, b in enumerate(bins):
+        rank, j = i % dp_size, i // dp_size
+        out[rank][j % num_mb][j // num_mb] = b
+    return out
+
+
+def distribute_bins(num_bins: int, dp_size: int, micro_batch_size: int, algo: str = "fifo",
+                    min_num_microbatches: int = 1) -> BinDistribution:
+    """Deal bins ``0..num_bins-1`` to ``dp_size`` ranks in micro-batches of ``micro_batch_size`` bins.
+
+    ``num_microbatches = max(ceil(num_bins / (dp_size * micro_batch_size)), min_num_microbatches)``;
+    the missing bins are empty padding bins (``None``: all padding, loss mask 0) appended after the
+    real ones. Pass ``min_num_microbatches`` (all-reduced MAX) when ranks pack separately and must
+    still agree on the number of micro-batches.
+    """
+    fn = PACKING_ALGOS.get(algo)
+    if dp_size < 1 or micro_batch_size < 1:
+        raise ValueError(f"dp_size ({dp_size}) and --micro-batch-size ({micro_batch_size}) must be >= 1")
+    per_step = dp_size * micro_batch_size
+    num_mb = max(math.ceil(num_bins / per_step), min_num_microbatches, 1)
+    bins: list[Optional[int]] = list(range(num_bins)) + [None] * (num_mb * per_step - num_bins)
+    assignment = fn(bins, dp_size, micro_batch_size, num_mb)
+    return BinDistribution(algo, dp_size, micro_batch_size, num_mb,
+                           tuple(tuple(tuple(mb) for mb in rank) for rank in assignment))
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Packed tensors
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class PackedBatch:
+    """Rows of packed sequences; every tensor is [num_rows, seq_length] (``seq_length`` = bin capacity).
+
+    tokens: input ids (``pad`` on padding). labels: the next token *within the same sequence*
+    (``pad`` at a sequence's last position and on padding). position_ids: 0 at every sequence start
+    (padding counts up from 0 too). loss_mask: float, 1 where ``labels`` is a trained token.
+    seq_ids: global sequence index of each position, -1 on padding. values: per-token values aligned
+    with ``labels`` (advantages, old/ref/inference log-probs, ...). bin_ids: the global bin of each
+    row (``None`` = empty padding bin). row_segments: lengths of the attention segments of each row
+    (its sequences, then the padding as one extra segment if any); they sum to ``seq_length``.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    seq_ids: torch.Tensor
+    values: dict[str, torch.Tensor]
+    bin_ids: tuple[Optional[int], ...]
+    row_segments: tuple[tuple[int, ...], ...]
+    info: PackingInfo = field(repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        return self.tokens.shape[1]
+
+    def rows(self, start: int, stop: int) -> "PackedBatch":
+        """Rows ``start:stop`` as a PackedBatch (views, no copies)."""
+        return PackedBatch(self.tokens[start:stop], self.labels[start:stop], self.position_ids[start:stop],
+                           self.loss_mask[start:stop], self.seq_ids[start:stop],
+                           {k: v[start:stop] for k, v in self.values.items()}, self.bin_ids[start:stop],
+                           self.row_segments[start:stop], self.info)
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 [num_segments + 1]: cumulative segment lengths over the flattened rows (``[1, rows * S]``)."""
+        lengths = [n for row in self.row_segments for n in row]
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+        return cu
+
+    def max_seqlen(self) -> int:
+        return max(n for row in self.row_segments for n in row)
+
+    def packed_seq_params(self):
+        """megatron-core ``PackedSeqParams`` (``qkv_format="thd"``) for the flattened rows.
+
+        Feed the model ``tokens.reshape(1, -1)`` and ``position_ids.reshape(1, -1)`` with it; padding
+        forms its own segments, so no real token attends across a sequence boundary. Needs an
+        attention implementation that honours THD packing (TransformerEngine); megatron-core's local
+        ``DotProductAttention`` asserts ``packed_seq_params is None`` - use :meth:`attention_mask` there.
+        """
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens().to(self.tokens.device)
+        max_len = self.max_seqlen()
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+    def attention_mask(self) -> torch.Tensor:
+        """Bool [num_rows, 1, S, S], True = masked (megatron's convention): causal within each segment.
+
+        For attention implementations without THD support (the local spec on CPU): pass it as
+        ``attention_mask`` with the ``[num_rows, S]`` tokens. Memory O(rows * S^2).
+        """
+        s = self.seq_length
+        seg = torch.empty(self.num_rows, s, dtype=torch.long)
+        for r, row in enumerate(self.row_segments):
+            seg[r] = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
+        seg = seg.to(self.tokens.device)
+        same = seg[:, :, None] == seg[:, None, :]
+        causal = torch.ones(s, s, dtype=torch.bool, device=self.tokens.device).tril()
+        return ~(same & causal)[:, None]
+
+    def efficiency(self) -> float:
+        """Real tokens / (rows * seq_length), counting empty padding rows."""
+        return float((self.seq_ids >= 0).sum()) / max(self.tokens.numel(), 1)
+
+
+def align_generated_values(values: Sequence[float] | torch.Tensor, prompt_length: int, num_tokens: int,
+                           fill: float = 0.0) -> torch.Tensor:
+    """Per-generated-token values (e.g. inference log-probs, one per generated token) -> predicted layout.
+
+    Returns float [num_tokens - 1]: generated token k is token ``prompt_length + k``, at entry
+    ``prompt_length + k - 1``; the prompt's entries are ``fill``.
+    """
+    values = torch.as_tensor(values, dtype=torch.float32) if not isinstance(values, torch.Tensor) else values
+    if prompt_length < 1 or prompt_length + values.numel() != num_tokens:
+        raise ValueError(f"{values.numel()} generated values + prompt length {prompt_length} != {num_tokens} tokens "
+                         f"(the prompt needs >= 1 token)")
+    out = torch.full((num_tokens - 1,), fill, dtype=values.dtype)
+    out[prompt_length - 1:] = values
+    return out
+
+
+def _check_lengths(name: str, items: Sequence, info: PackingInfo, offset: int) -> None:
+    if len(items) != info.num_sequences:
+        raise ValueError(f"{name}: {len(items)} sequences, the packing plan has {info.num_sequences}")
+    for s, item in enumerate(items):
+        if len(item) != info.seq_lengths[s] + offset:
+            raise ValueError(f"{name}[{s}] has {len(item)} entries, expected {info.seq_lengths[s] + offset} "
+                             f"(sequence of {info.seq_lengths[s]} tokens)")
+
+
+def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], token_ids: Sequence[Sequence[int]],
+                       loss_masks: Sequence[Sequence[int]], pad_token_id: int, *,
+                       per_token: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
+                       per_sequence: Optional[Mapping[str, torch.Tensor]] = None,
+                       dtype: torch.dtype = torch.float32) -> PackedBatch:
+    """Build the rows ``bin_ids`` (global bin indices; ``None`` = empty padding row) of a packed batch.
+
+    Args:
+        info: the packing plan over all sequences.
+        token_ids: [num_seqs] token ids of every sequence (prompt + generation), lengths = info.seq_lengths.
+        loss_masks: [num_seqs] token-aligned masks (same lengths as ``token_ids``): 1 for tokens that are
+            trained (generated tokens). Entry 0 must be 0: the first token is never predicted.
+        pad_token_id: id for padding and for the label of a sequence's last position.
+        per_token: name -> [num_seqs] tensors in predicted layout (``L_s - 1`` entries each), e.g.
+            ``old_logprobs``, ``inference_logprobs``, ``ref_logprobs``.
+        per_sequence: name -> tensor [num_seqs], broadcast to every position of the sequence (e.g.
+            ``advantages``).
+    Returns: PackedBatch with ``len(bin_ids)`` rows of ``info.bin_capacity`` positions.
+    """
+    _check_lengths("token_ids", token_ids, info, 0)
+    _check_lengths("loss_masks", loss_masks, info, 0)
+    per_token = dict(per_token or {})
+    per_sequence = dict(per_sequence or {})
+    for name, vals in per_token.items():
+        _check_lengths(f"per_token[{name!r}]", vals, info, -1)
+    for name, vals in per_sequence.items():
+        if vals.shape != (info.num_sequences,):
+            raise ValueError(f"per_sequence[{name!r}] must have shape [{info.num_sequences}], got {tuple(vals.shape)}")
+    if set(per_token) & set(per_sequence):
+        raise ValueError(f"names used twice: {sorted(set(per_token) & set(per_sequence))}")
+
+    rows, s_len = len(bin_ids), info.bin_capacity
+    tokens = torch.full((rows, s_len), pad_token_id, dtype=torch.long)
+    labels = torch.full((rows, s_len), pad_token_id, dtype=torch.long)
+    position_ids = torch.empty((rows, s_len), dtype=torch.long)
+    loss_mask = torch.zeros((rows, s_len), dtype=dtype)
+    seq_ids = torch.full((rows, s_len), -1, dtype=torch.long)
+    values = {k: torch.zeros((rows, s_len), dtype=dtype) for k in (*per_token, *per_sequence)}
+    segments = []
+    for r, b in enumerate(bin_ids):
+        seqs = () if b is None else info.bins[b]
+        row_seg = []
+        for s in seqs:
+            o, n = info.seq_starts[s], info.seq_lengths[s]
+            ids = torch.as_tensor(token_ids[s], dtype=torch.long)
+            mask = torch.as_tensor(loss_masks[s])
+            if bool(mask[0]):
+                raise ValueError(f"loss_masks[{s}][0] is set, but the first token of a sequence has no "
+                                 f"prediction; only generated tokens (after the prompt) can be trained")
+            tokens[r, o:o + n] = ids
+            labels[r, o:o + n - 1] = ids[1:]
+            position_ids[r, o:o + n] = torch.arange(n)
+            loss_mask[r, o:o + n - 1] = mask[1:].to(dtype)
+            seq_ids[r, o:o + n] = s
+            for k, v in per_token.items():
+                values[k][r, o:o + n - 1] = torch.as_tensor(v[s]).to(dtype)
+            for k, v in per_sequence.items():
+                values[k][r, o:o + n] = v[s].to(dtype)
+            row_seg.append(n)
+        used = sum(row_seg)
+        if used < s_len:
+            position_ids[r, used:] = torch.arange(s_len - used)
+            row_seg.append(s_len - used)
+        segments.append(tuple(row_seg))
+    return PackedBatch(tokens, labels, position_ids, loss_mask, seq_ids, values, tuple(bin_ids),
+                       tuple(segments), info)
+
+
+def build_rank_batch(info: PackingInfo, distribution: BinDistribution, rank: int,
+                     token_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
+                     pad_token_id: int, **kwargs) -> PackedBatch:
+    """:func:`build_packed_batch` for the rows of ``rank`` (micro-batch after micro-batch)."""
+    return build_packed_batch(info, distribution.for_rank(rank), token_ids, loss_masks, pad_token_id, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Micro-batches
+# ----------------------------------------------------------------------------------------------
+class MicrobatchDataLoader:
+    """Re-iterable: each ``iter()`` yields the micro-batches (``micro_batch_size`` rows each) again,
+    so ``--grpo-iterations`` passes and megatron's ``forward_backward_func`` (which calls ``next()``
+    ``num_microbatches`` times) can share it."""
+
+    def __init__(self, batch: PackedBatch, micro_batch_size: int):
+        if micro_batch_size < 1 or batch.num_rows % micro_batch_size:
+            raise ValueError(f"{batch.num_rows} packed rows cannot be split into micro-batches of "
+                             f"--micro-batch-size={micro_batch_size}")
+        self.batch = batch
+        self.micro_batch_size = micro_batch_size
+
+    def __len__(self) -> int:
+        return self.batch.num_rows // self.micro_batch_size
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        for i in range(len(self)):
+            yield self.batch.rows(i * self.micro_batch_size, (i + 1) * self.micro_batch_size)
+
+
+def get_microbatch_dataloader(batch: PackedBatch, micro_batch_size: int) -> MicrobatchDataLoader:
+    """Micro-batches of ``micro_batch_size`` consecutive rows of ``batch`` (see :class:`MicrobatchDataLoader`)."""
+    return MicrobatchDataLoader(batch, micro_batch_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Per-token values <-> sequences
+# ----------------------------------------------------------------------------------------------
+def pack_per_token(values: Sequence[torch.Tensor], info: PackingInfo, bin_ids: Sequence[Optional[int]],
+                   fill: float = 0.0) -> torch.Tensor:
+    """Per-sequence predicted-layout values ([L_s - 1] each, all sequences) -> [len(bin_ids), S]."""
+    _check_lengths("values", values, info, -1)
+    dtype = values[0].dtype if len(values) else torch.float32
+    out = torch.full((len(bin_ids), info.bin_capacity), fill, dtype=dtype)
+    for r, b in enumerate(bin_ids):
+        for s in (() if b is None else info.bins[b]):
+            o, n = info.seq_starts[s], info.seq_lengths[s]
+            out[r, o:o + n - 1] = values[s]
+    return out
+
+
+def unpack_per_token(packed: torch.Tensor, info: PackingInfo,
+                     bin_ids: Sequence[Optional[int]]) -> dict[int, torch.Tensor]:
+    """Packed label-aligned values [len(bin_ids), S] -> {sequence index: [L_s - 1]} for the sequences
+    in those rows (views into ``packed``; gradients flow through). Merge the dicts of all micro-
+    batches to get every sequence."""
+    if packed.shape[0] != len(bin_ids) or packed.shape[-1] != info.bin_capacity:
+        raise ValueError(f"packed values {tuple(packed.shape)} do not match {len(bin_ids)} rows of "
+                         f"{info.bin_capacity} positions")
+    out = {}
+    for r, b in enumerate(bin_ids):
+        for s in (() if b is None else info.bins[b]):
+            o, n = info.seq_starts[s], info.seq_lengths[s]
+            out[s] = packed[r, o:o + n - 1]
+    return out

@@ -1,0 +1,269 @@
+"""Packing plans, bin distribution, packed tensors and (un)packing vs references computed another way."""
+import itertools
+import random
+
+import pytest
+import torch
+
+from megatron.rl.algorithms import LossNormalizers, PolicyLossConfig, aggregate_loss, compute_token_loss
+from megatron.rl.sequence_packing_utils import (PACKING_ALGOS, align_generated_values, build_packed_batch,
+                                                build_rank_batch, distribute_bins, get_microbatch_dataloader,
+                                                pack_per_token, plan_packing, unpack_per_token)
+
+
+def ref_ffd(lengths, cap, max_seqs):
+    """FFD written another way: keep bins as lists, choose min over the indices of fitting bins."""
+    bins = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fitting = [b for b, content in enumerate(bins)
+                   if sum(lengths[j] for j in content) + lengths[i] <= cap and len(content) < max_seqs]
+        if fitting:
+            bins[min(fitting)].append(i)
+        else:
+            bins.append([i])
+    return [tuple(sorted(b)) for b in bins]
+
+
+def brute_force_min_bins(lengths, cap, max_seqs):
+    """Smallest number of bins over all assignments (tiny inputs only)."""
+    n = len(lengths)
+    for k in range(1, n + 1):
+        for assign in itertools.product(range(k), repeat=n):
+            if len(set(assign)) != k:
+                continue
+            ok = all(sum(l for l, a in zip(lengths, assign) if a == b) <= cap
+                     and sum(1 for a in assign if a == b) <= max_seqs for b in range(k))
+            if ok:
+                return k
+    return n
+
+
+def check_plan_invariants(info, lengths, cap, max_seqs):
+    placed = sorted(s for b in info.bins for s in b)
+    assert placed == list(range(len(lengths)))  # every sequence exactly once
+    for b, seqs in enumerate(info.bins):
+        assert sum(lengths[s] for s in seqs) <= cap
+        assert 1 <= len(seqs) <= max_seqs
+        offset = 0
+        for s in seqs:  # contiguous, non-overlapping, in the order listed
+            assert info.seq_to_bin_idx[s] == b and info.seq_starts[s] == offset
+            offset += lengths[s]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_matches_reference_ffd_and_invariants(seed):
+    rng = random.Random(seed)
+    cap = rng.choice([16, 32, 50])
+    max_seqs = rng.choice([1, 2, 3, 100])
+    lengths = [rng.randint(1, cap) for _ in range(rng.randint(1, 60))]
+    info = plan_packing(lengths, cap, max_seqs)
+    check_plan_invariants(info, lengths, cap, max_seqs)
+    assert list(info.bins) == ref_ffd(lengths, cap, max_seqs)
+    assert info.efficiency == pytest.approx(sum(lengths) / (info.num_bins * cap))
+    assert plan_packing(lengths, cap, max_seqs) == info  # deterministic
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ffd_within_its_bound_of_the_optimum(seed):
+    rng = random.Random(100 + seed)
+    lengths = [rng.randint(1, 10) for _ in range(rng.randint(2, 6))]
+    max_seqs = rng.choice([2, 3, 10])
+    info = plan_packing(lengths, 10, max_seqs)
+    opt = brute_force_min_bins(lengths, 10, max_seqs)
+    assert opt <= info.num_bins <= (11 * opt) // 9 + 1
+
+
+def test_hand_checked_plan():
+    info = plan_packing([3, 7, 5, 5, 2, 8], bin_capacity=10, max_sequences_per_bin=2)
+    # order by length: 8(5) 7(1) 5(2) 5(3) 3(0) 2(4); 8->b0, 7->b1, 5->b2, 5->b2, 3->b1, 2->b0
+    assert info.bins == ((4, 5), (0, 1), (2, 3))
+    assert info.seq_starts == (0, 3, 0, 5, 0, 2)
+    assert info.bin_token_counts == [10, 10, 10] and info.efficiency == 1.0
+    # without the count limit, the 2-token sequence still goes to the first bin that fits
+    assert plan_packing([3, 7, 5, 5, 2, 8], 10).bins == ((4, 5), (0, 1), (2, 3))
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match=r"sequence 2 has 11 tokens.*--seq-length=10"):
+        plan_packing([3, 4, 11], 10)
+    with pytest.raises(ValueError, match="--rl-sequence-packing-max-sequences-per-bin"):
+        plan_packing([3], 10, 0)
+    with pytest.raises(ValueError, match="sequence 0 has length 0"):
+        plan_packing([0], 10)
+    assert plan_packing([], 10).num_bins == 0
+
+
+def test_fifo_and_round_robin_distributions():
+    assert PACKING_ALGOS.names() == ["fifo", "round-robin"]
+    fifo = distribute_bins(7, dp_size=2, micro_batch_size=2, algo="fifo")
+    assert fifo.num_microbatches == 2 and fifo.num_padding_bins == 1
+    assert fifo.assignment == (((0, 1), (2, 3)), ((4, 5), (6, None)))
+    rr = distribute_bins(7, dp_size=2, micro_batch_size=2, algo="round-robin")
+    # rank 0 gets bins 0,2,4,6 -> micro-batches (0,4),(2,6); rank 1 gets 1,3,5,None -> (1,5),(3,None)
+    assert rr.assignment == (((0, 4), (2, 6)), ((1, 5), (3, None)))
+    assert rr.for_rank(1) == [1, 5, 3, None]
+    more = distribute_bins(3, dp_size=2, micro_batch_size=1, algo="fifo", min_num_microbatches=3)
+    assert more.num_microbatches == 3 and more.for_rank(1) == [None, None, None]
+    with pytest.raises(ValueError, match="--rl-sequence-packing-algo"):
+        distribute_bins(3, 1, 1, "lifo")
+
+
+@pytest.mark.parametrize("algo", ["fifo", "round-robin"])
+@pytest.mark.parametrize("num_bins,dp,mbs", [(1, 1, 1), (9, 2, 2), (16, 4, 2), (5, 3, 1)])
+def test_distribution_places_every_bin_once(algo, num_bins, dp, mbs):
+    d = distribute_bins(num_bins, dp, mbs, algo)
+    flat = [b for r in range(dp) for b in d.for_rank(r)]
+    assert sorted(b for b in flat if b is not None) == list(range(num_bins))
+    assert all(len(mb) == mbs for rank in d.assignment for mb in rank)
+    assert all(len(rank) == d.num_microbatches for rank in d.assignment)
+
+
+def _sequences(seed, n=7, cap=16):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(2, cap + 1, (n,), generator=g)]
+    prompts = [int(torch.randint(1, length, (1,), generator=g)) for length in lengths]
+    tokens = [torch.randint(3, 50, (length,), generator=g).tolist() for length in lengths]
+    masks = [[0] * p + [1] * (length - p) for p, length in zip(prompts, lengths)]
+    return lengths, prompts, tokens, masks
+
+
+def test_build_packed_batch_layout():
+    lengths, prompts, tokens, masks = _sequences(0)
+    info = plan_packing(lengths, 16, 3)
+    adv = torch.arange(len(lengths), dtype=torch.float32) + 0.5
+    lp = [torch.randn(n - 1) for n in lengths]
+    rows = list(range(info.num_bins)) + [None]
+    batch = build_packed_batch(info, rows, tokens, masks, pad_token_id=0, per_token={"old_logprobs": lp},
+                               per_sequence={"advantages": adv})
+    assert batch.tokens.shape == (info.num_bins + 1, 16)
+    for s, n in enumerate(lengths):
+        r, o = info.seq_to_bin_idx[s], info.seq_starts[s]
+        assert batch.tokens[r, o:o + n].tolist() == tokens[s]
+        assert batch.position_ids[r, o:o + n].tolist() == list(range(n))
+        assert batch.labels[r, o:o + n - 1].tolist() == tokens[s][1:]
+        assert batch.labels[r, o + n - 1] == 0
+        # loss on labels that are generated tokens: positions prompt-1 .. n-2
+        assert batch.loss_mask[r, o:o + n].tolist() == [0.0] * (prompts[s] - 1) + [1.0] * (n - prompts[s]) + [0.0]
+        assert (batch.seq_ids[r, o:o + n] == s).all()
+        assert (batch.values["advantages"][r, o:o + n] == adv[s]).all()
+        assert torch.equal(batch.values["old_logprobs"][r, o:o + n - 1], lp[s])
+    # the padding row and padding tails: no loss, seq id -1
+    assert batch.loss_mask[-1].sum() == 0 and (batch.seq_ids[-1] == -1).all()
+    assert int(batch.loss_mask.sum()) == sum(n - p for n, p in zip(lengths, prompts))
+    assert 0 < batch.efficiency() < info.efficiency <= 1
+
+
+def test_cu_seqlens_and_attention_mask():
+    lengths, _, tokens, masks = _sequences(1)
+    info = plan_packing(lengths, 16, 4)
+    batch = build_packed_batch(info, list(range(info.num_bins)), tokens, masks, pad_token_id=0)
+    # reference cu_seqlens: walk the flattened stream and cut where seq id changes or position resets
+    flat_ids, flat_pos = batch.seq_ids.reshape(-1).tolist(), batch.position_ids.reshape(-1).tolist()
+    cuts = [i for i in range(len(flat_ids)) if flat_pos[i] == 0] + [len(flat_ids)]
+    assert batch.cu_seqlens().tolist() == cuts
+    assert batch.cu_seqlens().dtype == torch.int32
+    params = batch.packed_seq_params()
+    assert params.qkv_format == "thd" and torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv)
+    assert params.max_seqlen_q == max(b - a for a, b in zip(cuts, cuts[1:]))
+    mask = batch.attention_mask()
+    # reference: i may attend to j iff same row, same segment, j <= i
+    seg = torch.tensor([sum(1 for c in cuts if c <= i) for i in range(len(flat_ids))]).reshape(batch.tokens.shape)
+    for r in range(batch.num_rows):
+        for i in range(16):
+            for j in range(16):
+                allowed = seg[r, i] == seg[r, j] and j <= i
+                assert bool(mask[r, 0, i, j]) == (not allowed)
+
+
+def test_pack_unpack_round_trip_exact_and_microbatches():
+    lengths, prompts, tokens, masks = _sequences(2, n=11)
+    info = plan_packing(lengths, 16, 3)
+    dist = distribute_bins(info.num_bins, dp_size=2, micro_batch_size=2, algo="round-robin")
+    values = [torch.randn(n - 1, dtype=torch.float64) for n in lengths]
+    recovered = {}
+    for rank in range(2):
+        rows = dist.for_rank(rank)
+        packed = pack_per_token(values, info, rows, fill=float("nan"))
+        batch = build_rank_batch(info, dist, rank, tokens, masks, 0)
+        loader = get_microbatch_dataloader(batch, 2)
+        assert len(loader) == dist.num_microbatches
+        assert len(list(loader)) == len(list(loader)) == dist.num_microbatches  # re-iterable
+        for i, mb in enumerate(loader):
+            assert mb.bin_ids == tuple(dist.assignment[rank][i])
+            recovered.update(unpack_per_token(packed[2 * i:2 * i + 2], info, mb.bin_ids))
+    assert sorted(recovered) == list(range(len(lengths)))
+    for s, v in enumerate(values):
+        assert torch.equal(recovered[s], v)
+    with pytest.raises(ValueError, match="--micro-batch-size=3"):
+        get_microbatch_dataloader(batch, 3)
+
+
+def test_align_generated_values_and_input_errors():
+    out = align_generated_values([-0.5, -1.5], prompt_length=3, num_tokens=5)
+    assert out.tolist() == [0.0, 0.0, -0.5, -1.5]
+    with pytest.raises(ValueError, match="prompt length"):
+        align_generated_values([-0.5], prompt_length=3, num_tokens=5)
+    info = plan_packing([3, 4], 8)
+    with pytest.raises(ValueError, match=r"token_ids\[1\] has 3 entries, expected 4"):
+        build_packed_batch(info, [0], [[1, 2, 3], [1, 2, 3]], [[0, 1, 1], [0, 1, 1, 1]], 0)
+    with pytest.raises(ValueError, match="first token"):
+        build_packed_batch(info, [0], [[1, 2, 3], [1, 2, 3, 4]], [[1, 1, 1], [0, 1, 1, 1]], 0)
+
+
+class ToyCausalLM(torch.nn.Module):
+    """One attention layer + learned positions: enough to make packing mistakes visible."""
+
+    def __init__(self, vocab=50, dim=16, max_pos=16):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(vocab, dim, generator=g, dtype=torch.float64) * 0.5)
+        self.pos = torch.nn.Parameter(torch.randn(max_pos, dim, generator=g, dtype=torch.float64) * 0.5)
+        self.qkv = torch.nn.Parameter(torch.randn(3, dim, dim, generator=g, dtype=torch.float64) * 0.3)
+        self.out = torch.nn.Parameter(torch.randn(dim, vocab, generator=g, dtype=torch.float64) * 0.3)
+
+    def forward(self, tokens, position_ids, attention_mask):
+        x = self.emb[tokens] + self.pos[position_ids]
+        q, k, v = (x @ w for w in self.qkv)
+        scores = (q @ k.transpose(1, 2)) / 4.0
+        scores = scores.masked_fill(attention_mask[:, 0], float("-inf"))
+        return (x + torch.softmax(scores, -1) @ v) @ self.out
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence", "drgrpo"])
+def test_packed_equals_unpacked_loss_and_gradients(mode):
+    """The full pipeline (plan -> rows -> micro-batches -> loss with global normalisers) gives the same
+    loss and gradients packed (any micro-batch size / DP split) as one sequence per row."""
+    lengths, prompts, tokens, masks = _sequences(3, n=9)
+    g = torch.Generator().manual_seed(5)
+    adv = torch.randn(len(lengths), generator=g, dtype=torch.float64)
+    old = [torch.randn(n - 1, generator=g, dtype=torch.float64) * 0.1 - 3 for n in lengths]
+    cfg = PolicyLossConfig(eps_lower=0.2, eps_upper=0.28)
+
+    def run(max_seqs, dp, mbs, algo):
+        model = ToyCausalLM()
+        info = plan_packing(lengths, 16, max_seqs)
+        dist = distribute_bins(info.num_bins, dp, mbs, algo)
+        batches = [build_rank_batch(info, dist, r, tokens, masks, 0, per_token={"old": old},
+                                    per_sequence={"adv": adv}, dtype=torch.float64) for r in range(dp)]
+        nt = sum(int(b.loss_mask.sum()) for b in batches)
+        norm = LossNormalizers(num_tokens=nt, num_sequences=len(lengths), max_len=16)
+        total = 0.0
+        for b in batches:
+            for mb in get_microbatch_dataloader(b, mbs):
+                logits = model(mb.tokens, mb.position_ids, mb.attention_mask())
+                lp = torch.log_softmax(logits, -1).gather(-1, mb.labels[..., None])[..., 0]
+                tok, _ = compute_token_loss(cfg, lp, mb.values["old"], mb.values["adv"], mb.loss_mask)
+                loss = aggregate_loss(tok, mb.loss_mask, mode, norm, mb.seq_ids)
+                loss.backward()
+                total += loss.item()
+        return total, [p.grad for p in model.parameters()], info
+
+    ref_loss, ref_grads, ref_info = run(1, 1, 1, "fifo")
+    assert ref_info.num_bins == len(lengths)
+    for max_seqs, dp, mbs, algo in [(4, 1, 1, "fifo"), (4, 2, 1, "round-robin"), (3, 1, 2, "fifo"),
+                                    (100, 2, 2, "round-robin")]:
+        loss, grads, info = run(max_seqs, dp, mbs, algo)
+        assert info.num_bins < len(lengths)  # really packed
+        assert loss == pytest.approx(ref_loss, abs=1e-10)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
