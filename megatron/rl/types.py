@@ -1,0 +1,148 @@
+"""What agents hand to the trainer: rollouts, token-level rollouts and groups of them.
+
+All are pydantic models registered in one :class:`~megatron.rl.agent.type_lookupable.TypeLookupable`
+registry rooted at :class:`Rollout`, so they cross process boundaries as JSON (remote agents) and come back
+as the same classes: ``Rollout.model_validate(token_rollout.model_dump())`` is a :class:`TokenRollout`.
+
+Token-level conventions (one episode, ``L = len(token_ids)``):
+
+* ``token_ids`` [L]: prompt tokens followed by everything after them, over all turns of a multi-turn
+  episode (policy generations *and* environment observations in between).
+* ``generation_mask`` [L]: 1 where the policy generated the token (those are trained), 0 for prompt and
+  environment/observation tokens. ``generation_mask[:prompt_length]`` is all 0.
+* ``logprobs`` [L] or None: the inference backend's log-prob of each token at positions where the mask is
+  1 (temperature-scaled, see :mod:`megatron.rl.inference.api`), 0.0 elsewhere. Aligned with ``token_ids``
+  so they can be sliced and packed together.
+
+Failed episodes (backend error, reward function raised, ...) have ``status="failed"`` and a
+``failure_reason``; their ``reward`` is 0.0 but the trainer is expected to count and drop them, never to
+train on them as if they were genuine zero rewards.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+
+from megatron.rl.agent.type_lookupable import TypeLookupable
+from megatron.rl.inference.api import ChatMessage, GenerationArgs  # re-exported: part of the agents' vocabulary
+
+__all__ = ["Rollout", "TokenRollout", "RolloutGroup", "ChatMessage", "GenerationArgs", "RolloutStatus"]
+
+RolloutStatus = Literal["ok", "failed"]
+
+
+class Rollout(TypeLookupable):
+    """One text-level episode: prompt, completion, reward and status.
+
+    prompt: the prompt text, or chat messages. completion: everything after the prompt (for multi-turn
+    episodes the generated turns and the observations between them, concatenated). env_id: which
+    environment produced it. problem_id: identifies the prompt within the environment (for grouping and
+    evaluation). metadata: free-form JSON-able details (finish reasons, parsed answers, ...).
+    """
+
+    _type_registry: ClassVar[dict[str, type]] = {}
+
+    prompt: str | list[ChatMessage]
+    completion: str
+    reward: float
+    status: RolloutStatus = "ok"
+    failure_reason: str | None = None
+    env_id: str = ""
+    problem_id: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite_reward(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"reward must be a finite float, got {v!r}; return 0.0 with status='failed' for an "
+                             "episode that could not be scored")
+        return float(v)
+
+    @model_validator(mode="after")
+    def _failed_has_reason(self) -> "Rollout":
+        if self.status == "failed" and not self.failure_reason:
+            raise ValueError("a rollout with status='failed' needs a failure_reason")
+        return self
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+Rollout.register_subclass("Rollout")(Rollout)  # the root is a concrete type too
+
+
+@Rollout.register_subclass("TokenRollout")
+class TokenRollout(Rollout):
+    """A :class:`Rollout` plus the token-level view the trainer needs (see the module docstring).
+
+    token_ids [L], generation_mask [L] of 0/1, logprobs [L] or None, prompt_length: number of leading
+    prompt tokens (first turn).
+    """
+
+    token_ids: list[int]
+    generation_mask: list[int]
+    logprobs: list[float] | None = None
+    prompt_length: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _check_alignment(self) -> "TokenRollout":
+        n = len(self.token_ids)
+        if len(self.generation_mask) != n:
+            raise ValueError(f"generation_mask has {len(self.generation_mask)} entries but token_ids has {n}")
+        if any(m not in (0, 1) for m in self.generation_mask):
+            raise ValueError("generation_mask entries must be 0 or 1")
+        if self.prompt_length > n:
+            raise ValueError(f"prompt_length={self.prompt_length} exceeds len(token_ids)={n}")
+        if any(self.generation_mask[: self.prompt_length]):
+            raise ValueError("generation_mask must be 0 over the prompt (first prompt_length tokens)")
+        if self.logprobs is not None:
+            if len(self.logprobs) != n:
+                raise ValueError(f"logprobs has {len(self.logprobs)} entries but token_ids has {n}; store one per "
+                                 "token (0.0 where generation_mask is 0)")
+            bad = [i for i, (lp, m) in enumerate(zip(self.logprobs, self.generation_mask))
+                   if m and not (math.isfinite(lp) and lp <= 1e-6)]
+            if bad:
+                raise ValueError(f"logprobs must be finite and <= 0 at generated positions; bad at {bad[:5]}")
+        return self
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(self.generation_mask)
+
+    @property
+    def generated_logprobs(self) -> list[float] | None:
+        """Log-probs at the generated positions only, in order (None when the backend gave none)."""
+        if self.logprobs is None:
+            return None
+        return [lp for lp, m in zip(self.logprobs, self.generation_mask) if m]
+
+
+class RolloutGroup(BaseModel):
+    """The rollouts sampled for one prompt: the unit GRPO normalises advantages over.
+
+    ``rollouts`` keep their concrete classes through JSON (each carries its ``type_name``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollouts: list[SerializeAsAny[Rollout]]
+    env_id: str = ""
+    problem_id: str | None = None
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+    @property
+    def num_failed(self) -> int:
+        return sum(not r.ok for r in self.rollouts)
+
+    @property
+    def mean_reward(self) -> float:
+        """Mean reward over the ``ok`` rollouts (0.0 when every rollout failed)."""
+        ok = [r.reward for r in self.rollouts if r.ok]
+        return sum(ok) / len(ok) if ok else 0.0
