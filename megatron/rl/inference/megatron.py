@@ -1,0 +1,553 @@
+"""The default inference backend: megatron-core's dynamic engine around the training model itself.
+
+``MegatronInference(model, tokenizer)`` serves :class:`~megatron.rl.inference.api.InferenceRequest` s
+with megatron-core's ``DynamicInferenceEngine`` (paged KV cache, continuous batching) running the
+*training* model's weights in place: no copy, no refit when training and inference are colocated.
+
+Inference mode
+    ``enter_inference_mode()`` puts the model in eval mode, allocates the engine's KV cache and starts
+    an engine thread; ``exit_inference_mode()`` waits for in-flight requests, stops the thread, frees
+    the KV cache (the context and its buffers are dropped) and restores the model's train/eval mode,
+    so training gets its memory back. ``agenerate`` enters inference mode by itself when needed;
+    ``with backend.inference_mode(): ...`` brackets a rollout phase. Never train while it is active.
+
+Batching
+    Every request submitted (from any coroutine, thread or event loop) goes to one queue; the engine
+    thread adds everything queued before each step, so requests arriving while a batch runs join it at
+    the next step. Many concurrent ``agenerate`` calls therefore share batches.
+
+Model parallelism (TP / PP / EP)
+    All ranks whose forward passes communicate (the union of the tensor-, pipeline- and
+    expert-parallel groups; "the lockstep group") must run the same engine steps on the same requests.
+    Every rank of a lockstep group calls ``agenerate`` with the same requests in the same order (e.g.
+    each runs the same agents on the same data); the group's lowest rank is the *source*: before each
+    step it broadcasts which requests join (tokens and sampling settings) over a dedicated gloo group,
+    and every rank adds exactly those, so batches agree even when the ranks' calls arrive at different
+    times. Sampling happens on every rank from identical gathered logits with identically seeded
+    generators, so every rank returns identical responses. The i-th request submitted on a non-source
+    rank is matched to the source's i-th; a non-source request whose prompt differs from the source's
+    gets an error response instead of someone else's completion. With expert parallelism the lockstep
+    group spans the EP ranks too, so they all serve the source's requests. ``exit_inference_mode`` is
+    collective over the lockstep group. Pure data-parallel ranks are independent.
+
+Log-probs and sampling
+    See :mod:`megatron.rl.inference.megatron_sampling`: tokens are sampled by us (temperature, top-k,
+    top-p, per-request seeds) and ``logprobs`` are under ``softmax(logits / T)`` before truncation
+    (T = 1 for greedy), which equals a teacher-forced training forward at that temperature.
+
+Lengths
+    A prompt that leaves no room for one generated token within ``max_sequence_length`` (or an empty
+    one) is a per-request error; otherwise ``max_tokens`` is clamped to the room left and such a
+    request ends with ``finish_reason="length"``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import gc
+import logging
+import threading
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from pydantic import ValidationError
+
+from megatron.rl.inference.api import (
+    GenerationArgs,
+    InferenceError,
+    InferenceInterface,
+    InferenceRequest,
+    InferenceResponse,
+    expand_requests,
+)
+from megatron.rl.inference.chat_template import render_chat
+from megatron.rl.inference.megatron_engine import (
+    EngineSettings,
+    EngineTokenizer,
+    SampleSpec,
+    build_engine,
+    unwrap_gpt_model,
+)
+from megatron.rl.runtime import setup_runtime
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MegatronInference", "EngineSettings"]
+
+# The source re-broadcasts an empty plan this often while idle, so waiting ranks never hit the
+# process group's collective timeout.
+_IDLE_HEARTBEAT_S = 5.0
+
+
+@dataclasses.dataclass
+class _Job:
+    """One single-sample request on its way to the engine (what the source broadcasts)."""
+
+    seq: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    prompt_text: str
+
+
+@dataclasses.dataclass
+class _Plan:
+    jobs: list[_Job]
+    stop: bool
+
+
+@dataclasses.dataclass
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    job: _Job
+
+
+class _RequestError(ValueError):
+    pass
+
+
+@InferenceInterface.register("megatron")
+class MegatronInference(InferenceInterface):
+    """In-process megatron-core dynamic-engine backend over the training model.
+
+    Args:
+        model: the training GPTModel (or a one-element list of model chunks; DDP / Float16Module
+            wrappers are fine). Its parameters are used in place.
+        tokenizer: a :class:`megatron.rl.training.tokenizer.Tokenizer` (tokenize, detokenize, offsets,
+            vocab_size, eod, optional eos_token_ids / apply_chat_template).
+        settings: KV-cache and batch sizes; default :meth:`EngineSettings.for_device`.
+        max_sequence_length: prompt + generated tokens per request; default the model's
+            ``max_sequence_length``.
+
+    ``torch.distributed`` and megatron-core's ``parallel_state`` must be initialised (one process
+    is fine). Construction is collective over all ranks when the world has more than one rank.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, settings: EngineSettings | None = None,
+                 max_sequence_length: int | None = None):
+        runtime = setup_runtime()
+        if not dist.is_initialized():
+            raise InferenceError("MegatronInference needs torch.distributed and megatron-core parallel_state "
+                                 "initialised (call megatron.rl.training.initialize.initialize_megatron first)")
+        self.model = model
+        self._gpt = unwrap_gpt_model(model)
+        self.tokenizer = tokenizer
+        self._engine_tokenizer = EngineTokenizer(tokenizer)
+        self.settings = settings or EngineSettings.for_device(runtime.device)
+        self.max_sequence_length = int(max_sequence_length or self.settings.max_sequence_length
+                                       or self._gpt.max_sequence_length)
+        eod = getattr(tokenizer, "eod", None)
+        eos = set(getattr(tokenizer, "eos_token_ids", None) or ([] if eod is None else [eod]))
+        self._termination_id = eod if eod in eos else (min(eos) if eos else -1)
+        self._extra_eos = eos - {self._termination_id}
+        self._eos = eos
+        self._group, self._source, self._group_size = _lockstep_group()
+        self._is_source = dist.get_rank() == self._source
+
+        self._lock = threading.Condition()
+        self._next_seq = 0
+        self._queue: list[_Job] = []  # source only: submitted, not yet broadcast
+        self._waiters: dict[int, _Waiter] = {}
+        self._early: dict[int, tuple[_Job, InferenceResponse]] = {}  # non-source: finished before submitted
+        self._stop_requested = False
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._worker_error: BaseException | None = None
+        self._was_training = False
+        self._live: dict[str, Any] = {}  # engine, context, controller while in inference mode
+        self.engine_steps = 0  # engine steps run since construction (a batching diagnostic)
+
+    # ------------------------------------------------------------------ inference mode
+
+    @property
+    def active(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def context(self):
+        """The live ``DynamicInferenceContext`` (holds the KV cache), or None outside inference mode."""
+        return self._live.get("context")
+
+    def enter_inference_mode(self) -> None:
+        """eval(), allocate the KV cache and start the engine thread. No-op when already active."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._was_training = self._gpt.training
+            _set_training(self.model, False)
+            self._ready.clear()
+            self._worker_error = None
+            self._stop_requested = False
+            self._thread = threading.Thread(target=self._worker_main, name="megatron-inference", daemon=True)
+            self._thread.start()
+        self._ready.wait()
+        if self._worker_error is not None:
+            error, self._worker_error = self._worker_error, None
+            self._thread.join()
+            self._thread = None
+            self._restore_train_mode()
+            raise InferenceError(f"could not start the megatron-core inference engine: {error!r}") from error
+
+    def exit_inference_mode(self) -> None:
+        """Finish in-flight requests, stop the engine thread, free the KV cache, restore train mode.
+
+        Collective over the lockstep group (see the module docstring). No-op when not active.
+        """
+        with self._lock:
+            thread = self._thread
+            if thread is None:
+                return
+            self._stop_requested = True
+            self._lock.notify_all()
+        thread.join()
+        with self._lock:
+            self._thread = None
+            self._stop_requested = False
+            leftovers = list(self._waiters.items())
+            self._waiters.clear()
+            self._early.clear()
+        for seq, waiter in leftovers:
+            _resolve(waiter, InferenceResponse.failed("inference mode was exited before this request finished",
+                                                      waiter.job.prompt_text))
+        self._live.clear()
+        gc.collect()  # the engine <-> controller callback cycle holds the context until collected
+        self._restore_train_mode()
+
+    @contextlib.contextmanager
+    def inference_mode(self) -> Iterator["MegatronInference"]:
+        """``with backend.inference_mode(): ...`` = enter, then exit on the way out."""
+        self.enter_inference_mode()
+        try:
+            yield self
+        finally:
+            self.exit_inference_mode()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.exit_inference_mode)
+
+    def _restore_train_mode(self) -> None:
+        if self._was_training:
+            _set_training(self.model, True)
+
+    # ------------------------------------------------------------------ requests
+
+    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        if not self.active:
+            await asyncio.to_thread(self.enter_inference_mode)
+        loop = asyncio.get_running_loop()
+        flat = expand_requests(requests)
+        responses: list[InferenceResponse | None] = [None] * len(flat)
+        pending: list[tuple[int, asyncio.Future]] = []
+        for i, request in enumerate(flat):
+            try:
+                job = self._prepare(request)
+            except _RequestError as e:
+                responses[i] = InferenceResponse.failed(str(e), getattr(e, "prompt_text", None))
+                continue
+            pending.append((i, self._submit(job, loop)))
+        if pending:
+            done = await asyncio.gather(*(f for _, f in pending))
+            for (i, _), response in zip(pending, done):
+                responses[i] = response
+        return responses  # type: ignore[return-value]
+
+    def _prepare(self, request: InferenceRequest) -> _Job:
+        """Render, tokenize and validate one request; a problem raises _RequestError (a per-request error)."""
+        prompt_text = None
+        try:
+            args = GenerationArgs.model_validate(request.generation_args.model_dump())
+            if request.messages is not None:
+                prompt_text = render_chat(request.messages, self.tokenizer)
+            else:
+                prompt_text = request.prompt
+            if not prompt_text:
+                raise _RequestError("empty prompt: give at least one character of prompt text (or one chat message)")
+            ids = [int(t) for t in self.tokenizer.tokenize(prompt_text)]
+        except ValidationError as e:
+            raise _with_prompt(_RequestError(f"invalid generation_args: {e}"), prompt_text) from e
+        except _RequestError as e:
+            raise _with_prompt(e, prompt_text)
+        if not ids:
+            raise _with_prompt(_RequestError(f"the prompt {prompt_text[:40]!r} tokenizes to zero tokens"),
+                               prompt_text)
+        room = self.max_sequence_length - len(ids)
+        if room < 1:
+            raise _with_prompt(_RequestError(
+                f"prompt is {len(ids)} tokens but the model's maximum sequence length is "
+                f"{self.max_sequence_length} (prompt + at least one generated token): shorten the prompt "
+                f"or serve with a larger max_sequence_length"), prompt_text)
+        return _Job(seq=-1, prompt_ids=ids, max_new_tokens=min(args.max_tokens, room),
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    stop=list(args.stop), prompt_text=prompt_text)
+
+    def _submit(self, job: _Job, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        future = loop.create_future()
+        with self._lock:
+            if self._thread is None or self._stop_requested:
+                future.set_result(InferenceResponse.failed("the inference engine is not running "
+                                                           "(inference mode exited)", job.prompt_text))
+                return future
+            job.seq = self._next_seq
+            self._next_seq += 1
+            waiter = _Waiter(loop, future, job)
+            if self._is_source:
+                self._waiters[job.seq] = waiter
+                self._queue.append(job)
+                self._lock.notify_all()
+            elif job.seq in self._early:
+                source_job, response = self._early.pop(job.seq)
+                _resolve(waiter, _checked(job, source_job, response))
+            else:
+                self._waiters[job.seq] = waiter
+        return future
+
+    def _deliver(self, source_job: _Job, response: InferenceResponse) -> None:
+        """Engine thread: hand a finished request's response to whoever submitted it on this rank."""
+        with self._lock:
+            waiter = self._waiters.pop(source_job.seq, None)
+            if waiter is None:
+                if not self._is_source:
+                    self._early[source_job.seq] = (source_job, response)
+                return
+        _resolve(waiter, _checked(waiter.job, source_job, response))
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _worker_main(self) -> None:
+        setup_runtime()  # torch-function modes (the CPU layer) are thread-local
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    async def _serve(self) -> None:
+        try:
+            engine, context, controller = build_engine(self.model, self._engine_tokenizer, self.settings,
+                                                       self.max_sequence_length)
+        except BaseException as e:  # reported by enter_inference_mode
+            log.exception("building the megatron-core inference engine failed")
+            self._worker_error = e
+            self._ready.set()
+            return
+        self._live.update(engine=engine, context=context, controller=controller)
+        self._ready.set()
+        jobs: dict[int, _Job] = {}
+        try:
+            while True:
+                idle = not engine.has_unfinished_requests()
+                plan = self._next_plan(idle)
+                for job in plan.jobs:
+                    self._add(engine, controller, jobs, job)
+                if engine.has_unfinished_requests():
+                    result = await engine.async_step()
+                    self.engine_steps += 1
+                    for record in result["finished_request_records"]:
+                        self._finish(controller, jobs, record)
+                    for rid in result["active_request_ids"]:
+                        if self._should_stop_early(engine, jobs[rid], rid):
+                            engine.stop_word_finished_request_ids.add(rid)
+                elif plan.stop:
+                    break
+        except BaseException as e:
+            log.exception("the megatron-core inference engine failed")
+            for job in jobs.values():
+                self._deliver(job, InferenceResponse.failed(f"inference engine failed: {e!r}", job.prompt_text))
+            with self._lock:  # fail what was queued too; later submissions see a stopped engine
+                queued, self._queue = self._queue, []
+                self._stop_requested = True
+            for job in queued:
+                self._deliver(job, InferenceResponse.failed(f"inference engine failed: {e!r}", job.prompt_text))
+        finally:
+            context.deallocate_all_tensors()  # frees the KV cache even if something still holds the context
+            self._live.clear()
+            del engine, context, controller
+
+    def _next_plan(self, idle: bool) -> _Plan:
+        """Source: take everything queued (waiting while idle); all ranks: agree on it via broadcast."""
+        if self._is_source:
+            with self._lock:
+                if idle and not self._queue and not self._stop_requested:
+                    self._lock.wait(timeout=_IDLE_HEARTBEAT_S)
+                jobs, self._queue = self._queue, []
+                plan = _Plan(jobs=jobs, stop=self._stop_requested and idle and not jobs)
+        else:
+            plan = None
+        if self._group is not None:
+            box = [plan]
+            dist.broadcast_object_list(box, src=self._source, group=self._group)
+            plan = box[0]
+        return plan
+
+    def _add(self, engine, controller, jobs: dict[int, _Job], job: _Job) -> None:
+        from megatron.core.inference.sampling_params import SamplingParams
+
+        generator = None
+        if job.seed is not None and job.temperature > 0:
+            generator = controller.make_generator(job.seed)
+        controller.specs[job.seq] = SampleSpec(job.temperature, job.top_k, job.top_p, generator)
+        jobs[job.seq] = job
+        # The engine does not sample (SamplingController does); it only needs lengths, the EOS id and
+        # one log-prob slot per generated token.
+        params = SamplingParams(temperature=1.0, top_k=0, top_p=0.0, return_log_probs=True,
+                                skip_prompt_log_probs=True, num_tokens_to_generate=job.max_new_tokens,
+                                termination_id=self._termination_id)
+        engine.add_request(job.seq, list(job.prompt_ids), params)
+        if job.seq in engine.failed_request_ids:  # rejected at once: never stepped, so report it here
+            engine.failed_request_ids.remove(job.seq)
+            entry = engine.requests.pop(job.seq)
+            self._finish(controller, jobs, entry.record)
+
+    def _finish(self, controller, jobs: dict[int, _Job], record) -> None:
+        from megatron.core.inference.inference_request import Status
+
+        job = jobs.pop(record.request_id)
+        controller.specs.pop(record.request_id, None)
+        if record.requests[-1].status == Status.FAILED:
+            reasons = [type(ev.payload).__name__ for r in record.requests for ev in r.events if ev.payload is not None]
+            response = InferenceResponse.failed(
+                f"the inference engine rejected this request ({', '.join(reasons) or 'no reason given'}); "
+                f"prompt {len(job.prompt_ids)} tokens, max_tokens {job.max_new_tokens}", job.prompt_text)
+        else:
+            tokens = [int(t) for r in record.requests for t in r.generated_tokens]
+            log_probs = [float(x) for r in record.requests for x in (r.generated_log_probs or [])]
+            response = self._make_response(job, tokens, log_probs[:len(tokens)])
+        self._deliver(job, response)
+
+    def _make_response(self, job: _Job, tokens: list[int], log_probs: list[float]) -> InferenceResponse:
+        finish = "length"
+        for i, token in enumerate(tokens):
+            if token in self._eos:
+                tokens, log_probs, finish = tokens[:i + 1], log_probs[:i + 1], "stop"
+                break
+        text = self._detok(tokens)
+        if job.stop:
+            cut = _first_stop(text, job.stop)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                # keep tokens up to the one that completed the stop string (the trainer sees what was sampled)
+                lo, hi = 1, len(tokens)
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if _first_stop(self._detok(tokens[:mid]), job.stop) is not None:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                tokens, log_probs = tokens[:hi], log_probs[:hi]
+        return InferenceResponse(text=text, token_ids=job.prompt_ids + tokens, prompt_length=len(job.prompt_ids),
+                                 logprobs=log_probs, finish_reason=finish, prompt_text=job.prompt_text)
+
+    def _should_stop_early(self, engine, job: _Job, rid: int) -> bool:
+        """After a step: did this request just sample a non-primary EOS id or complete a stop string?"""
+        if not job.stop and not self._extra_eos:
+            return False
+        record = engine.requests[rid].record
+        last = record.requests[-1].generated_tokens
+        if last and last[-1] in self._extra_eos:
+            return True
+        if job.stop:
+            tokens = [t for r in record.requests for t in r.generated_tokens]
+            # the stop string ends at the newest token; a token renders at least a quarter character
+            tail = tokens[-(4 * max(len(s) for s in job.stop) + 4):]
+            return _first_stop(self._detok(tail), job.stop) is not None
+        return False
+
+    def _detok(self, tokens: Sequence[int]) -> str:
+        return self._engine_tokenizer.detokenize([t for t in tokens if t not in self._eos])
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _set_training(model: Any, training: bool) -> None:
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        chunk.train(training)
+
+
+def _with_prompt(error: _RequestError, prompt_text: str | None) -> _RequestError:
+    error.prompt_text = prompt_text  # type: ignore[attr-defined]
+    return error
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _checked(local: _Job, source: _Job, response: InferenceResponse) -> InferenceResponse:
+    """Non-source ranks: only hand back the source's completion when both ranks asked the same thing."""
+    if local is source or (local.prompt_ids == source.prompt_ids and local.max_new_tokens == source.max_new_tokens
+                           and local.temperature == source.temperature and local.seed == source.seed):
+        return response
+    return InferenceResponse.failed(
+        f"model-parallel ranks submitted different requests as request #{local.seq} (this rank: "
+        f"{len(local.prompt_ids)} prompt tokens; source rank: {len(source.prompt_ids)}): every rank of a "
+        "tensor/pipeline/expert-parallel group must call agenerate with the same requests in the same order",
+        local.prompt_text)
+
+
+def _resolve(waiter: _Waiter, response: InferenceResponse) -> None:
+    def set_result() -> None:
+        if not waiter.future.done():  # the caller may have been cancelled (e.g. a client disconnect)
+            waiter.future.set_result(response)
+
+    try:
+        waiter.loop.call_soon_threadsafe(set_result)
+    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+        pass
+
+
+def _lockstep_group() -> tuple[Any, int, int]:
+    """The gloo group of ranks whose forwards communicate (union of TP, PP, EP groups), its source rank and size.
+
+    Collective over the world. Returns (None, rank, 1) when this rank runs alone.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        return None, rank, 1
+    from megatron.core import parallel_state as ps
+
+    mine: set[int] = {rank}
+    getters = [ps.get_tensor_model_parallel_group, ps.get_pipeline_model_parallel_group,
+               ps.get_expert_model_parallel_group, ps.get_expert_tensor_parallel_group]
+    for getter in getters:
+        try:
+            group = getter(check_initialized=False)
+        except (AssertionError, RuntimeError, TypeError):
+            group = None
+        if group is not None:
+            mine.update(dist.get_process_group_ranks(group))
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, sorted(mine))
+    parent = list(range(world))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for ranks in everyone:
+        for r in ranks[1:]:
+            parent[find(r)] = find(ranks[0])
+    components: dict[int, list[int]] = {}
+    for r in range(world):
+        components.setdefault(find(r), []).append(r)
+    my_group = None
+    for members in sorted(components.values()):
+        if len(members) < 2:
+            continue
+        group = dist.new_group(members, backend="gloo")  # every rank creates every group, in the same order
+        if rank in members:
+            my_group = group
+    members = components[find(rank)]
+    return my_group, min(members), len(members)

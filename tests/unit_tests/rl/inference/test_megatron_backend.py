@@ -1,0 +1,198 @@
+"""The Megatron (megatron-core dynamic engine) backend on a tiny GPT, in one process (TP=1)."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+
+import pytest
+import torch
+
+from tests.unit_tests.rl.inference.scripts.megatron_common import (
+    CharTokenizer,
+    full_logits,
+    init_distributed,
+    teacher_forced_logprobs,
+    tiny_gpt,
+)
+
+PROMPTS = ["The quick brown fox", "1 + 1 =", "Once upon a time, in a land far away,", "zz"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    init_distributed(tp=1)
+    from megatron.rl.inference.megatron import MegatronInference
+    from megatron.rl.training.tokenizer import ByteLevelTokenizer
+
+    model = tiny_gpt()
+    backend = MegatronInference(model, ByteLevelTokenizer())
+    yield model, backend
+    backend.exit_inference_mode()
+
+
+def _req(prompt, **kw):
+    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
+
+    return InferenceRequest(prompt=prompt, generation_args=GenerationArgs(**kw))
+
+
+def _assert_logprobs_match(model, responses, temperatures):
+    for resp, t in zip(responses, temperatures):
+        assert resp.finish_reason in ("stop", "length"), resp.error
+        assert len(resp.logprobs) == len(resp.generated_token_ids) > 0
+        ref = teacher_forced_logprobs(model, resp.token_ids, resp.prompt_length, t)
+        torch.testing.assert_close(torch.tensor(resp.logprobs), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_teacher_forced_forward(setup, temperature):
+    model, backend = setup
+    # mixed prompt lengths and truncation settings in one batch; log-probs are before truncation
+    extra = [{}, {"top_k": 5}, {"top_p": 0.8}, {}]
+    reqs = [_req(p, temperature=temperature, max_tokens=12 + 3 * i, seed=10 + i, **extra[i])
+            for i, p in enumerate(PROMPTS)]
+    responses = backend.generate(reqs)
+    _assert_logprobs_match(model, responses, [temperature] * len(reqs))
+    # at T=0.7 the log-probs must differ from the untempered ones the stock engine would return
+    if temperature != 1.0:
+        r = responses[0]
+        untempered = teacher_forced_logprobs(model, r.token_ids, r.prompt_length, 1.0)
+        assert (untempered - torch.tensor(r.logprobs)).abs().max() > 1e-2
+
+
+def test_greedy_is_deterministic_and_is_the_argmax(setup):
+    model, backend = setup
+    reqs = [_req(p, temperature=0, max_tokens=16) for p in PROMPTS]
+    first = backend.generate(reqs)
+    # same requests again, now sharing the batch with other (sampled) requests
+    second = backend.generate([_req("noise", temperature=1.0, max_tokens=20)] + reqs)[1:]
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    _assert_logprobs_match(model, first, [1.0] * len(reqs))  # greedy reports T=1 log-probs
+    for r in first:
+        logits = full_logits(model, r.token_ids)[r.prompt_length - 1:-1]
+        assert logits.argmax(-1).tolist() == r.generated_token_ids
+
+
+def test_top_k_1_samples_the_argmax_and_reports_untruncated_logprobs(setup):
+    model, backend = setup
+    greedy = backend.generate([_req(PROMPTS[2], temperature=0, max_tokens=10)])[0]
+    topk1 = backend.generate([_req(PROMPTS[2], temperature=0.5, top_k=1, max_tokens=10)])[0]
+    assert topk1.token_ids == greedy.token_ids
+    _assert_logprobs_match(model, [topk1], [0.5])
+    assert max(topk1.logprobs) < 0  # under softmax(logits/T) before truncation, not the truncated 0.0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(setup):
+    _, backend = setup
+    alone = backend.generate([_req(PROMPTS[0], temperature=1.0, max_tokens=16, seed=7)])[0]
+    batch = backend.generate([_req(p, temperature=1.0, max_tokens=16, seed=100 + i) for i, p in enumerate(PROMPTS)]
+                             + [_req(PROMPTS[0], temperature=1.0, max_tokens=16, seed=7)])
+    assert batch[-1].token_ids == alone.token_ids
+    other_seed = backend.generate([_req(PROMPTS[0], temperature=1.0, max_tokens=16, seed=8)])[0]
+    assert other_seed.token_ids != alone.token_ids
+    # n > 1 with a seed: distinct samples (seed + i), each reproducible
+    n3 = backend.generate([_req(PROMPTS[0], temperature=1.0, max_tokens=16, seed=7, n=3)])
+    assert len(n3) == 3 and n3[0].token_ids == alone.token_ids and n3[1].token_ids == other_seed.token_ids
+    assert n3[2].token_ids != n3[0].token_ids
+
+
+def test_stop_strings_and_max_tokens(setup):
+    from megatron.rl.inference.megatron import MegatronInference
+
+    model, byte_backend = setup
+    byte_backend.exit_inference_mode()
+    tok = CharTokenizer()  # one character per token, so stop strings are easy to place
+    backend = MegatronInference(model, tok)
+    prompt = tok.text(*range(40, 50))
+    with backend.inference_mode():
+        full = backend.generate([_req(prompt, temperature=0, max_tokens=24)])[0]
+        assert full.finish_reason == "length" and len(full.generated_token_ids) == 24
+        # a two-character stop string whose first occurrence is at least 4 characters in
+        pos = next(p for p in range(4, len(full.text) - 2) if full.text.find(full.text[p:p + 2]) == p)
+        stop = full.text[pos:pos + 2]
+        steps = backend.engine_steps
+        cut = backend.generate([_req(prompt, temperature=0, max_tokens=24, stop=["never-there", stop])])[0]
+        assert backend.engine_steps - steps <= pos + 3  # generation stopped early, not trimmed afterwards
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:pos]
+    # tokens up to the one completing the stop string are kept (the trainer sees what was sampled)
+    assert cut.generated_token_ids == full.generated_token_ids[:pos + 2]
+    assert cut.logprobs == pytest.approx(full.logprobs[:pos + 2], abs=1e-6)
+
+
+def test_bad_requests_are_per_request_errors(setup):
+    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
+
+    model, backend = setup
+    too_long = _req("x" * (backend.max_sequence_length + 5), temperature=0, max_tokens=4)
+    exactly_full = _req("y" * backend.max_sequence_length, temperature=0, max_tokens=4)
+    nearly_full = _req("y" * (backend.max_sequence_length - 3), temperature=0, max_tokens=50)
+    empty = InferenceRequest.model_construct(prompt="", messages=None, generation_args=GenerationArgs())
+    bad_t = InferenceRequest.model_construct(prompt="hi", messages=None,
+                                             generation_args=GenerationArgs.model_construct(
+                                                 temperature=-1.0, top_p=1.0, top_k=0, max_tokens=4, stop=[],
+                                                 seed=None, n=1))
+    good = _req(PROMPTS[0], temperature=0, max_tokens=6)
+    out = backend.generate([too_long, good, empty, exactly_full, bad_t, nearly_full])
+    assert [r.finish_reason for r in out] == ["error", "length", "error", "error", "error", "length"]
+    assert "maximum sequence length" in out[0].error and str(backend.max_sequence_length) in out[0].error
+    assert "empty prompt" in out[2].error
+    assert "temperature" in out[4].error
+    assert len(out[5].generated_token_ids) == 3  # max_tokens clamped to the room left
+    # the engine keeps serving, with the same answers
+    again = backend.generate([good])[0]
+    assert again.token_ids == out[1].token_ids
+
+
+def test_concurrent_agenerate_calls_share_batches(setup):
+    _, backend = setup
+    backend.enter_inference_mode()
+    steps_before = backend.engine_steps
+
+    async def many():
+        calls = [backend.agenerate([_req(p, temperature=0, max_tokens=8)]) for p in PROMPTS * 2]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(many())
+    assert all(len(r) == 1 and r[0].finish_reason == "length" for r in results)
+    # 8 requests x 8 tokens one at a time would take 64 steps; batched they take about 8
+    assert backend.engine_steps - steps_before <= 16
+
+
+def test_chat_messages_use_the_template(setup):
+    from megatron.rl.inference.api import ChatMessage, GenerationArgs, InferenceRequest
+
+    _, backend = setup
+    req = InferenceRequest(messages=[ChatMessage(role="user", content="hi")],
+                           generation_args=GenerationArgs(temperature=0, max_tokens=4))
+    r = backend.generate([req])[0]
+    assert r.prompt_text == backend.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert r.token_ids[:r.prompt_length] == backend.tokenizer.tokenize(r.prompt_text)
+
+
+def test_enter_exit_twice_frees_kv_cache_and_training_still_works(setup):
+    model, backend = setup
+    backend.exit_inference_mode()
+    model.train()
+    for _ in range(2):
+        with backend.inference_mode():
+            assert not model.training
+            context = backend.context
+            buffer_ref = weakref.ref(context.memory_buffer)
+            context_ref = weakref.ref(context)
+            assert context.memory_buffer.numel() > 0
+            del context
+            r = backend.generate([_req(PROMPTS[0], temperature=0, max_tokens=5)])[0]
+            assert r.finish_reason == "length"
+        gc.collect()
+        assert buffer_ref() is None and context_ref() is None, "KV cache still referenced after exit"
+        assert backend.context is None and model.training
+    # a training forward/backward works and produces gradients after inference
+    tokens = torch.tensor([backend.tokenizer.tokenize("training works")])
+    labels = torch.roll(tokens, -1, 1)
+    loss = model(tokens, torch.arange(tokens.shape[1])[None], None, labels=labels).float().mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    model.zero_grad(set_to_none=True)
