@@ -279,8 +279,9 @@ def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:
     if name not in InferenceInterface._registry and name in _BUILTIN_BACKEND_MODULES:
         importlib.import_module(_BUILTIN_BACKEND_MODULES[name])  # let a real ImportError surface
     if name not in InferenceInterface._registry:
-        raise InferenceError(f"unknown inference backend {name!r}; registered backends: "
-                             f"{', '.join(registered_backends())}")
+        # list built-in names without importing them (the megatron backend pulls in megatron-core)
+        known = sorted(set(InferenceInterface._registry) | set(_BUILTIN_BACKEND_MODULES))
+        raise InferenceError(f"unknown inference backend {name!r}; registered backends: {', '.join(known)}")
     return InferenceInterface._registry[name](**kwargs)
 
 

@@ -156,3 +156,39 @@ def test_backend_exception_is_500_and_server_survives():
         assert r.status_code == 500 and "kaboom" in r.json()["error"]["message"]
         r = client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
         assert r.status_code == 200 and client.get("/health").json()["stats"]["backend_errors"] == 1
+
+
+def test_batcher_drops_requests_whose_client_left_before_their_batch():
+    """A cancelled (disconnected) request queued behind a running batch never reaches the backend."""
+    from megatron.rl.server.inference.app import RequestBatcher
+
+    class Gated(FakeInference):
+        def __init__(self):
+            super().__init__()
+            self.gate = asyncio.Event()
+            self.seen: list[str] = []
+
+        async def agenerate(self, requests):
+            self.seen += [r.prompt for r in requests]
+            await self.gate.wait()
+            return await super().agenerate(requests)
+
+    async def main():
+        backend = Gated()
+        batcher = RequestBatcher(backend, window_s=0.0, max_batch_requests=16)
+        batcher.start()
+        a = asyncio.ensure_future(batcher.submit([InferenceRequest(prompt="A")]))
+        while not backend.seen:  # A's batch is running and blocked on the gate
+            await asyncio.sleep(0.001)
+        b = asyncio.ensure_future(batcher.submit([InferenceRequest(prompt="B")]))
+        c = asyncio.ensure_future(batcher.submit([InferenceRequest(prompt="C")]))
+        await asyncio.sleep(0.01)
+        b.cancel()  # what the server does when B's client disconnects
+        backend.gate.set()
+        ra, rc = await a, await c
+        await batcher.stop()
+        return backend.seen, ra, rc, batcher.stats
+
+    seen, ra, rc, stats = asyncio.run(main())
+    assert seen == ["A", "C"] and stats.dropped_disconnected == 1
+    assert ra[0].prompt_text == "A" and rc[0].prompt_text == "C"
