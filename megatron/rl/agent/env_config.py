@@ -1,0 +1,225 @@
+"""The environment config file (``--langrl-env-config FILE.yaml``) and the agent it builds.
+
+Format: a list of environment entries, or a mapping with ``environments`` (that list) and optionally
+``imports`` (modules to import first, so agents they register by decorator can be named)::
+
+    imports: [my_project.envs]        # needs allow_imports (the --langrl-allow-imports flag)
+    environments:
+      - type: arithmetic              # a registered agent type ...
+        weight: 3
+        args: {max_digits: 2}
+      - type: my_project.envs:MyEnv   # ... or module:Class (needs allow_imports)
+        name: mine                    # env id (default: the type, suffixed with the entry index if repeated)
+        weight: 1
+      - type: math
+        evaluation_only: true         # evaluated, never trained on
+
+Entry keys: ``type`` (required), ``args`` (the agent's fields), ``weight`` (>= 0, default 1),
+``evaluation_only`` (default false), ``name``. Relative ``*_path`` arguments are resolved against the YAML
+file's directory (falling back to the working directory when only that has the file).
+
+Every error names the file, the entry index and the key; malformed YAML reports line and column;
+unknown types list the registered ones. Importing user code is opt-in because a config file should not be
+able to run arbitrary code unless the person launching the job allows it.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from megatron.rl.agent.api import Agent
+from megatron.rl.agent.type_lookupable import TypeLookupError
+from megatron.rl.agent.weighted_multi_task import TaskEntry, WeightedMultiTaskAgent
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EnvConfigError", "load_env_config", "build_agent_from_config", "import_builtin_agents",
+           "resolve_agent_type", "BUILTIN_AGENT_MODULES"]
+
+# Built-in agent types live in modules imported on demand (examples/ needs the repository root on sys.path).
+BUILTIN_AGENT_MODULES = {
+    "huggingface_dataset": "megatron.rl.agent.huggingface_dataset_agent",
+    "weighted_multi_task": "megatron.rl.agent.weighted_multi_task",
+    "remote": "megatron.rl.agent.remote_agent",
+    "arithmetic": "examples.rl.environments.arithmetic",
+    "countdown": "examples.rl.environments.countdown",
+    "math": "examples.rl.environments.math_task",
+    "calculator": "examples.rl.environments.calculator",
+}
+_ENTRY_KEYS = ("type", "args", "weight", "evaluation_only", "name")
+_IMPORT_HINT = "pass allow_imports=True (train_rl.py: --langrl-allow-imports) to allow importing user code"
+
+
+class EnvConfigError(ValueError):
+    """An invalid environment config; the message names the file, entry and key."""
+
+
+def import_builtin_agents() -> dict[str, str]:
+    """Import the built-in agent modules; returns ``{type: error}`` for those that could not be imported."""
+    failed = {}
+    for name, module in BUILTIN_AGENT_MODULES.items():
+        if name in Agent._type_registry:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            failed[name] = f"{type(e).__name__}: {e}"
+            logger.debug("built-in agent %r unavailable: %s", name, e)
+    return failed
+
+
+def _import_module(name: str, where: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise EnvConfigError(f"{where}: cannot import module {name!r}: {e}") from e
+
+
+def resolve_agent_type(type_name: str, allow_imports: bool = False, where: str = "agent type") -> type[Agent]:
+    """The agent class for a registered name or (with ``allow_imports``) a ``module:Class`` path."""
+    if ":" in type_name:
+        if not allow_imports:
+            raise EnvConfigError(f"{where}: {type_name!r} is an import path; {_IMPORT_HINT}")
+        module_name, _, attr = type_name.partition(":")
+        obj = getattr(_import_module(module_name, where), attr, None)
+        if not (isinstance(obj, type) and issubclass(obj, Agent)):
+            raise EnvConfigError(f"{where}: {type_name!r} is not an Agent subclass (got {obj!r})")
+        return obj
+    if type_name not in Agent._type_registry:
+        failed = import_builtin_agents()
+        if type_name in failed:
+            raise EnvConfigError(f"{where}: built-in agent {type_name!r} could not be imported: {failed[type_name]}")
+    try:
+        return Agent.lookup(type_name)
+    except TypeLookupError as e:
+        raise EnvConfigError(f"{where}: {e}") from None
+
+
+def _load_yaml(path: Path) -> Any:
+    if not path.is_file():
+        raise EnvConfigError(f"environment config {path} does not exist (absolute: {path.resolve()})")
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise EnvConfigError(f"{where}: invalid YAML: {problem}") from None
+
+
+def _resolve_paths(args: dict[str, Any], base: Path | None) -> dict[str, Any]:
+    if base is None:
+        return args
+    out = dict(args)
+    for key, value in args.items():
+        if key.endswith("_path") and isinstance(value, str) and value and not Path(value).is_absolute():
+            candidate = base / value
+            if candidate.exists() or not Path(value).exists():
+                out[key] = str(candidate)
+    return out
+
+
+def _format_validation(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+def load_env_config(config: str | Path | dict | list, allow_imports: bool = False) -> list[TaskEntry]:
+    """Parse and validate a config (a YAML file path, or the already-loaded data) into task entries."""
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        data, src, base = _load_yaml(path), str(path), path.resolve().parent
+    else:
+        data, src, base = config, "<env config>", None
+    imports: list[str] = []
+    if isinstance(data, dict):
+        unknown = sorted(set(data) - {"environments", "imports"})
+        if unknown:
+            raise EnvConfigError(f"{src}: unknown top-level key(s) {unknown}; expected 'environments' and "
+                                 "optionally 'imports'")
+        imports = data.get("imports") or []
+        if not isinstance(imports, list) or not all(isinstance(m, str) for m in imports):
+            raise EnvConfigError(f"{src}: key 'imports' must be a list of module names, got {imports!r}")
+        data = data.get("environments")
+    if not isinstance(data, list) or not data:
+        raise EnvConfigError(f"{src}: expected a non-empty list of environments (or a mapping with an "
+                             f"'environments' list), got {type(data).__name__}")
+    if imports and not allow_imports:
+        raise EnvConfigError(f"{src}: key 'imports' lists {imports}; {_IMPORT_HINT}")
+    for module in imports:
+        _import_module(module, f"{src}: key 'imports'")
+
+    entries: list[TaskEntry] = []
+    type_counts: dict[str, int] = {}
+    for i, raw in enumerate(data):
+        if isinstance(raw, dict):
+            type_counts[str(raw.get("type"))] = type_counts.get(str(raw.get("type")), 0) + 1
+    for i, raw in enumerate(data):
+        where = f"{src}: environments[{i}]"
+        if not isinstance(raw, dict):
+            raise EnvConfigError(f"{where}: expected a mapping with keys {list(_ENTRY_KEYS)}, got {raw!r}")
+        unknown = sorted(set(raw) - set(_ENTRY_KEYS))
+        if unknown:
+            raise EnvConfigError(f"{where}: unknown key(s) {unknown}; allowed keys: {list(_ENTRY_KEYS)}")
+        type_name = raw.get("type")
+        if not isinstance(type_name, str) or not type_name:
+            raise EnvConfigError(f"{where}: key 'type' is required (a registered agent type or module:Class)")
+        where = f"{where} (type {type_name!r})"
+        weight = raw.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0 \
+                or weight == float("inf"):
+            raise EnvConfigError(f"{where}: key 'weight' must be a finite number >= 0, got {weight!r}")
+        eval_only = raw.get("evaluation_only", False)
+        if not isinstance(eval_only, bool):
+            raise EnvConfigError(f"{where}: key 'evaluation_only' must be true or false, got {eval_only!r}")
+        args = raw.get("args") or {}
+        if not isinstance(args, dict):
+            raise EnvConfigError(f"{where}: key 'args' must be a mapping of the agent's fields, got {args!r}")
+        default_name = type_name.rsplit(":", 1)[-1]
+        name = raw.get("name") or (default_name if type_counts[type_name] == 1 else f"{default_name}_{i}")
+        if not isinstance(name, str):
+            raise EnvConfigError(f"{where}: key 'name' must be a string, got {name!r}")
+        cls = resolve_agent_type(type_name, allow_imports, f"{where}: key 'type'")
+        try:
+            agent = cls(**_resolve_paths(args, base))
+        except ValidationError as e:
+            raise EnvConfigError(f"{where}: key 'args': {_format_validation(e)}") from None
+        except (ValueError, TypeError, OSError) as e:
+            raise EnvConfigError(f"{where}: key 'args': {e}") from e
+        entries.append(TaskEntry(name=name, agent=agent, weight=float(weight), evaluation_only=eval_only))
+
+    names = [e.name for e in entries]
+    for i, n in enumerate(names):
+        if names.index(n) != i:
+            raise EnvConfigError(f"{src}: environments[{i}]: key 'name': {n!r} is already used by "
+                                 f"environments[{names.index(n)}]; names must be unique")
+    train_weight = sum(e.weight for e in entries if not e.evaluation_only)
+    if not any(not e.evaluation_only for e in entries):
+        raise EnvConfigError(f"{src}: every environment is evaluation_only; at least one must train")
+    if train_weight <= 0:
+        raise EnvConfigError(f"{src}: key 'weight': the weights of the training environments sum to "
+                             f"{train_weight}; give at least one a positive weight")
+    return entries
+
+
+def build_agent_from_config(config: str | Path | dict | list, allow_imports: bool = False,
+                            seed: int | None = None) -> WeightedMultiTaskAgent:
+    """A :class:`WeightedMultiTaskAgent` over the config's environments (see the module docstring).
+
+    seed: when given, overrides each environment's seed with ``seed + entry index`` (so one run flag
+    controls every prompt order while environments still differ).
+    """
+    entries = load_env_config(config, allow_imports)
+    if seed is not None:
+        for i, e in enumerate(entries):
+            e.agent.seed = seed + i
+    return WeightedMultiTaskAgent(entries=entries)

@@ -1,0 +1,130 @@
+"""WeightedMultiTaskAgent: several environments behind one agent, mixed by weight.
+
+Each training step's ``num_groups`` prompt groups are split across the weighted environments with
+:func:`allocate_groups` (largest remainder, at least one group each); evaluation-only environments get no
+training groups but take part in :meth:`WeightedMultiTaskAgent.evaluate`. Usually built from a YAML file by
+:func:`megatron.rl.agent.env_config.build_agent_from_config`.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
+
+from megatron.rl.agent.api import (Agent, EvaluationRequest, EvaluationResponse, GroupedRolloutRequest,
+                                   GroupedRolloutResponse)
+from megatron.rl.inference.api import InferenceInterface
+
+__all__ = ["WeightedMultiTaskAgent", "TaskEntry", "allocate_groups"]
+
+
+def allocate_groups(total: int, weights: list[float]) -> list[int]:
+    """Split ``total`` groups by ``weights`` (largest remainder), giving each positive weight at least one.
+
+    Quotas are ``total * w_i / sum(w)``; each entry gets its floor, leftovers go to the largest fractional
+    parts (ties: lower index). An entry with positive weight left at 0 then takes one group from the entry
+    that is furthest above its quota (among those with more than one). Zero weights get 0.
+    Raises ValueError on negative / non-finite weights, a zero sum, or ``total`` smaller than the number
+    of positive weights.
+    """
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise ValueError(f"weights must be finite and >= 0, got {weights}")
+    wsum = sum(weights)
+    if wsum <= 0:
+        raise ValueError(f"weights sum to {wsum}: at least one environment needs a positive weight")
+    positive = [i for i, w in enumerate(weights) if w > 0]
+    if total < len(positive):
+        raise ValueError(f"{total} groups per step cannot give each of the {len(positive)} weighted environments "
+                         "at least one group; raise the number of prompts per step or set some weights to 0")
+    quotas = [total * w / wsum for w in weights]
+    alloc = [math.floor(q) for q in quotas]
+    leftover = total - sum(alloc)
+    order = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - alloc[i]), i))
+    for i in order[:leftover]:
+        alloc[i] += 1
+    for i in positive:
+        if alloc[i] == 0:
+            donor = max((j for j in range(len(alloc)) if alloc[j] > 1), key=lambda j: (alloc[j] - quotas[j], -j))
+            alloc[donor] -= 1
+            alloc[i] += 1
+    return alloc
+
+
+class TaskEntry(BaseModel):
+    """One environment of a multi-task mix."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    name: str
+    agent: SerializeAsAny[Agent]
+    weight: float = Field(default=1.0, ge=0.0)
+    evaluation_only: bool = False
+
+
+@Agent.register_subclass("weighted_multi_task")
+class WeightedMultiTaskAgent(Agent):
+    """Mix of environments; rollouts keep their environment's ``env_id`` (the entry name)."""
+
+    entries: list[TaskEntry]
+
+    @model_validator(mode="after")
+    def _check_entries(self) -> "WeightedMultiTaskAgent":
+        names = [e.name for e in self.entries]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"environment names must be unique, repeated: {dup}")
+        train = [e for e in self.entries if not e.evaluation_only]
+        if not train:
+            raise ValueError("every environment is evaluation_only: at least one must provide training prompts")
+        if sum(e.weight for e in train) <= 0:
+            raise ValueError("the weights of the training (non evaluation_only) environments sum to 0")
+        for e in self.entries:
+            if e.agent.env_id is None:
+                e.agent.env_id = e.name
+        return self
+
+    @property
+    def training_entries(self) -> list[TaskEntry]:
+        return [e for e in self.entries if not e.evaluation_only and e.weight > 0]
+
+    def allocation(self, num_groups: int) -> dict[str, int]:
+        """Groups per training environment for a step of ``num_groups`` groups."""
+        train = self.training_entries
+        return dict(zip([e.name for e in train], allocate_groups(num_groups, [e.weight for e in train])))
+
+    def set_data_parallel(self, rank: int, world_size: int) -> None:
+        super().set_data_parallel(rank, world_size)
+        for e in self.entries:
+            e.agent.set_data_parallel(rank, world_size)
+
+    def bind_inference(self, interface: InferenceInterface | None) -> None:
+        super().bind_inference(interface)
+        for e in self.entries:
+            e.agent.bind_inference(interface)
+
+    async def generate_grouped_rollouts(self, request: GroupedRolloutRequest) -> GroupedRolloutResponse:
+        alloc = self.allocation(request.num_groups)
+        jobs = [(e, alloc[e.name]) for e in self.training_entries if alloc[e.name] > 0]
+        responses = await asyncio.gather(*[
+            e.agent.generate_grouped_rollouts(request.model_copy(update={"num_groups": n})) for e, n in jobs])
+        return GroupedRolloutResponse(groups=[g for r in responses for g in r.groups])
+
+    async def evaluate(self, request: EvaluationRequest) -> EvaluationResponse:
+        """Evaluate every environment (evaluation-only ones included); metrics are prefixed ``<name>/``."""
+        responses = await asyncio.gather(*[e.agent.evaluate(request) for e in self.entries])
+        metrics = {f"{e.name}/{k}": v for e, r in zip(self.entries, responses) for k, v in r.metrics.items()}
+        return EvaluationResponse(env_id=self.name, results=[x for r in responses for x in r.results],
+                                  metrics=metrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"agents": {e.name: e.agent.state_dict() for e in self.entries}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("agents", {})
+        missing = [e.name for e in self.entries if e.name not in saved]
+        if missing:
+            raise ValueError(f"agent state has no entry for environment(s) {missing}; saved: {sorted(saved)}")
+        for e in self.entries:
+            e.agent.load_state_dict(saved[e.name])
