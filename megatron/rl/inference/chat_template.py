@@ -1,12 +1,11 @@
-"""Render chat messages to a prompt string.
+"""Render chat messages to a prompt string for the inference backends.
 
 Order of preference:
-1. a tokenizer with its own ``apply_chat_template`` that knows a template (a Hugging Face tokenizer whose
-   ``chat_template`` is set, or our :class:`megatron.rl.training.tokenizer.Tokenizer`, which itself uses the HF
-   template when it has one and its documented built-in one otherwise);
-2. otherwise the simple built-in template below.
-
-Built-in template (one block per message, then an open assistant block when ``add_generation_prompt``)::
+1. a ``transformers`` tokenizer whose ``chat_template`` is set: its Jinja template;
+2. one of our :class:`megatron.rl.training.tokenizer.Tokenizer` objects: its ``apply_chat_template``
+   (which itself uses the HF template when it wraps a tokenizer that has one, the built-in one otherwise);
+3. otherwise the built-in template of :func:`megatron.rl.training.tokenizer.render_builtin_chat_template`
+   (one definition shared with the trainer, so prompts rendered here and there never drift)::
 
     <|system|>
     You are helpful.
@@ -14,11 +13,14 @@ Built-in template (one block per message, then an open assistant block when ``ad
     What is 2+2?
     <|assistant|>
 
-i.e. ``"<|{role}|>\\n{content}\\n"`` per message, followed by ``"<|assistant|>\\n"``.
+   i.e. ``"<|{role}|>\\n{content}\\n"`` per message, then ``"<|assistant|>\\n"`` when ``add_generation_prompt``.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
+
+from megatron.rl.training.tokenizer import render_builtin_chat_template
 
 __all__ = ["render_chat", "builtin_chat_template", "messages_as_dicts"]
 
@@ -36,14 +38,12 @@ def messages_as_dicts(messages: Sequence[Any]) -> list[dict[str, str]]:
 
 def builtin_chat_template(messages: Sequence[Any], add_generation_prompt: bool = True) -> str:
     """The built-in template described in the module docstring."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages_as_dicts(messages))
-    if add_generation_prompt:
-        text += "<|assistant|>\n"
-    return text
+    return render_builtin_chat_template(messages_as_dicts(messages), add_generation_prompt)
 
 
-def _is_hf_tokenizer(tokenizer: Any) -> bool:
-    return hasattr(tokenizer, "chat_template") and hasattr(tokenizer, "apply_chat_template")
+def _is_transformers_tokenizer(tokenizer: Any) -> bool:
+    tf = sys.modules.get("transformers")  # never import transformers just to answer "no"
+    return tf is not None and isinstance(tokenizer, tf.PreTrainedTokenizerBase)
 
 
 def render_chat(messages: Sequence[Any], tokenizer: Any = None, add_generation_prompt: bool = True) -> str:
@@ -55,9 +55,8 @@ def render_chat(messages: Sequence[Any], tokenizer: Any = None, add_generation_p
     msgs = messages_as_dicts(messages)
     if tokenizer is None:
         return builtin_chat_template(msgs, add_generation_prompt)
-    if _is_hf_tokenizer(tokenizer):
-        # A transformers tokenizer: only use it when a template is actually configured (otherwise
-        # transformers raises); render to text, tokenisation happens later with the prompt path.
+    if _is_transformers_tokenizer(tokenizer):
+        # transformers raises when no template is configured; render to text, tokenisation happens later
         if getattr(tokenizer, "chat_template", None):
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
         return builtin_chat_template(msgs, add_generation_prompt)
