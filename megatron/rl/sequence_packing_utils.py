@@ -141,7 +141,10 @@ def plan_packing(seq_lengths: Sequence[int], bin_capacity: int,
             seq_to_bin[s], starts[s] = b, offset
             offset += lengths[s]
         bins.append(tuple(seqs))
-    return PackingInfo(bin_capacity, tuple(lengths), tuple(seq_to_bin), tuple(starts), tuple(bins))
+    info = PackingInfo(bin_capacity, tuple(lengths), tuple(seq_to_bin), tuple(starts), tuple(bins))
+    logger.debug("packed %d sequences into %d bins of %d tokens (efficiency %.3f)", info.num_sequences,
+                 info.num_bins, bin_capacity, info.efficiency)
+    return info
 
 
 # ----------------------------------------------------------------------------------------------

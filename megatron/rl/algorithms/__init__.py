@@ -10,6 +10,7 @@ from megatron.rl.algorithms.aggregation import AGGREGATIONS, LossNormalizers, ag
 from megatron.rl.algorithms.entropy import (entropy_bonus, entropy_from_logits, entropy_from_partials,
                                            entropy_partials)
 from megatron.rl.algorithms.importance_sampling import logprob_gap_stats, truncated_is_weights
+from megatron.rl.algorithms.logprobs import logprob_temperature, token_logprobs
 from megatron.rl.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
 from megatron.rl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig, compute_token_loss, ppo_clip_loss
 from megatron.rl.algorithms.registry import Registry
@@ -21,6 +22,7 @@ __all__ = [
     "LossNormalizers", "aggregate_loss", "local_normalizers",
     "entropy_from_logits", "entropy_partials", "entropy_from_partials", "entropy_bonus",
     "logprob_gap_stats", "truncated_is_weights",
+    "logprob_temperature", "token_logprobs",
     "kl_k1", "kl_k2", "kl_k3", "kl_penalty",
     "PolicyLossConfig", "compute_token_loss", "ppo_clip_loss",
 ]

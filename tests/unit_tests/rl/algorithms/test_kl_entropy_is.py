@@ -143,3 +143,26 @@ def test_is_bad_input():
 def test_gap_stats_empty_mask():
     s = logprob_gap_stats(torch.zeros(3), torch.ones(3), torch.zeros(3))
     assert float(s["logprob_gap_max_abs"]) == 0.0 and int(s["num_tokens"]) == 0
+
+
+def test_token_logprobs_vs_numpy_at_temperature():
+    from megatron.rl.algorithms import logprob_temperature, token_logprobs
+
+    logits = torch.randn(3, 4, 9, dtype=torch.float64)
+    labels = torch.randint(0, 9, (3, 4))
+    for t in (0.7, 1.0, 0.0):
+        tt = t if t > 0 else 1.0
+        out = token_logprobs(logits, labels, t)
+        z = logits.numpy() / tt
+        ref = np.empty((3, 4))
+        for i in range(3):
+            for j in range(4):
+                row = z[i, j]
+                ref[i, j] = row[labels[i, j]] - (row.max() + math.log(np.exp(row - row.max()).sum()))
+        torch.testing.assert_close(out, torch.tensor(ref), rtol=1e-10, atol=1e-12)
+    assert token_logprobs(logits.bfloat16(), labels).dtype == torch.float32
+    assert logprob_temperature(0.0) == 1.0
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, labels, -1.0)
+    with pytest.raises(ValueError, match="disagree"):
+        token_logprobs(logits, labels[:, :3])
