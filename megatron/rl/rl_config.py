@@ -1,0 +1,166 @@
+"""RL flags for ``train_rl.py``: parsed with the Megatron flags, then checked together up front.
+
+:func:`add_rl_args` is an ``extra_args_provider`` for :func:`megatron.rl.training.config.parse_args`;
+:func:`rl_config_from_args` turns the parsed namespace into a typed :class:`RLConfig` and validates the
+combination with the training flags (batch arithmetic, group size, lengths) with errors that name the flags.
+
+Batch arithmetic. One RL iteration collects ``P = --grpo-prompts-per-step`` groups of
+``G = --grpo-group-size`` rollouts, ``P / DP`` groups on each data-parallel rank. The ``P * G`` sequences
+are split into ``P * G / --global-batch-size`` optimizer steps, and the whole batch is passed over
+``--grpo-iterations`` times, so an iteration makes ``grpo_iterations * P * G / global_batch_size``
+optimizer steps. ``--train-iters`` counts RL iterations.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from megatron.rl.algorithms.policy_loss import PolicyLossConfig
+from megatron.rl.training.config import ConfigError, TrainingConfig
+
+
+def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("reinforcement learning (GRPO / PPO)")
+    g.add_argument("--perform-rl-step", action="store_true",
+                   help="Accepted for Megatron-LM compatibility; train_rl.py always performs RL steps.")
+    g.add_argument("--langrl-env-config", type=str, default=None,
+                   help="YAML file listing the agents (environments) to train on, with weights.")
+    g.add_argument("--grpo-prompts-per-step", type=int, default=8, help="Prompt groups per RL iteration (all DP ranks).")
+    g.add_argument("--grpo-group-size", type=int, default=8, help="Rollouts sampled per prompt.")
+    g.add_argument("--grpo-iterations", type=int, default=1, help="Passes over each iteration's rollouts.")
+    g.add_argument("--grpo-clamp-eps-lower", type=float, default=0.2, help="PPO clip: ratio >= 1 - eps_lower.")
+    g.add_argument("--grpo-clamp-eps-upper", type=float, default=0.2,
+                   help="PPO clip: ratio <= 1 + eps_upper (> eps_lower is DAPO's clip-higher).")
+    g.add_argument("--grpo-kl-beta", type=float, default=0.0,
+                   help="Weight of the KL penalty to the reference model; 0 never builds the reference model.")
+    g.add_argument("--grpo-kl-estimator", type=str, default="k3", choices=KL_ESTIMATORS.names())
+    g.add_argument("--grpo-entropy-term-weight", type=float, default=0.0, help="Entropy bonus weight.")
+    g.add_argument("--grpo-advantage-estimator", type=str, default="grpo", choices=ADVANTAGE_ESTIMATORS.names())
+    g.add_argument("--grpo-policy-loss", type=str, default="ppo_clip", choices=POLICY_LOSSES.names())
+    g.add_argument("--grpo-loss-aggregation", type=str, default="token", choices=AGGREGATIONS.names(),
+                   help="token: mean over all tokens (DAPO); sequence: mean per sequence then over sequences "
+                        "(GRPO); drgrpo: sum / (sequences * --rl-max-new-tokens).")
+    g.add_argument("--grpo-filter-groups-with-same-reward", action="store_true",
+                   help="Drop groups whose rollouts all got the same reward (no learning signal).")
+    g.add_argument("--rl-inference-logprobs-is-correction", action="store_true",
+                   help="Weight the loss by the truncated importance ratio between trainer and inference log-probs.")
+    g.add_argument("--rl-importance-sampling-truncation-coef", type=float, default=2.0)
+    g.add_argument("--rl-use-sequence-packing", action="store_true",
+                   help="Pack several rollouts into each --seq-length row (attention never crosses sequences).")
+    g.add_argument("--rl-sequence-packing-max-sequences-per-bin", type=int, default=16)
+    g.add_argument("--rl-sequence-packing-algo", type=str, default="fifo", choices=["fifo", "round-robin"])
+    g.add_argument("--rl-default-temperature", type=float, default=1.0)
+    g.add_argument("--rl-default-top-p", type=float, default=1.0)
+    g.add_argument("--rl-default-top-k", type=int, default=0)
+    g.add_argument("--rl-max-new-tokens", type=int, default=64, help="Generation budget per turn.")
+    g.add_argument("--rl-prompts-per-eval", type=int, default=32,
+                   help="Held-out prompts per evaluation (at --eval-interval); 0 disables evaluation.")
+    g.add_argument("--rl-eval-temperature", type=float, default=0.0, help="0 = greedy pass@1.")
+    g.add_argument("--inference-backend", type=str, default="megatron",
+                   help="Inference backend agents talk to: megatron (in-process, default), openai, huggingface.")
+    g.add_argument("--inference-server-url", type=str, default=None,
+                   help="Base URL for --inference-backend openai.")
+    g.add_argument("--rl-allow-import-paths", action="store_true",
+                   help="Let the env config name agents by 'module:Class' import path (runs user code).")
+    g.add_argument("--rl-metrics-jsonl", type=str, default=None,
+                   help="Append one JSON line of metrics per iteration to this file (rank 0).")
+    return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Typed RL settings (flag names in the docs of :func:`add_rl_args`)."""
+
+    env_config: str
+    prompts_per_step: int
+    group_size: int
+    grpo_iterations: int
+    advantage_estimator: str
+    loss_aggregation: str
+    loss: PolicyLossConfig
+    filter_same_reward: bool
+    use_sequence_packing: bool
+    max_sequences_per_bin: int
+    packing_algo: str
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    prompts_per_eval: int
+    eval_temperature: float
+    inference_backend: str
+    inference_server_url: str | None
+    allow_import_paths: bool
+    metrics_jsonl: str | None
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
+    """Build and validate :class:`RLConfig` from ``cfg.extra`` (flags added by :func:`add_rl_args`)."""
+    a = cfg.extra
+    _need(a.langrl_env_config is not None, "--langrl-env-config is required: the YAML file naming the agents to "
+                                           "train on (see examples/rl/environment_configs/).")
+    _need(Path(a.langrl_env_config).is_file(), f"--langrl-env-config={a.langrl_env_config}: no such file.")
+    rl = RLConfig(
+        env_config=a.langrl_env_config, prompts_per_step=a.grpo_prompts_per_step, group_size=a.grpo_group_size,
+        grpo_iterations=a.grpo_iterations, advantage_estimator=a.grpo_advantage_estimator,
+        loss_aggregation=a.grpo_loss_aggregation,
+        loss=PolicyLossConfig(policy_loss=a.grpo_policy_loss, eps_lower=a.grpo_clamp_eps_lower,
+                              eps_upper=a.grpo_clamp_eps_upper, kl_beta=a.grpo_kl_beta,
+                              kl_estimator=a.grpo_kl_estimator, entropy_weight=a.grpo_entropy_term_weight,
+                              is_correction=a.rl_inference_logprobs_is_correction,
+                              is_truncation_coef=a.rl_importance_sampling_truncation_coef),
+        filter_same_reward=a.grpo_filter_groups_with_same_reward, use_sequence_packing=a.rl_use_sequence_packing,
+        max_sequences_per_bin=a.rl_sequence_packing_max_sequences_per_bin, packing_algo=a.rl_sequence_packing_algo,
+        temperature=a.rl_default_temperature, top_p=a.rl_default_top_p, top_k=a.rl_default_top_k,
+        max_new_tokens=a.rl_max_new_tokens, prompts_per_eval=a.rl_prompts_per_eval,
+        eval_temperature=a.rl_eval_temperature, inference_backend=a.inference_backend,
+        inference_server_url=a.inference_server_url, allow_import_paths=a.rl_allow_import_paths,
+        metrics_jsonl=a.rl_metrics_jsonl)
+    validate_rl_config(rl, cfg)
+    return rl
+
+
+def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
+    """Reject flag combinations that cannot work, before any compute."""
+    dp = cfg.parallel.data_parallel_size
+    gbs = cfg.train.global_batch_size
+    for flag, value in (("--grpo-prompts-per-step", rl.prompts_per_step), ("--grpo-group-size", rl.group_size),
+                        ("--grpo-iterations", rl.grpo_iterations), ("--rl-max-new-tokens", rl.max_new_tokens),
+                        ("--rl-sequence-packing-max-sequences-per-bin", rl.max_sequences_per_bin)):
+        _need(value >= 1, f"{flag}={value}: must be >= 1.")
+    _need(rl.group_size >= 2 or rl.advantage_estimator not in ("grpo", "rloo", "drgrpo"),
+          f"--grpo-group-size={rl.group_size}: the {rl.advantage_estimator!r} advantage compares rollouts within a "
+          f"group, so it needs at least 2 rollouts per prompt.")
+    _need(rl.prompts_per_step % dp == 0,
+          f"--grpo-prompts-per-step={rl.prompts_per_step} must be divisible by the data-parallel size {dp} "
+          f"(each DP rank collects an equal share of prompt groups).")
+    _need(rl.rollouts_per_step % gbs == 0,
+          f"--grpo-prompts-per-step x --grpo-group-size = {rl.prompts_per_step} x {rl.group_size} = "
+          f"{rl.rollouts_per_step} rollouts per iteration must be a multiple of --global-batch-size={gbs} "
+          f"(each optimizer step trains on --global-batch-size sequences).")
+    _need(rl.temperature >= 0, f"--rl-default-temperature={rl.temperature}: must be >= 0.")
+    _need(0 < rl.top_p <= 1, f"--rl-default-top-p={rl.top_p}: must be in (0, 1].")
+    _need(rl.top_k >= 0, f"--rl-default-top-k={rl.top_k}: must be >= 0 (0 disables top-k).")
+    _need(rl.loss.kl_beta >= 0, f"--grpo-kl-beta={rl.loss.kl_beta}: must be >= 0.")
+    _need(rl.loss.is_truncation_coef > 0,
+          f"--rl-importance-sampling-truncation-coef={rl.loss.is_truncation_coef}: must be > 0.")
+    _need(rl.max_new_tokens < cfg.model.seq_length,
+          f"--rl-max-new-tokens={rl.max_new_tokens} leaves no room for a prompt within --seq-length="
+          f"{cfg.model.seq_length}.")
+    _need(rl.prompts_per_eval >= 0, f"--rl-prompts-per-eval={rl.prompts_per_eval}: must be >= 0.")
+    _need(rl.inference_backend != "openai" or rl.inference_server_url,
+          "--inference-backend openai needs --inference-server-url (the OpenAI-compatible server's base URL).")
+    _need(cfg.parallel.virtual_pipeline_model_parallel_size is None,
+          "train_rl.py does not support the interleaved pipeline schedule yet; drop "
+          "--num-layers-per-virtual-pipeline-stage.")

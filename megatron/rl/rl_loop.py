@@ -1,0 +1,188 @@
+"""The RL training driver behind ``train_rl.py``: build everything, resume, iterate, evaluate, save.
+
+Resumption is exact: a checkpoint holds the model, optimizer, scheduler, per-rank RNG states, the RL
+iteration and the agents' prompt positions; rollout sampling seeds derive from (``--seed``, iteration,
+DP rank), so a resumed run collects the same rollouts the uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from megatron.rl import parallel_utils
+from megatron.rl.rl_config import RLConfig
+from megatron.rl.rl_utils import StepContext, evaluate, finite_or_raise, rl_iteration
+from megatron.rl.training.config import ConfigError, TrainingConfig
+
+log = logging.getLogger(__name__)
+
+# Short names for the iteration line (the full set goes to TensorBoard / W&B / JSONL).
+_LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss", "loss"),
+              ("response_length_mean", "resp len"), ("clip_fraction_low", "clip lo"),
+              ("clip_fraction_high", "clip hi"), ("kl_mean", "kl"), ("entropy_mean", "entropy"),
+              ("logprob_gap_mean", "lp gap"), ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
+              ("packing_efficiency", "packing"), ("generation_tokens_per_s", "gen tok/s"),
+              ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
+              ("time_train_s", "t train"))
+
+
+@dataclasses.dataclass
+class RLRunResult:
+    iteration: int
+    history: list[dict[str, float]]  # one metrics dict per iteration (with "iteration")
+    evals: list[dict[str, float]]  # one per evaluation (with "iteration")
+
+
+def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: float) -> str:
+    parts = [f" iteration {iteration:6d}/{total:6d}", f"learning rate: {lr:.3E}"]
+    for key, name in _LINE_KEYS:
+        if key in metrics and math.isfinite(metrics[key]):
+            v = metrics[key]
+            parts.append(f"{name}: {v:.4g}" if abs(v) < 1e4 else f"{name}: {v:.0f}")
+    if metrics.get("failed_rollouts"):
+        parts.append(f"failed rollouts: {int(metrics['failed_rollouts'])}")
+    if metrics.get("skipped_update"):
+        parts.append("update skipped")
+    return " | ".join(parts) + " |"
+
+
+def _build_inference(rl: RLConfig, model, tokenizer):
+    from megatron.rl.inference.api import build_inference_interface
+
+    if rl.inference_backend == "megatron":
+        from megatron.rl.inference.megatron import MegatronInference
+
+        if len(model) != 1:
+            raise ConfigError("--inference-backend megatron needs a single model chunk per rank "
+                              "(megatron-core inference does not support the interleaved pipeline schedule)")
+        return MegatronInference(model[0], tokenizer)
+    if rl.inference_backend == "openai":
+        return build_inference_interface("openai", base_url=rl.inference_server_url)
+    return build_inference_interface(rl.inference_backend)
+
+
+def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_model) -> tuple[int, dict]:
+    """Resume from --load when it holds a checkpoint, else start from --pretrained-checkpoint."""
+    from megatron.rl.training.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint
+
+    c = cfg.checkpoint
+    if rl.loss.needs_ref_logprobs:
+        if not c.pretrained_checkpoint:
+            raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
+                              f"model's weights (the policy you start from).")
+        load_checkpoint(c.pretrained_checkpoint, ref_model, None, None, load_optimizer=False, load_rng=False,
+                        model_args=cfg.model_args())
+    if c.load and latest_checkpoint(c.load) is not None:
+        loaded = load_checkpoint(c.load, model, optimizer, scheduler, load_optimizer=not c.no_load_optim,
+                                 load_rng=not c.no_load_rng, model_args=cfg.model_args())
+        log.info("resumed from %s at RL iteration %s", loaded.path, loaded.iteration)
+        return int(loaded.iteration or 0), dict(loaded.run_state)
+    if c.pretrained_checkpoint:
+        load_checkpoint(c.pretrained_checkpoint, model, optimizer, scheduler, load_optimizer=False, load_rng=False,
+                        model_args=cfg.model_args())
+        log.info("starting RL from the pretrained checkpoint %s", c.pretrained_checkpoint)
+    elif c.load:
+        log.info("--load %s holds no checkpoint yet: starting a new run", c.load)
+    else:
+        log.warning("no --pretrained-checkpoint: RL starts from randomly initialised weights")
+    if c.load is None and c.save is None:
+        log.info("no --save: this run will not be resumable")
+    return 0, {}
+
+
+def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
+    """Run ``--train-iters`` RL iterations (all ranks). Initialises megatron; returns the metrics."""
+    from megatron.core import parallel_state as ps
+
+    from megatron.rl.agent.env_config import build_agent_from_config
+    from megatron.rl.training.checkpointing import save_checkpoint
+    from megatron.rl.training.initialize import initialize_megatron
+    from megatron.rl.training.metrics import build_metrics_writer
+    from megatron.rl.training.model_provider import build_model
+    from megatron.rl.training.optimizer import build_optimizer
+    from megatron.rl.training.tokenizer import build_tokenizer
+
+    t, c = cfg.train, cfg.checkpoint
+    if t.train_iters is None:
+        raise ConfigError("--train-iters is required: the number of RL iterations to run.")
+    agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
+    runtime = initialize_megatron(cfg)
+    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
+    model = build_model(cfg, tokenizer=tokenizer)
+    optimizer, scheduler = build_optimizer(cfg, model)
+    ref_model = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if rl.loss.needs_ref_logprobs else None
+    iteration, run_state = _load(cfg, rl, model, optimizer, scheduler, ref_model)
+    agent.set_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    if run_state.get("agent"):
+        agent.load_state_dict(run_state["agent"])
+    inference = _build_inference(rl, model, tokenizer)
+    agent.bind_inference(inference)
+    ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=agent, inference=inference,
+                      pad_token_id=tokenizer.pad, seq_length=cfg.model.seq_length,
+                      micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
+                      device=runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
+                      ref_model=ref_model)
+    writer = build_metrics_writer(cfg)
+    jsonl = Path(rl.metrics_jsonl) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
+    if jsonl is not None:
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(record: dict) -> None:
+        if writer is not None:
+            writer.log_scalars({k: v for k, v in record.items() if k != "iteration"}, record["iteration"])
+        if jsonl is not None:
+            with jsonl.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def run_eval(it: int) -> None:
+        start = time.perf_counter()
+        result = {"iteration": it, **evaluate(ctx, rl, it)}
+        evals.append(result)
+        emit(result)
+        log.info(" evaluation at iteration %d | %s | %.1fs", it,
+                 " | ".join(f"{k[5:]}: {v:.4g}" for k, v in result.items() if k.startswith("eval/")),
+                 time.perf_counter() - start)
+
+    def save(it: int) -> None:
+        save_checkpoint(c.save, it, model, None if c.no_save_optim else optimizer, scheduler,
+                        run_state={"iteration": it, "agent": agent.state_dict()}, model_args=cfg.model_args(),
+                        dist_opt_format=c.dist_ckpt_optim_format)
+
+    history: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
+    eval_on = bool(t.eval_interval) and rl.prompts_per_eval > 0
+    log.info("RL: %d iterations from %d; %d prompts x %d rollouts per iteration, %d optimizer step(s) each, "
+             "backend %s", t.train_iters, iteration, rl.prompts_per_step, rl.group_size,
+             rl.grpo_iterations * rl.rollouts_per_step // t.global_batch_size, rl.inference_backend)
+    if eval_on and iteration == 0:
+        run_eval(0)
+    last_saved = iteration if c.load else None
+    while iteration < t.train_iters:
+        result = rl_iteration(ctx, rl, iteration)
+        iteration += 1
+        record = {"iteration": iteration, **result.metrics}
+        history.append(record)
+        finite_or_raise(result.metrics)
+        if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
+            log.info(format_rl_line(iteration, t.train_iters, result.metrics, float(optimizer.param_groups[0]["lr"])))
+        emit(record)
+        if eval_on and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
+            run_eval(iteration)
+        if c.save and c.save_interval and iteration % c.save_interval == 0:
+            save(iteration)
+            last_saved = iteration
+        if t.exit_interval and iteration % t.exit_interval == 0:
+            log.info("exiting at iteration %d (--exit-interval %d)", iteration, t.exit_interval)
+            break
+    if c.save and last_saved != iteration:
+        save(iteration)
+    if writer is not None:
+        writer.close()
+    close = getattr(inference, "close", None)
+    if callable(close):
+        close()
+    return RLRunResult(iteration, history, evals)

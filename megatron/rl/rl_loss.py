@@ -1,0 +1,104 @@
+"""megatron-core forward steps for RL: scoring (old / reference log-probs) and the GRPO/PPO training loss.
+
+Both consume micro-batches of :class:`~megatron.rl.sequence_packing_utils.PackedBatch` rows. Attention
+never crosses sequences: with the local layer spec a block-diagonal causal ``attention_mask`` is passed;
+with TransformerEngine the rows are flattened to THD with ``PackedSeqParams``.
+
+Gradient scale. megatron-core's schedule (with ``calculate_per_token_loss=False``, our default) divides
+each micro-batch loss by ``num_microbatches`` and DDP averages gradients over data-parallel ranks. Our
+per-micro-batch losses already use *global* normalisers (they sum to the step's loss, see
+:mod:`megatron.rl.algorithms.aggregation`), so the training loss is multiplied by
+``num_microbatches * dp_size`` to cancel both: the gradient is exactly that of the global loss.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from megatron.rl.algorithms import LossNormalizers, aggregate_loss, compute_token_loss
+from megatron.rl.algorithms.policy_loss import PolicyLossConfig
+from megatron.rl.logprobs import token_entropy, token_logprobs
+from megatron.rl.sequence_packing_utils import PackedBatch
+
+# Per-token stats reported token-weighted as [value * n, n] pairs (see megatron.rl.training.loop).
+_WEIGHTED_STATS = ("clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl_mean", "entropy_mean")
+
+
+def model_forward(model, mb: PackedBatch, device: torch.device, use_thd: bool) -> torch.Tensor:
+    """Run the model on packed rows; returns logits [rows, S, V/TP] on the last stage, hidden states elsewhere."""
+    tokens, positions = mb.tokens.to(device), mb.position_ids.to(device)
+    if use_thd:
+        return model(tokens.reshape(1, -1), positions.reshape(1, -1), None,
+                     packed_seq_params=mb.packed_seq_params())
+    return model(tokens, positions, mb.attention_mask().to(device))
+
+
+def _logits(output: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
+    return output.reshape(mb.num_rows, mb.seq_length, -1)
+
+
+def scoring_forward_step(value_name: str, temperature: float, device: torch.device, use_thd: bool) -> Callable:
+    """Forward-only step writing per-token log-probs into ``mb.values[value_name]`` (last stage only).
+
+    The micro-batches are views into the rank's full :class:`PackedBatch`, so the values land there.
+    """
+
+    def loss_func(mb: PackedBatch, output: torch.Tensor):
+        with torch.no_grad():
+            lp = token_logprobs(_logits(output, mb), mb.labels.to(device), temperature)
+            target = mb.values[value_name]
+            target.copy_((lp * mb.loss_mask.to(device)).to(target.dtype).to(target.device))
+        return torch.zeros((), device=device), {}
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        return model_forward(model, mb, device, use_thd), functools.partial(loss_func, mb)
+
+    return forward_step
+
+
+def compute_rl_loss(logits: torch.Tensor, mb: PackedBatch, loss_cfg: PolicyLossConfig, aggregation: str,
+                    normalizers: LossNormalizers, temperature: float,
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's share of the step loss and its report.
+
+    logits: [rows, S, V/TP]. ``mb.values`` holds ``advantages`` and ``old_logprobs`` (and
+    ``ref_logprobs`` / ``inference_logprobs`` when used), all [rows, S] label-aligned.
+    Returns (loss scalar: sums over micro-batches and DP ranks to the global loss, report dict of
+    ``[weighted sum, weight]`` pairs).
+    """
+    device = logits.device
+    labels = mb.labels.to(device)
+    mask = mb.loss_mask.to(device).reshape(-1)
+    values = {k: v.to(device).reshape(-1) for k, v in mb.values.items()}
+    logprobs = token_logprobs(logits, labels, temperature).reshape(-1)
+    entropy = token_entropy(logits, temperature).reshape(-1) if loss_cfg.needs_entropy else None
+    token_loss, stats = compute_token_loss(
+        loss_cfg, logprobs, values["old_logprobs"], values["advantages"], mask,
+        ref_logprobs=values.get("ref_logprobs"), inference_logprobs=values.get("inference_logprobs"),
+        entropy=entropy)
+    loss = aggregate_loss(token_loss, mask, aggregation, normalizers, seq_ids=mb.seq_ids.to(device).reshape(-1))
+    n = mask.sum().detach().double()
+    # [loss * N_global, n_local] summed over micro-batches and ranks gives [loss_total * N, N].
+    report = {"rl loss": torch.stack([loss.detach().double() * float(normalizers.num_tokens), n])}
+    for key in _WEIGHTED_STATS:
+        if key in stats:
+            report[key] = torch.stack([stats[key].double() * n, n])
+    return loss, report
+
+
+def training_forward_step(loss_cfg: PolicyLossConfig, aggregation: str, normalizers: LossNormalizers,
+                          temperature: float, grad_scale: float, device: torch.device, use_thd: bool) -> Callable:
+    """Forward step whose loss back-propagates the GRPO/PPO objective (see the module doc for ``grad_scale``)."""
+
+    def loss_func(mb: PackedBatch, output: torch.Tensor):
+        loss, report = compute_rl_loss(_logits(output, mb), mb, loss_cfg, aggregation, normalizers, temperature)
+        return loss * grad_scale, torch.tensor(1, dtype=torch.int), report
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        return model_forward(model, mb, device, use_thd), functools.partial(loss_func, mb)
+
+    return forward_step

@@ -1,0 +1,352 @@
+"""One RL iteration, orchestrated: collect -> score -> log-probs -> pack -> loss -> optimizer steps.
+
+The math lives in pure modules (:mod:`megatron.rl.algorithms`, :mod:`megatron.rl.rollouts`,
+:mod:`megatron.rl.sequence_packing_utils`); the forward steps in :mod:`megatron.rl.rl_loss`. This module
+only moves data between them and the process groups:
+
+1. Every data-parallel rank asks the agent for its ``P / DP`` groups (all model-parallel ranks of a DP
+   rank run the same agent calls, so a model-parallel inference engine serves them in lockstep).
+2. Each rank turns its groups into training sequences (advantages per group), then the sequences are
+   all-gathered over the DP group, so every rank holds the same global list in the same order.
+3. The list is split into optimizer steps of ``--global-batch-size`` sequences; each step is packed
+   (or laid out one sequence per row) with the same plan on every rank, and its bins dealt to DP ranks.
+4. Old-policy log-probs (and reference log-probs when ``--grpo-kl-beta > 0``) are recomputed by a
+   forward-only pass *before any update*; the train-inference log-prob gap is measured there.
+5. ``--grpo-iterations`` passes of optimizer steps with the GRPO/PPO loss.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron.rl import parallel_utils
+from megatron.rl.agent.api import Agent, EvaluationRequest, GroupedRolloutRequest
+from megatron.rl.algorithms import LossNormalizers
+from megatron.rl.inference.api import GenerationArgs, InferenceInterface
+from megatron.rl.rl_config import RLConfig
+from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
+from megatron.rl.rollouts import CollectionStats, TrainingSequence, groups_to_sequences, split_evenly
+from megatron.rl.sequence_packing_utils import (PackedBatch, build_rank_batch, distribute_bins,
+                                                get_microbatch_dataloader, plan_packing)
+from megatron.rl.training.loop import train_step
+
+log = logging.getLogger(__name__)
+
+
+class RLDataError(RuntimeError):
+    """The agents produced nothing trainable (no prompts, every rollout failed, ...)."""
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any parts (the same on every machine and Python version)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()
+    return int(digest[:15], 16)
+
+
+@contextlib.contextmanager
+def inference_session(inference: InferenceInterface):
+    """Bracket a rollout phase: backends with an inference mode (KV cache) enter and leave it."""
+    mode = getattr(inference, "inference_mode", None)
+    if mode is None:
+        yield inference
+    else:
+        with mode():
+            yield inference
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What an RL iteration needs besides the configs: model, optimizer, agents, backend, groups."""
+
+    model: list  # DDP-wrapped model chunks (the policy)
+    optimizer: Any
+    scheduler: Any
+    agent: Agent
+    inference: InferenceInterface
+    pad_token_id: int
+    seq_length: int
+    micro_batch_size: int
+    global_batch_size: int  # sequences per optimizer step
+    seed: int
+    device: torch.device
+    use_thd: bool = False
+    ref_model: list | None = None  # only when --grpo-kl-beta > 0
+
+
+def _dp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def _all_gather_objects(obj: Any, group) -> list[Any]:
+    if not parallel_utils.is_initialized() or parallel_utils.get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * parallel_utils.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _from_last_stage(obj: Any) -> Any:
+    """An object computed on the last pipeline stage, on every rank of the pipeline group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    return parallel_utils.broadcast_object(obj, ps.get_pipeline_model_parallel_last_rank(),
+                                           group=ps.get_pipeline_model_parallel_group())
+
+
+# --------------------------------------------------------------------------- 1-2. rollouts
+
+
+def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
+    """This DP rank's ``P / DP`` rollout groups for ``iteration`` (deterministic given the seed)."""
+    _, dp_rank, dp_size = _dp()
+    args = GenerationArgs(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
+                          max_tokens=rl.max_new_tokens, seed=derive_seed(ctx.seed, "rollouts", iteration, dp_rank))
+    request = GroupedRolloutRequest(num_groups=rl.prompts_per_step // dp_size, rollouts_per_group=rl.group_size,
+                                    generation_args=args, inference_interface=ctx.inference)
+    with inference_session(ctx.inference):
+        response = asyncio.run(ctx.agent.generate_grouped_rollouts(request))
+    return response.groups
+
+
+def gather_sequences(groups, rl: RLConfig) -> tuple[list[TrainingSequence], CollectionStats]:
+    """Local groups -> global training sequences (same list, same order, on every rank) and global stats."""
+    dp_group, _, _ = _dp()
+    local_seqs, local_stats = groups_to_sequences(groups, rl.advantage_estimator, rl.filter_same_reward)
+    gathered = _all_gather_objects((local_seqs, local_stats), dp_group)
+    sequences = [s for seqs, _ in gathered for s in seqs]
+    stats = CollectionStats()
+    for _, st in gathered:
+        for f in ("groups", "rollouts", "failed_rollouts", "dropped_groups_too_few_ok", "filtered_same_reward_groups"):
+            setattr(stats, f, getattr(stats, f) + getattr(st, f))
+        stats.rewards.extend(st.rewards)
+        stats.response_lengths.extend(st.response_lengths)
+        for k, v in st.failure_reasons.items():
+            stats.failure_reasons[k] = stats.failure_reasons.get(k, 0) + v
+    return sequences, stats
+
+
+# --------------------------------------------------------------------------- 3. packing
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """One optimizer step's data on this rank."""
+
+    batch: PackedBatch
+    num_microbatches: int
+    normalizers: LossNormalizers
+    num_real_tokens: int  # over all ranks
+    num_rows_total: int  # over all ranks, padding rows included
+
+
+def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: StepContext, num_steps: int,
+                       need_ref: bool) -> list[StepBatch]:
+    """Split the sequences into ``num_steps`` optimizer steps and lay out this rank's rows of each."""
+    _, dp_rank, dp_size = _dp()
+    has_inference_lp = all(s.inference_logprobs is not None for s in sequences)
+    if rl.loss.is_correction and not has_inference_lp:
+        raise RLDataError("--rl-inference-logprobs-is-correction needs log-probs from the inference backend, "
+                          "but some rollouts have none (does the server return logprobs?)")
+    max_per_bin = rl.max_sequences_per_bin if rl.use_sequence_packing else 1
+    steps = []
+    for rng in split_evenly(len(sequences), num_steps):
+        chunk = [sequences[i] for i in rng]
+        if not chunk:
+            continue
+        info = plan_packing([len(s.token_ids) for s in chunk], ctx.seq_length, max_per_bin)
+        dist_plan = distribute_bins(info.num_bins, dp_size, ctx.micro_batch_size, rl.packing_algo)
+        per_token = {"old_logprobs": [torch.zeros(len(s.token_ids) - 1) for s in chunk]}
+        if need_ref:
+            per_token["ref_logprobs"] = [torch.zeros(len(s.token_ids) - 1) for s in chunk]
+        if has_inference_lp:
+            per_token["inference_logprobs"] = [torch.tensor(s.inference_logprobs[1:]) for s in chunk]
+        batch = build_rank_batch(info, dist_plan, dp_rank, [s.token_ids for s in chunk],
+                                 [s.loss_mask for s in chunk], ctx.pad_token_id, per_token=per_token,
+                                 per_sequence={"advantages": torch.tensor([s.advantage for s in chunk])})
+        num_tokens = sum(sum(s.loss_mask[1:]) for s in chunk)
+        num_seqs = sum(1 for s in chunk if any(s.loss_mask[1:]))
+        steps.append(StepBatch(batch, dist_plan.num_microbatches,
+                               LossNormalizers(num_tokens=float(num_tokens), num_sequences=float(num_seqs),
+                                               max_len=float(rl.max_new_tokens)),
+                               num_real_tokens=sum(len(s.token_ids) for s in chunk),
+                               num_rows_total=dist_plan.num_microbatches * ctx.micro_batch_size * dp_size))
+    return steps
+
+
+# --------------------------------------------------------------------------- 4-5. scoring and training
+
+
+def _shape_args(ctx: StepContext) -> dict:
+    if ctx.use_thd:  # rows are flattened into one THD sequence per micro-batch
+        return dict(seq_length=ctx.seq_length * ctx.micro_batch_size, micro_batch_size=1)
+    return dict(seq_length=ctx.seq_length, micro_batch_size=ctx.micro_batch_size)
+
+
+def score(model: list, step: StepBatch, value_name: str, temperature: float, ctx: StepContext) -> None:
+    """Fill ``step.batch.values[value_name]`` with the model's log-probs (forward-only, eval mode)."""
+    for chunk in model:
+        chunk.eval()
+    try:
+        with torch.no_grad():
+            loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
+            train_step(scoring_forward_step(value_name, temperature, ctx.device, ctx.use_thd), iter(loader), model,
+                       None, None, step.num_microbatches, forward_only=True, **_shape_args(ctx))
+    finally:
+        for chunk in model:
+            chunk.train()
+
+
+def logprob_gap(steps: list[StepBatch]) -> dict[str, float]:
+    """Train-inference gap |old_logprobs - inference_logprobs| over generated tokens: mean and max."""
+    from megatron.core import parallel_state as ps
+
+    if not steps or any("inference_logprobs" not in s.batch.values for s in steps):
+        return {}  # the backend returned no log-probs (same answer on every rank: no collective skipped)
+    stats = None
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        total = torch.zeros(2, dtype=torch.float64)
+        worst = torch.zeros(1, dtype=torch.float64)
+        for s in steps:
+            v = s.batch.values
+            gap = (v["old_logprobs"].double() - v["inference_logprobs"].double()).abs() * s.batch.loss_mask.double()
+            total += torch.stack([gap.sum(), s.batch.loss_mask.double().sum()])
+            worst = torch.maximum(worst, gap.max().view(1))
+        dp_group = ps.get_data_parallel_group()
+        parallel_utils.all_reduce_sum(total, dp_group)
+        parallel_utils.all_reduce_max(worst, dp_group)
+        stats = {"logprob_gap_mean": float(total[0] / total[1].clamp(min=1)), "logprob_gap_max": float(worst)}
+    return _from_last_stage(stats)
+
+
+@dataclasses.dataclass
+class IterationResult:
+    iteration: int
+    metrics: dict[str, float]
+
+
+def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationResult:
+    """Run one RL iteration (all ranks); returns the metrics (identical on every rank)."""
+    _, _, dp_size = _dp()
+    t0 = time.perf_counter()
+    groups = collect_local_groups(ctx, rl, iteration)
+    t_gen = time.perf_counter() - t0
+    sequences, stats = gather_sequences(groups, rl)
+    if stats.groups == 0:
+        raise RLDataError(f"the agents produced no prompt groups at iteration {iteration}: check "
+                          f"--langrl-env-config={rl.env_config} (datasets, weights)")
+    metrics = _collection_metrics(stats, t_gen)
+    if not sequences:
+        log.warning("iteration %d: nothing to train on (%d groups: %d failed rollouts, %d groups with < 2 ok "
+                    "rollouts, %d groups with identical rewards filtered); skipping the update%s", iteration,
+                    stats.groups, stats.failed_rollouts, stats.dropped_groups_too_few_ok,
+                    stats.filtered_same_reward_groups,
+                    f"; failures: {stats.failure_reasons}" if stats.failure_reasons else "")
+        metrics.update(skipped_update=1.0, time_total_s=time.perf_counter() - t0)
+        return IterationResult(iteration, metrics)
+
+    t1 = time.perf_counter()
+    num_steps = rl.rollouts_per_step // ctx.global_batch_size
+    need_ref = rl.loss.needs_ref_logprobs
+    steps = build_step_batches(sequences, rl, ctx, num_steps, need_ref)
+    for step in steps:
+        score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
+        if need_ref:
+            score(ctx.ref_model, step, "ref_logprobs", rl.temperature, ctx)
+    metrics.update(logprob_gap(steps))
+    t_lp = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    reports, grad_norms, skipped = [], [], 0
+    total_updates = rl.grpo_iterations * len(steps)
+    for pass_index in range(rl.grpo_iterations):
+        for step_index, step in enumerate(steps):
+            # The LR schedule counts RL iterations (--train-iters, --lr-warmup-iters are in iterations):
+            # advance it once, on the iteration's last optimizer step.
+            last = pass_index * len(steps) + step_index == total_updates - 1
+            fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
+                                        grad_scale=float(step.num_microbatches * dp_size), device=ctx.device,
+                                        use_thd=ctx.use_thd)
+            loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
+            report, grad_norm, was_skipped = train_step(fwd, iter(loader), ctx.model, ctx.optimizer, ctx.scheduler,
+                                                        step.num_microbatches, scheduler_increment=int(last),
+                                                        **_shape_args(ctx))
+            reports.append(report)
+            if grad_norm is not None:
+                grad_norms.append(grad_norm)
+            skipped += int(was_skipped)
+    t_train = time.perf_counter() - t2
+
+    for key in reports[0]:
+        metrics[key.replace(" ", "_")] = statistics.fmean(r[key] for r in reports if key in r)
+    real_tokens = sum(s.num_real_tokens for s in steps)
+    metrics.update(
+        grad_norm=statistics.fmean(grad_norms) if grad_norms else float("nan"), optimizer_steps=float(len(reports)),
+        skipped_steps=float(skipped), num_sequences=float(len(sequences)),
+        packing_efficiency=real_tokens / max(sum(s.num_rows_total for s in steps) * ctx.seq_length, 1),
+        train_tokens_per_s=real_tokens * rl.grpo_iterations / max(t_train, 1e-9),
+        time_generate_s=t_gen, time_logprobs_s=t_lp, time_train_s=t_train, time_total_s=time.perf_counter() - t0)
+    return IterationResult(iteration, metrics)
+
+
+def _collection_metrics(stats: CollectionStats, t_gen: float) -> dict[str, float]:
+    rewards = stats.rewards
+    lengths = stats.response_lengths
+    return {
+        "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "response_length_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "failed_rollouts": float(stats.failed_rollouts),
+        "filtered_groups": float(stats.filtered_same_reward_groups + stats.dropped_groups_too_few_ok),
+        "generation_tokens_per_s": sum(lengths) / max(t_gen, 1e-9),
+    }
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluate(ctx: StepContext, rl: RLConfig, iteration: int) -> dict[str, float]:
+    """Held-out evaluation on ``--rl-prompts-per-eval`` prompts (split over DP ranks); pass@1 and rewards."""
+    dp_group, dp_rank, dp_size = _dp()
+    num_prompts = max(rl.prompts_per_eval // dp_size, 1)
+    args = GenerationArgs(temperature=rl.eval_temperature, max_tokens=rl.max_new_tokens,
+                          seed=derive_seed(ctx.seed, "eval", dp_rank))
+    request = EvaluationRequest(num_prompts=num_prompts, num_samples=1, greedy=rl.eval_temperature == 0,
+                                generation_args=args, inference_interface=ctx.inference)
+    with inference_session(ctx.inference):
+        response = asyncio.run(ctx.agent.evaluate(request))
+    gathered = _all_gather_objects(response.metrics, dp_group)
+    out: dict[str, float] = {}
+    prompt_keys = [k for k in gathered[0] if k.endswith("num_prompts")]
+    for key in gathered[0]:
+        if key.endswith("num_prompts"):
+            out[f"eval/{key}"] = float(sum(m.get(key, 0.0) for m in gathered))
+            continue
+        weight_key = next((p for p in prompt_keys if key.startswith(p[: -len("num_prompts")])), None)
+        weights = [m.get(weight_key, 1.0) if weight_key else 1.0 for m in gathered]
+        total = sum(weights)
+        out[f"eval/{key}"] = sum(m.get(key, 0.0) * w for m, w in zip(gathered, weights)) / total if total else 0.0
+    accuracy_keys = [k for k in out if k.endswith("greedy_accuracy") or (not request.greedy and k.endswith("pass@1"))]
+    if accuracy_keys:
+        out["eval/pass@1"] = statistics.fmean(out[k] for k in accuracy_keys)
+    return out
+
+
+def finite_or_raise(metrics: dict[str, float], names: tuple[str, ...] = ("rl_loss",)) -> None:
+    """A NaN/inf loss means a wrong update happened or is about to: stop with the iteration's numbers."""
+    bad = {k: metrics[k] for k in names if k in metrics and not math.isfinite(metrics[k])}
+    if bad:
+        raise FloatingPointError(f"non-finite training metrics {bad}; all metrics: {metrics}")
