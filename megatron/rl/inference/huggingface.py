@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -29,35 +29,45 @@ from megatron.rl.inference.chat_template import render_chat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HuggingFaceInference", "sample_next"]
+__all__ = ["HuggingFaceInference", "sample_batch"]
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
-def sample_next(logits: torch.Tensor, args: GenerationArgs, generator: torch.Generator | None) -> tuple[int, float]:
-    """Pick one token from ``logits`` [vocab]; return ``(token, logprob)``.
+def sample_batch(logits: torch.Tensor, args: Sequence[GenerationArgs],
+                 generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[float]]:
+    """Pick one token per row of ``logits`` [batch, vocab], each row with its own sampling settings.
 
-    The log-prob is under ``log_softmax(logits / T)`` (T=1 when greedy), before top-k/top-p truncation.
+    Returns ``(tokens, logprobs)`` (length batch). Each log-prob is under ``softmax(logits / T)`` of its row
+    (T=1 when greedy), before top-k/top-p truncation. Rows with ``temperature == 0`` take the argmax; the
+    others draw one uniform number from their own generator (so a seeded request is reproducible whatever
+    else is in the batch) and invert the CDF of the truncated, renormalised distribution.
     """
     logits = logits.float()
-    logp = torch.log_softmax(logits / logprob_temperature(args.temperature), dim=-1)
-    if args.temperature == 0:
-        tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
-    probs = logp.exp()
-    if 0 < args.top_k < probs.numel():
-        kth = torch.topk(probs, args.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if args.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True, stable=True)
-        cum = torch.cumsum(sorted_p, 0) / sorted_p.sum()
-        n_keep = int(torch.searchsorted(cum, torch.tensor(args.top_p, dtype=cum.dtype))) + 1  # mass >= top_p
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[order[:n_keep]] = True
-        probs = torch.where(mask, probs, torch.zeros_like(probs))
-    tok = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-    return tok, float(logp[tok])
+    temps = torch.tensor([logprob_temperature(a.temperature) for a in args], dtype=logits.dtype)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)  # [B, V]
+    tokens = torch.argmax(logits, dim=-1)
+    sampled = [i for i, a in enumerate(args) if a.temperature > 0]
+    if sampled:
+        idx = torch.tensor(sampled)
+        sorted_p, order = torch.sort(logp[idx].exp(), dim=-1, descending=True, stable=True)  # [S, V]
+        vocab = sorted_p.shape[-1]
+        top_k = torch.tensor([args[i].top_k if args[i].top_k > 0 else vocab for i in sampled])
+        top_p = torch.tensor([args[i].top_p for i in sampled], dtype=sorted_p.dtype)
+        rank = torch.arange(vocab)[None, :]
+        cum = torch.cumsum(sorted_p, dim=-1)
+        # top-p keeps the smallest prefix whose mass reaches top_p: a token stays if the mass *before* it is
+        # still short of top_p (the first token always stays)
+        keep = (rank < top_k[:, None]) & ((cum - sorted_p) < top_p[:, None] * cum[:, -1:])
+        kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+        cdf = torch.cumsum(kept, dim=-1)
+        u = torch.stack([torch.rand((), generator=generators[i], dtype=cdf.dtype) for i in sampled]) * cdf[:, -1]
+        pos = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=vocab - 1)
+        pos = torch.minimum(pos, keep.sum(-1, keepdim=True) - 1)  # never step past the kept prefix
+        tokens[idx] = order.gather(-1, pos)[:, 0]
+    lps = logp.gather(-1, tokens[:, None])[:, 0]
+    return tokens.tolist(), lps.tolist()
 
 
 @dataclass
@@ -189,11 +199,11 @@ class HuggingFaceInference(InferenceInterface):
             past = out.past_key_values
             logits = out.logits[:, -1, :].float().cpu()
             next_ids = torch.full((len(rows),), self.pad_id, dtype=torch.long)
-            for i, r in enumerate(rows):
-                if r.finish is None:
-                    tok, lp = sample_next(logits[i], r.args, r.generator)
-                    self._accept(r, tok, lp)
-                    next_ids[i] = tok
+            live = [i for i, r in enumerate(rows) if r.finish is None]
+            toks, lps = sample_batch(logits[live], [rows[i].args for i in live], [rows[i].generator for i in live])
+            for i, tok, lp in zip(live, toks, lps):
+                self._accept(rows[i], tok, lp)
+                next_ids[i] = tok
             if all(r.finish is not None for r in rows):
                 break
             step_ids = next_ids.view(-1, 1).to(dev)

@@ -99,3 +99,35 @@ def test_too_long_prompt_is_a_per_request_error(hf_backend):
 def test_missing_directory_is_clear_error(tmp_path):
     with pytest.raises(InferenceError, match="not a local directory"):
         build_inference_interface("huggingface", model_path=str(tmp_path / "nope"))
+
+
+def test_sample_batch_truncation_and_distribution():
+    from megatron.rl.inference.huggingface import sample_batch
+
+    logits = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]))
+    cases = [  # expected sampling distribution after truncation (reference written out by hand)
+        (GenerationArgs(temperature=1.0), [0.05, 0.4, 0.1, 0.3, 0.15]),
+        (GenerationArgs(temperature=1.0, top_k=2), [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0]),
+        (GenerationArgs(temperature=1.0, top_p=0.75), [0, 0.4 / 0.85, 0, 0.3 / 0.85, 0.15 / 0.85]),
+        (GenerationArgs(temperature=1.0, top_p=0.69), [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0]),
+        (GenerationArgs(temperature=1.0, top_p=1e-6), [0, 1, 0, 0, 0]),
+    ]
+    draws = 4000
+    for args, expected in cases:
+        gens = [torch.Generator().manual_seed(i) for i in range(draws)]
+        toks, lps = sample_batch(logits.expand(draws, -1), [args] * draws, gens)
+        freq = np.bincount(toks, minlength=5) / draws
+        np.testing.assert_allclose(freq, expected, atol=0.03)
+        # log-probs are of the untruncated distribution whatever the truncation
+        np.testing.assert_allclose(lps, torch.log_softmax(logits, -1)[toks].numpy(), atol=1e-6)
+    # temperature reshapes both the sampling and the reported log-probs; greedy rows mix with sampled rows
+    args = [GenerationArgs(temperature=0.5), GenerationArgs(temperature=0)]
+    toks, lps = sample_batch(torch.stack([logits, logits]), args, [torch.Generator().manual_seed(0), None])
+    assert toks[1] == 1 and lps[1] == pytest.approx(float(torch.log_softmax(logits, -1)[1]))
+    assert lps[0] == pytest.approx(float(torch.log_softmax(logits / 0.5, -1)[toks[0]]))
+
+
+def test_top_p_tiny_equals_greedy_tokens(hf_backend):
+    g = hf_backend.generate("Hello world", temperature=0, max_tokens=8)[0]
+    p = hf_backend.generate("Hello world", temperature=0.9, top_p=1e-6, max_tokens=8, seed=3)[0]
+    assert p.token_ids == g.token_ids
