@@ -1,7 +1,7 @@
 """HuggingFaceDatasetAgent: prompts and reference answers from a local dataset file.
 
-Reads JSONL/JSON, Parquet or Arrow files through the ``datasets`` library when it is installed (JSONL
-only without it), never from the network. Columns are mapped by name::
+Reads JSON-lines files directly and JSON, Parquet or Arrow files through the ``datasets`` library when it
+is installed (JSON lines only without it), never from the network. Columns are mapped by name::
 
     type: huggingface_dataset
     args:
@@ -53,10 +53,12 @@ def load_rows(path: str | Path, max_rows: int | None = None) -> list[dict[str, A
     if not path.is_file():
         raise DatasetFileError(f"dataset file {path} does not exist (absolute: {path.resolve()})")
     fmt = _format_of(path)
-    try:
-        import datasets  # optional
-    except ImportError:
-        datasets = None
+    datasets = None
+    if path.suffix.lower() != ".jsonl":  # JSON lines are read directly: faster, and no HF cache directory
+        try:
+            import datasets  # optional
+        except ImportError:
+            pass
     if datasets is not None:
         bars = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # a per-file "Generating train split" bar is noise in a training log
@@ -75,6 +77,7 @@ def load_rows(path: str | Path, max_rows: int | None = None) -> list[dict[str, A
     if fmt != "json":
         raise DatasetFileError(f"dataset file {path}: reading {fmt} files needs the `datasets` package "
                                "(pip install datasets), or convert it to JSONL")
+    # JSON lines (or, without `datasets`, a .json file holding JSON lines)
     rows = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

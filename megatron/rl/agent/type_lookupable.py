@@ -24,7 +24,7 @@ import contextvars
 import logging
 from typing import Any, Callable, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +162,10 @@ class TypeLookupable(BaseModel):
         target = type(self).lookup(self.type_name)
         if type(self) is target:
             return self
-        obj = target.model_validate(self.model_dump(round_trip=True))
-        extra = sorted(obj.model_extra or {})
-        if extra:
-            raise TypeLookupError(f"{target.__name__} ({self.type_name!r}) got unknown field(s) {extra}; "
-                                  f"its fields are: {', '.join(sorted(target.model_fields))}")
-        return obj
+        try:
+            return target.model_validate(self.model_dump(round_trip=True))
+        except ValidationError as e:
+            raise TypeLookupError(f"cannot unwrap into {target.__name__} ({self.type_name!r}): {e}") from None
 
     # Serialise fields typed as a base class with the fields of their actual (sub)class, so JSON written
     # by one process validates back into the same subclasses in another.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from fractions import Fraction
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
@@ -38,7 +39,9 @@ def allocate_groups(total: int, weights: list[float]) -> list[int]:
     if total < len(positive):
         raise ValueError(f"{total} groups per step cannot give each of the {len(positive)} weighted environments "
                          "at least one group; raise the number of prompts per step or set some weights to 0")
-    quotas = [total * w / wsum for w in weights]
+    # Exact rationals: float rounding must not decide ties between equal remainders.
+    exact = [Fraction(w) for w in weights]
+    quotas = [total * w / sum(exact) for w in exact]
     alloc = [math.floor(q) for q in quotas]
     leftover = total - sum(alloc)
     order = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - alloc[i]), i))
