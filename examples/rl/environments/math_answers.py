@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["extract_answer", "normalize_answer", "latex_to_plain", "is_equivalent", "math_reward"]
 
-_MAX_INPUT = 20_000  # characters of completion we look at
+_MAX_INPUT = 50_000  # longer completions are malformed (no answer); cutting them could change the answer
+_MAX_ANSWER = 500  # longer final answers are not compared
 _OPTS = ParseOptions(allow_power=True, allow_unary=True, allow_decimal=True, allow_implicit_mul=True,
                      functions=frozenset({"sqrt"}), constants=frozenset({"pi"}),
                      variables=frozenset("abcdefghjkmnpqrstuvwxyz"),  # not e, i, l, o (constants / look-alikes)
@@ -53,7 +54,9 @@ def _balanced(text: str, open_at: int) -> tuple[str, int] | None:
 
 def extract_answer(completion: str) -> str | None:
     """The final answer in a completion (see the module docstring), or None."""
-    text = completion[-_MAX_INPUT:]
+    if len(completion) > _MAX_INPUT:
+        return None
+    text = completion
     for marker in ("\\boxed", "\\fbox"):
         start = text.rfind(marker + "{")
         if start >= 0:
@@ -100,7 +103,9 @@ def _replace_command(text: str, command: str, nargs: int, fmt: str) -> str:
 
 def normalize_answer(answer: str) -> str:
     """Strip formatting that does not change the value (see the module docstring)."""
-    s = answer.strip()[:500]
+    s = answer.strip()
+    if len(s) > _MAX_ANSWER:
+        return ""
     s = s.replace("$", "").replace("\\!", "").replace("\\,", "").replace("\\;", "").replace("\\ ", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
     s = re.sub(r"\^\{?\\circ\}?", "", s)
