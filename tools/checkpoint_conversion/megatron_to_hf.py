@@ -1,0 +1,191 @@
+"""Megatron (torch_dist) -> Hugging Face conversion: ``config.json`` + safetensors (+ tokenizer files).
+
+Works on the release checkpoints :mod:`.hf_to_megatron` writes and on training checkpoints (``iter_*``,
+any TP/PP they were saved with: the model is loaded resharded into a TP=1 model in this process). What it
+needs besides the weights, looked up next to the checkpoint (the directory given and its parent) unless
+passed explicitly:
+
+- the Megatron model flags: ``megatron_args.txt`` (``--megatron-args FILE``, or flags after ``--``);
+- the Hugging Face config: ``hf_config/config.json`` (``--hf-config DIR``); without one a minimal config is
+  written for the family (``--model-type``, else guessed: qk-layernorm -> qwen3, qkv bias -> qwen2, else llama);
+- the tokenizer: ``tokenizer/`` (``--tokenizer-dir DIR``), copied into the output when found.
+
+The padded vocabulary rows are dropped; tensors are written in the Hugging Face config's dtype (``--dtype``
+overrides), so HF -> Megatron -> HF returns the same tensors bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tools.checkpoint_conversion.families import (ConversionError, config_dtype, family_by_name, family_for_config,
+                                                  family_for_megatron)
+from tools.checkpoint_conversion.hf_io import copy_tokenizer, read_hf_config, write_safetensors
+from tools.checkpoint_conversion.hf_to_megatron import (ARGS_TXT, HF_CONFIG_DIR, TOKENIZER_DIR, build_tp1_model,
+                                                        parse_megatron_flags, torch_dtype)
+from tools.checkpoint_conversion.mapping import megatron_to_hf
+
+log = logging.getLogger(__name__)
+
+
+def read_flags_file(path: str | os.PathLike) -> list[str]:
+    """Flags from a ``megatron_args.txt``-style file: ``#`` comments, flags split like a shell would."""
+    text = Path(path).read_text()
+    return shlex.split(" ".join(line for line in text.splitlines() if not line.lstrip().startswith("#")))
+
+
+def _search_dirs(load: Path, ckpt: Path) -> list[Path]:
+    out = [load, ckpt, ckpt.parent]
+    return list(dict.fromkeys(p.resolve() for p in out))
+
+
+def _find(dirs: list[Path], name: str) -> Path | None:
+    for d in dirs:
+        if (d / name).exists():
+            return d / name
+    return None
+
+
+def _checkpoint_vocab_rows(ckpt: Path) -> int:
+    """Padded vocab of a torch_dist checkpoint: the global row count of its word embeddings."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    for key, value in meta.items():
+        if key.endswith("embedding.word_embeddings.weight"):
+            return int(value.local_shape[0] if hasattr(value, "local_shape") else value.shape[0])
+    raise ConversionError(f"{ckpt} has no embedding.word_embeddings.weight; is it a GPT checkpoint?")
+
+
+def _check_config_matches(hf_cfg: dict, flags: list[str], model_args: dict, source: str) -> None:
+    family = family_for_config(hf_cfg)
+    family.check(hf_cfg)
+    from_hf = parse_megatron_flags(family.megatron_flags(hf_cfg)).model_args()
+    diff = {k: (from_hf[k], model_args.get(k)) for k in from_hf if from_hf[k] != model_args.get(k)}
+    if diff:
+        raise ConversionError(f"the Hugging Face config {source} does not describe the Megatron model: "
+                              + ", ".join(f"{k}: config {a!r} vs model {b!r}" for k, (a, b) in sorted(diff.items())))
+
+
+def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, megatron_args: list[str] | None = None,
+                           hf_config_dir: str | os.PathLike | None = None, tokenizer_dir: str | os.PathLike | None = None,
+                           dtype: str | None = None, model_type: str | None = None) -> Path:
+    """Write the Hugging Face form of the Megatron checkpoint ``load`` into ``save``; returns ``save``.
+
+    ``megatron_args``: the model flags (default: ``megatron_args.txt`` next to the checkpoint).
+    Raises ConversionError when the checkpoint, its flags or a config that matches them cannot be found.
+    """
+    t0 = time.perf_counter()
+    from megatron.rl.training.checkpoint_paths import CheckpointError, resolve_checkpoint_dir
+
+    load = Path(load)
+    if not load.exists():
+        raise ConversionError(f"--load={load}: no such directory")
+    try:
+        ckpt = resolve_checkpoint_dir(load)
+    except CheckpointError as e:
+        raise ConversionError(f"--load={load}: {e}") from e
+    dirs = _search_dirs(load, ckpt)
+    if megatron_args is None:
+        args_file = _find(dirs, ARGS_TXT)
+        if args_file is None:
+            raise ConversionError(f"no {ARGS_TXT} next to {ckpt}: pass the model flags with --megatron-args FILE "
+                                  f"(e.g. the converted checkpoint's {ARGS_TXT}) or after '--'")
+        megatron_args = read_flags_file(args_file)
+    cfg = parse_megatron_flags(list(megatron_args))
+    model_args = cfg.model_args()
+
+    hf_cfg_path = Path(hf_config_dir) / "config.json" if hf_config_dir else _find(dirs, f"{HF_CONFIG_DIR}/config.json")
+    if hf_cfg_path is not None:
+        hf_cfg = read_hf_config(hf_cfg_path.parent, flag="--hf-config")
+        _check_config_matches(hf_cfg, list(megatron_args), model_args, str(hf_cfg_path))
+        family = family_for_config(hf_cfg)
+    else:
+        family = family_by_name(model_type) if model_type else family_for_megatron(cfg.model)
+        vocab = cfg.tokenizer.vocab_size
+        if vocab is None:
+            raise ConversionError("the model flags lack --vocab-size, needed to drop Megatron's vocab padding")
+        hf_cfg = family.hf_config(cfg.model, vocab, dtype or "float32")
+        _check_config_matches(hf_cfg, list(megatron_args), model_args, f"synthesised for {family.name}")
+        log.warning("no Hugging Face config found next to %s; writing a minimal %s config", ckpt, family.name)
+    out_dtype = torch_dtype(dtype or config_dtype(hf_cfg) or "float32")
+    spec = family.arch_spec(hf_cfg)
+
+    _, model = build_tp1_model(list(megatron_args), _checkpoint_vocab_rows(ckpt), out_dtype)
+    from megatron.rl.training.checkpointing import load_checkpoint
+
+    try:
+        load_checkpoint(ckpt, [model], load_optimizer=False, load_rng=False, model_args=model_args)
+    except CheckpointError as e:
+        raise ConversionError(f"cannot load {ckpt} with the given model flags: {e}") from e
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    tensors = {k: v.to(out_dtype) for k, v in megatron_to_hf(state, spec).items()}
+
+    save = Path(save)
+    save.mkdir(parents=True, exist_ok=True)
+    write_safetensors(save, tensors)
+    if hf_cfg_path is not None:
+        shutil.copy2(hf_cfg_path, save / "config.json")
+        gen = hf_cfg_path.parent / "generation_config.json"
+        if gen.is_file():
+            shutil.copy2(gen, save / "generation_config.json")
+    else:
+        (save / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+    tok = Path(tokenizer_dir) if tokenizer_dir else _find(dirs, TOKENIZER_DIR)
+    if tok is not None:
+        copy_tokenizer(tok, save)
+    log.info("wrote Hugging Face %s model (%d tensors, %s) to %s in %.1f s", family.name, len(tensors), out_dtype,
+             save, time.perf_counter() - t0)
+    return save
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Convert a Megatron torch_dist checkpoint (release or iter_*) to a Hugging Face directory. "
+                    "Model flags may follow '--'.", allow_abbrev=False)
+    p.add_argument("--load", required=True, help="checkpoint save dir (tracker) or a checkpoint directory")
+    p.add_argument("--save", required=True, help="output Hugging Face directory")
+    p.add_argument("--megatron-args", help=f"file with the model flags (default: {ARGS_TXT} next to the checkpoint)")
+    p.add_argument("--hf-config", help=f"directory with the original config.json (default: {HF_CONFIG_DIR}/ next "
+                                       f"to the checkpoint)")
+    p.add_argument("--tokenizer-dir", help=f"tokenizer files to copy (default: {TOKENIZER_DIR}/ next to the checkpoint)")
+    p.add_argument("--dtype", help="output dtype (default: the config's)")
+    p.add_argument("--model-type", help="family when no config.json is available: llama, qwen2 or qwen3")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = None
+    if "--" in argv:
+        i = argv.index("--")
+        argv, flags = argv[:i], argv[i + 1:]
+    args = build_arg_parser().parse_args(argv)
+    os.environ.setdefault("MEGATRON_RL_FORCE_CPU", "1")
+    from megatron.rl.logging import setup_distributed_logging
+
+    setup_distributed_logging("INFO")
+    try:
+        if args.megatron_args:
+            if not Path(args.megatron_args).is_file():
+                raise ConversionError(f"--megatron-args={args.megatron_args}: no such file")
+            flags = read_flags_file(args.megatron_args)
+        convert_megatron_to_hf(args.load, args.save, flags, args.hf_config, args.tokenizer_dir, args.dtype,
+                               args.model_type)
+    except ConversionError as e:
+        log.error("%s", e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
