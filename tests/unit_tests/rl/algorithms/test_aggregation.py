@@ -116,3 +116,21 @@ def test_all_padding_microbatch_contributes_zero_with_graph():
     out = aggregate_loss(lp * 2, torch.zeros(5), "sequence", LossNormalizers(num_sequences=3),
                          torch.full((5,), -1))
     assert out.item() == 0.0 and out.requires_grad
+
+
+@pytest.mark.slow  # torchrun + megatron-core imports: ~10 s CPU, 30+ s wall on a loaded machine
+@pytest.mark.multiprocess
+def test_megatron_schedule_dp2_packed_equals_full_batch(torchrun):
+    """The documented megatron-core convention (calculate_per_token_loss=True, token count 0) makes
+    DP=2 x packed micro-batches give the full-batch global loss and gradient."""
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "schedule_global_loss.py"
+    proc = torchrun(script, args=["token,sequence,drgrpo"], nproc=2, timeout=400)
+    results = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    assert sorted(results) == ["drgrpo", "sequence", "token"]
+    for mode, r in results.items():
+        assert r["num_bins"] < 10 and r["num_microbatches"] >= 2, (mode, r)
+        assert r["loss"] == pytest.approx(r["ref_loss"], abs=1e-6), (mode, r)
+        assert r["grad_max_abs_diff"] < 1e-6 and r["grad_norm"] > 1e-2, (mode, r)
