@@ -125,10 +125,66 @@ def _json_roundtrip(value: dict | None, name: str) -> dict:
         raise TypeError(f"{name} must be json-serialisable (plain dicts/lists/str/numbers/bools): {e}") from e
 
 
+def _errors() -> tuple[type[BaseException], ...]:
+    # torch DCP wraps per-rank failures in CheckpointException, which derives from BaseException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception; DCP's multi-rank tracebacks are reduced to their final line."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
 def _cuda_rng() -> bool:
     from megatron.rl.runtime import cuda_usable
 
     return cuda_usable()
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Create the state of parameters that have not been stepped yet (a fresh optimizer, iteration 0).
+
+    Without it such a checkpoint has no exp_avg/exp_avg_sq/step entries and cannot be loaded. Adam's
+    lazy initialisation creates exactly these values (zeros, step 0) on its first step, so doing it early
+    changes nothing numerically.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        empty = [p for g in inner.param_groups for p in g["params"] if len(inner.state[p]) == 0]
+        if not empty:
+            continue
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for p in empty:
+                inner.state[p]["step"] = torch.tensor(0.0)
+                inner.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                inner.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif getattr(sub, "init_state_fn", None) is not None:
+            sub.init_state_fn(inner, getattr(sub, "config", None))
+
+
+def _restore_zero_steps(optim_state: Any) -> None:
+    """megatron-core 0.16.1 stores Adam's shared step only when it is truthy (``if step:``), so a checkpoint
+    saved at step 0 has per-param exp_avg/exp_avg_sq but no step and torch Adam's load_state_dict raises
+    KeyError 'step'. Put the missing step (0) back into the loaded optimizer state dict."""
+    if isinstance(optim_state, (list, tuple)):
+        for v in optim_state:
+            _restore_zero_steps(v)
+        return
+    if not isinstance(optim_state, dict):
+        return
+    state = optim_state.get("state")
+    if isinstance(state, dict) and "param_groups" in optim_state and "common_step" not in state:
+        per_param = [v for v in state.values() if isinstance(v, dict)]
+        if per_param and all("exp_avg" in v and "step" not in v for v in per_param):
+            state["common_step"] = torch.tensor(0.0)
+    for v in optim_state.values():
+        if isinstance(v, (dict, list, tuple)):
+            _restore_zero_steps(v)
 
 
 def check_model_args(saved: dict, current: dict, ckpt_path: Path) -> None:
@@ -190,6 +246,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
     contents = sorted(state)
     opt_meta = _optimizer_metadata(dist_opt_format)
     if optimizer is not None:
+        _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=opt_meta)
         contents.append("optimizer")
     state[RNG_KEY] = rng_sharded_object(capture_rng_state(include_cuda=_cuda_rng()))
@@ -207,9 +264,9 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
         dist_checkpointing.save(state, str(tmp_dir), content_metadata=opt_meta)
         ok = True
         err = ""
-    except Exception as e:  # noqa: BLE001 - every rank must agree before anything is published
+    except _errors() as e:  # every rank must agree before anything is published
         logger.exception("checkpoint save into %s failed", tmp_dir)
-        ok, err = False, f"{type(e).__name__}: {e}"
+        ok, err = False, _describe(e)
     flags = torch.tensor([0 if ok else 1], dtype=torch.int64, device="cuda" if _cuda_rng() else "cpu")
     torch.distributed.all_reduce(flags)  # every rank learns whether any rank failed
     if int(flags.item()) != 0:
@@ -233,8 +290,8 @@ def _load_common(ckpt: Path) -> dict:
 
     try:
         return dist_checkpointing.load_common_state_dict(str(ckpt))
-    except Exception as e:  # noqa: BLE001 - any failure here means an unreadable checkpoint
-        raise CheckpointError(f"cannot read the common state of checkpoint {ckpt} ({type(e).__name__}: {e}); "
+    except _errors() as e:  # any failure here means an unreadable checkpoint
+        raise CheckpointError(f"cannot read the common state of checkpoint {ckpt} ({_describe(e)}); "
                               f"the directory is corrupt or not a torch_dist checkpoint") from e
 
 
@@ -309,8 +366,8 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     try:
         loaded = dist_checkpointing.load(
             state, str(ckpt), strict=StrictHandling.ASSUME_OK_UNEXPECTED if strict else StrictHandling.LOG_ALL)
-    except Exception as e:  # noqa: BLE001 - shape/key mismatches and unreadable shards surface here
-        raise CheckpointError(f"loading {ckpt} failed ({type(e).__name__}: {e}). If the architecture changed, "
+    except _errors() as e:  # shape/key mismatches and unreadable shards surface here
+        raise CheckpointError(f"loading {ckpt} failed ({_describe(e)}). If the architecture changed, "
                               f"pass model_args to get the differing flag named") from e
 
     models = _unwrap(model_chunks)
@@ -326,6 +383,7 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
 
     loaded_sched = False
     if want_opt:
+        _restore_zero_steps(loaded["optimizer"])
         optimizer.load_state_dict(loaded["optimizer"])
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
