@@ -261,6 +261,13 @@ class PackedBatch:
                            {k: v[start:stop] for k, v in self.values.items()}, self.bin_ids[start:stop],
                            self.row_segments[start:stop], self.info)
 
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        """A copy with every tensor on ``device`` (plans and segment lengths are host-side metadata)."""
+        return PackedBatch(self.tokens.to(device), self.labels.to(device), self.position_ids.to(device),
+                           self.loss_mask.to(device), self.seq_ids.to(device),
+                           {k: v.to(device) for k, v in self.values.items()}, self.bin_ids, self.row_segments,
+                           self.info)
+
     def cu_seqlens(self) -> torch.Tensor:
         """int32 [num_segments + 1]: cumulative segment lengths over the flattened rows (``[1, rows * S]``)."""
         lengths = [n for row in self.row_segments for n in row]
@@ -275,7 +282,9 @@ class PackedBatch:
         """megatron-core ``PackedSeqParams`` (``qkv_format="thd"``) for the flattened rows.
 
         Feed the model ``tokens.reshape(1, -1)`` and ``position_ids.reshape(1, -1)`` with it; padding
-        forms its own segments, so no real token attends across a sequence boundary. Needs an
+        forms its own segments, so no real token attends across a sequence boundary. With pipeline
+        parallelism the schedule's tensor shape is then ``seq_length = rows * S``, ``micro_batch_size = 1``.
+        No context-parallel padding (``cu_seqlens_*_padded``) is produced. Needs an
         attention implementation that honours THD packing (TransformerEngine); megatron-core's local
         ``DotProductAttention`` asserts ``packed_seq_params is None`` - use :meth:`attention_mask` there.
         """

@@ -151,6 +151,9 @@ def test_build_packed_batch_layout():
     assert batch.loss_mask[-1].sum() == 0 and (batch.seq_ids[-1] == -1).all()
     assert int(batch.loss_mask.sum()) == sum(n - p for n, p in zip(lengths, prompts))
     assert 0 < batch.efficiency() < info.efficiency <= 1
+    moved = batch.to("cpu")
+    assert torch.equal(moved.tokens, batch.tokens) and torch.equal(moved.values["advantages"], batch.values["advantages"])
+    assert moved.rows(1, 2).bin_ids == (rows[1],) and moved.rows(1, 2).tokens.shape == (1, 16)
 
 
 def test_cu_seqlens_and_attention_mask():
