@@ -215,3 +215,13 @@ def test_empty_split_is_an_error(tmp_path):
                                num_samples=10, split="valid")
     with pytest.raises(DataError, match="split is empty"):
         build_pretraining_data(cfg(data_path=[str(src)], split="100,0,0"), TOK, SEQ, 1, 1, 0, 1, 0, split="test")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_rank_build_is_collective_and_sharded(tmp_path, torchrun):
+    src = write_jsonl(tmp_path / "corpus.jsonl", TEXTS)
+    script = Path(__file__).parent / "scripts" / "data_dp_sharding.py"
+    proc = torchrun(script, [src, tmp_path / "cache"])
+    assert "DP_SHARDING_OK" in proc.stdout
+    assert list((tmp_path / "cache").glob("*shuffle_index.npy"))  # built once by rank 0, loaded by rank 1
