@@ -124,6 +124,7 @@ def test_hf_to_megatron_logits_and_exact_round_trip(tmp_path, family, tied):
     assert (back / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow  # ~20 s alone, ~95 s on the shared 2-core box: 2 extra processes importing torch/megatron
 @pytest.mark.multiprocess
 def test_converted_checkpoints_load_at_tp2(tmp_path, torchrun):
     """Qwen2 (qkv bias) and Qwen3 (q/k-norm, head_dim != hidden/heads), converted for TP=2, loaded at TP=2."""
