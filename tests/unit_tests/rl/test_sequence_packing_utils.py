@@ -169,13 +169,12 @@ def test_cu_seqlens_and_attention_mask():
     assert params.qkv_format == "thd" and torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv)
     assert params.max_seqlen_q == max(b - a for a, b in zip(cuts, cuts[1:]))
     mask = batch.attention_mask()
-    # reference: i may attend to j iff same row, same segment, j <= i
-    seg = torch.tensor([sum(1 for c in cuts if c <= i) for i in range(len(flat_ids))]).reshape(batch.tokens.shape)
-    for r in range(batch.num_rows):
-        for i in range(16):
-            for j in range(16):
-                allowed = seg[r, i] == seg[r, j] and j <= i
-                assert bool(mask[r, 0, i, j]) == (not allowed)
+    # reference: i may attend to j iff same row, same segment (from the position resets), j <= i
+    seg = torch.tensor(flat_pos).eq(0).cumsum(0).reshape(batch.tokens.shape)
+    idx = torch.arange(16)
+    allowed = (seg[:, :, None] == seg[:, None, :]) & (idx[None, None, :] <= idx[None, :, None])
+    assert torch.equal(mask[:, 0], ~allowed)
+    assert mask.shape == (batch.num_rows, 1, 16, 16) and mask.dtype == torch.bool
 
 
 def test_pack_unpack_round_trip_exact_and_microbatches():
