@@ -5,8 +5,9 @@ OpenAI-compatible server), "huggingface" (local ``transformers`` model), "fake" 
 double). They are imported lazily by :func:`build_inference_interface`.
 """
 from megatron.rl.inference.api import (ChatMessage, GenerationArgs, InferenceError, InferenceInterface,
-                                       InferenceRequest, InferenceResponse, build_inference_interface,
+                                       InferenceRequest, InferenceResponse, backend_class, build_inference_interface,
                                        expand_requests, registered_backends)
 
 __all__ = ["ChatMessage", "GenerationArgs", "InferenceError", "InferenceInterface", "InferenceRequest",
-           "InferenceResponse", "build_inference_interface", "expand_requests", "registered_backends"]
+           "InferenceResponse", "backend_class", "build_inference_interface", "expand_requests",
+           "registered_backends"]

@@ -31,6 +31,7 @@ __all__ = [
     "InferenceInterface",
     "InferenceError",
     "build_inference_interface",
+    "backend_class",
     "registered_backends",
     "expand_requests",
     "logprob_temperature",
@@ -274,15 +275,20 @@ def registered_backends() -> list[str]:
     return sorted(InferenceInterface._registry)
 
 
-def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:
-    """Build the backend registered as ``name`` with ``kwargs``; unknown names list the registered ones."""
+def backend_class(name: str) -> type[InferenceInterface]:
+    """The class registered as ``name`` (importing a built-in backend's module on first use)."""
     if name not in InferenceInterface._registry and name in _BUILTIN_BACKEND_MODULES:
         importlib.import_module(_BUILTIN_BACKEND_MODULES[name])  # let a real ImportError surface
     if name not in InferenceInterface._registry:
         # list built-in names without importing them (the megatron backend pulls in megatron-core)
         known = sorted(set(InferenceInterface._registry) | set(_BUILTIN_BACKEND_MODULES))
         raise InferenceError(f"unknown inference backend {name!r}; registered backends: {', '.join(known)}")
-    return InferenceInterface._registry[name](**kwargs)
+    return InferenceInterface._registry[name]
+
+
+def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:
+    """Build the backend registered as ``name`` with ``kwargs``; unknown names list the registered ones."""
+    return backend_class(name)(**kwargs)
 
 
 def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceRequest]:

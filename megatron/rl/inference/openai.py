@@ -15,7 +15,9 @@ What comes back depends on the server:
 * ``top_k`` is not an OpenAI parameter: it is sent (as an extra body field) only when > 0.
 
 Concurrency: every request is its own HTTP call; all run at once under an ``asyncio.Semaphore`` of
-``max_concurrency``, and the server batches them. Errors: an unreachable server or a timeout (after
+``max_concurrency``, and the server batches them. The HTTP client lives on a private event-loop thread
+of the backend, so ``agenerate`` can be awaited from any event loop or thread, and the sync
+``generate`` works too; ``close()`` / ``aclose()`` releases it. Errors: an unreachable server or a timeout (after
 ``max_retries`` retries with backoff, done by the client) raises :class:`InferenceError` naming the URL;
 a request the server rejects (4xx/5xx) becomes a ``finish_reason="error"`` response carrying the
 server's message, without failing the other requests.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from typing import Any
 
 from megatron.rl.inference.api import (InferenceError, InferenceInterface, InferenceRequest, InferenceResponse)
@@ -67,24 +70,33 @@ class OpenAIInference(InferenceInterface):
         self.max_retries = int(max_retries)
         self.max_concurrency = int(max_concurrency)
         self.request_token_ids = request_token_ids
-        # An AsyncOpenAI client (its httpx pool) belongs to the event loop it was first used on; the sync
-        # generate() runs a fresh loop per call, so keep one client (and semaphore) per loop.
-        self._loop_state: dict[int, tuple[Any, Any, asyncio.Semaphore]] = {}
+        # The AsyncOpenAI client (its connection pool) belongs to the event loop it runs on, and callers may
+        # come from many loops (each sync generate() or asyncio.run() makes a new one). So all HTTP work runs
+        # on one private event-loop thread owned by this backend; agenerate() awaits it from any loop.
+        self._io_lock = threading.Lock()
+        self._io_loop: asyncio.AbstractEventLoop | None = None
+        self._io_thread: threading.Thread | None = None
+        self._client: Any = None
+        self._semaphore: asyncio.Semaphore | None = None
+
+    def _io(self) -> asyncio.AbstractEventLoop:
+        with self._io_lock:
+            if self._io_loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="openai-inference-io", daemon=True)
+                thread.start()
+                self._io_loop, self._io_thread = loop, thread
+            return self._io_loop
 
     def _state(self) -> tuple[Any, asyncio.Semaphore]:
-        from openai import AsyncOpenAI
+        """The client and semaphore (created lazily, on the I/O loop)."""
+        if self._client is None:
+            from openai import AsyncOpenAI
 
-        loop = asyncio.get_running_loop()
-        state = self._loop_state.get(id(loop))
-        if state is None or state[0] is not loop:
-            for key, (old_loop, _, _) in list(self._loop_state.items()):
-                if old_loop.is_closed():
-                    del self._loop_state[key]
-            client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout,
-                                 max_retries=self.max_retries)
-            state = (loop, client, asyncio.Semaphore(self.max_concurrency))
-            self._loop_state[id(loop)] = state
-        return state[1], state[2]
+            self._client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=self.timeout,
+                                       max_retries=self.max_retries)
+            self._semaphore = asyncio.Semaphore(self.max_concurrency)
+        return self._client, self._semaphore
 
     def _unreachable(self, e: Exception) -> InferenceError:
         return InferenceError(f"inference server at {self.base_url} is unreachable or timed out "
@@ -165,15 +177,31 @@ class OpenAIInference(InferenceInterface):
                                          prompt_text=prompt_text))
         return out
 
-    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
-        results = await asyncio.gather(*(self._one(r) for r in requests))
+    async def _agenerate_on_io(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        tasks = [asyncio.ensure_future(self._one(r)) for r in requests]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:  # on an error (e.g. unreachable server) do not leave the other calls running
+            for t in tasks:
+                t.cancel()
         return [r for group in results for r in group]
 
+    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        future = asyncio.run_coroutine_threadsafe(self._agenerate_on_io(list(requests)), self._io())
+        return await asyncio.wrap_future(future)
+
     async def aclose(self) -> None:
-        loop = asyncio.get_running_loop()
-        state = self._loop_state.pop(id(loop), None)
-        if state is not None and state[0] is loop:
-            await state[1].close()
+        """Close the HTTP client and stop the I/O thread (a later call starts them again)."""
+        with self._io_lock:
+            loop, thread, client = self._io_loop, self._io_thread, self._client
+            self._io_loop = self._io_thread = self._client = self._semaphore = None
+        if loop is None:
+            return
+        if client is not None:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(client.close(), loop))
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join)
+        loop.close()
 
 
 def _server_message(e: Any) -> str:

@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 
-from megatron.rl.inference.api import InferenceInterface, build_inference_interface, registered_backends
+from megatron.rl.inference.api import InferenceInterface, backend_class, build_inference_interface
 from megatron.rl.server.inference.app import ServerConfig, create_app
 
 logger = logging.getLogger("megatron.rl.server.inference")
@@ -59,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_backend(name: str, backend_args: dict, extra_argv: list[str]) -> InferenceInterface:
     if extra_argv:
-        if name not in registered_backends():
-            build_inference_interface(name)  # raises the "unknown backend, registered: ..." error
-        return InferenceInterface._registry[name].from_cli(extra_argv)
+        if backend_args:
+            raise SystemExit("--backend-arg and backend flags after '--' cannot be combined; use one or the other")
+        return backend_class(name).from_cli(extra_argv)
     return build_inference_interface(name, **backend_args)
 
 

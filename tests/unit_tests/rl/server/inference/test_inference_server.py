@@ -192,3 +192,27 @@ def test_batcher_drops_requests_whose_client_left_before_their_batch():
     seen, ra, rc, stats = asyncio.run(main())
     assert seen == ["A", "C"] and stats.dropped_disconnected == 1
     assert ra[0].prompt_text == "A" and rc[0].prompt_text == "C"
+
+
+def test_cli_defaults_loopback_env_key_and_backend_hook(monkeypatch):
+    from megatron.rl.server.inference.__main__ import API_KEY_ENV, build_parser
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    args = build_parser().parse_args(["--backend", "fake", "--backend-arg", "max_seq_len=64",
+                                      "--backend-arg", "name=abc"])
+    assert args.host == "127.0.0.1" and args.api_key is None
+    assert dict(args.backend_arg) == {"max_seq_len": 64, "name": "abc"}
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert build_parser().parse_args(["--backend", "fake"]).api_key == "from-env"
+    assert build_backend("fake", {"max_seq_len": 64}, []).max_seq_len == 64
+
+    @InferenceInterface.register("test-cli")
+    class WithFlags(FakeInference):
+        @classmethod
+        def from_cli(cls, argv):
+            backend = cls()
+            backend.argv = argv
+            return backend
+
+    assert build_backend("test-cli", {}, ["--load", "/ckpt", "--num-layers", "2"]).argv == \
+        ["--load", "/ckpt", "--num-layers", "2"]
