@@ -171,6 +171,7 @@ class Agent(TypeLookupable):
     _dp_rank: int = PrivateAttr(default=0)
     _dp_world_size: int = PrivateAttr(default=1)
     _default_inference: InferenceInterface | None = PrivateAttr(default=None)
+    _built_inference: dict[str, InferenceInterface] = PrivateAttr(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -195,7 +196,11 @@ class Agent(TypeLookupable):
         if request.inference_interface is not None:
             return request.inference_interface
         if request.inference is not None:
-            return request.inference.build()
+            # Built once per distinct spec: a backend may hold connection pools or a loaded model.
+            key = request.inference.model_dump_json()
+            if key not in self._built_inference:
+                self._built_inference[key] = request.inference.build()
+            return self._built_inference[key]
         if self._default_inference is not None:
             return self._default_inference
         raise AgentError(f"agent {self.name!r} got a request with no inference backend: set "

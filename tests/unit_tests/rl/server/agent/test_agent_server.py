@@ -133,3 +133,21 @@ def test_slow_server_times_out_and_killed_server_is_a_clear_error():
         assert url in str(info.value), str(info.value)
     finally:
         stop(proc)
+
+
+def test_in_process_app_serves_a_multi_task_config():
+    from fastapi.testclient import TestClient
+
+    from megatron.rl.agent.api import AgentResponse
+    from megatron.rl.agent.env_config import build_agent_from_config
+    from megatron.rl.server.agent import create_app
+
+    agent = build_agent_from_config(REPO_ROOT / "examples" / "rl" / "environment_configs" / "multi_task.yaml")
+    client = TestClient(create_app(agent, inference=FakeInference()))
+    assert client.get("/health").json()["agent"] == "weighted_multi_task"
+    body = _req(groups=4, size=1).model_dump(mode="json")
+    resp = AgentResponse.model_validate(client.post("/request", json=body).json())
+    assert [g.env_id for g in resp.groups] == ["arithmetic"] * 3 + ["countdown"]
+    state = client.get("/state").json()
+    assert state["agents"]["arithmetic"]["train_stream"]["consumed_global"] == 3
+    assert client.post("/state", json=state).json() == {"status": "ok"}
