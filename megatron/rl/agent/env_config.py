@@ -68,7 +68,9 @@ def import_builtin_agents() -> dict[str, str]:
         try:
             importlib.import_module(module)
         except ImportError as e:
-            failed[name] = f"{type(e).__name__}: {e}"
+            hint = ("; the example environments are imported from the repository checkout: run from the "
+                    "repository root or add it to PYTHONPATH") if module.startswith("examples.") else ""
+            failed[name] = f"{type(e).__name__}: {e}{hint}"
             logger.debug("built-in agent %r unavailable: %s", name, e)
     return failed
 

@@ -1,6 +1,5 @@
 """YAML environment configs: parsing, group allocation, every error case, and a user-defined agent end to end."""
 import asyncio
-import itertools
 import json
 import random
 import subprocess

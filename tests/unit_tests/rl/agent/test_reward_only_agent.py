@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron.rl.agent.api import Agent, GroupedRolloutRequest, RolloutRequest
-from megatron.rl.agent.reward_only_agent import RewardOnlyAgent, Turn, merge_turn_tokens
+from megatron.rl.agent.reward_only_agent import RewardOnlyAgent, merge_turn_tokens
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, InferenceResponse
 from megatron.rl.inference.fake import FakeInference
 from megatron.rl.types import TokenRollout
@@ -190,3 +190,19 @@ def test_dp_ranks_draw_disjoint_prompts_and_state_resumes():
     resumed.load_state_dict(state)
     assert _problem_ids(resumed, 8) == expected
     assert _problem_ids(LettersAgent(seed=11), 4) != _problem_ids(LettersAgent(seed=12), 4)
+
+
+def test_basic_evaluate_and_inference_spec_requests():
+    from megatron.rl.agent.api import EvaluationRequest, InferenceSpec
+
+    agent = LettersAgent()
+    spec = InferenceSpec(backend="fake", kwargs={"max_seq_len": 512})
+    req = EvaluationRequest(num_prompts=4, num_samples=3, inference=spec,
+                            generation_args=GenerationArgs(max_tokens=5, seed=2))
+    out = asyncio.run(agent.evaluate(req))
+    assert [r.problem_id for r in out.results] == ["p0", "p1", "p2", "p3"]
+    assert all(len(r.rewards) == 3 for r in out.results)
+    assert out.metrics["mean_reward"] == pytest.approx(np.mean([np.mean(r.rewards) for r in out.results]))
+    backend = agent.resolve_inference(req)
+    assert isinstance(backend, FakeInference) and backend.max_seq_len == 512
+    assert agent.resolve_inference(req) is backend  # built once per spec
