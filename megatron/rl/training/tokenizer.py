@@ -218,6 +218,7 @@ class HuggingFaceTokenizer(Tokenizer):
     ``eos_token_ids`` also includes the ids listed as ``eos_token_id`` in the directory's
     ``generation_config.json`` (chat models often end turns with a different token than ``eos_token``).
     ``apply_chat_template`` uses the tokenizer's own chat template when it has one, else the built-in one.
+    ``tokenize`` adds no BOS/EOS; ``detokenize`` drops ids outside ``[0, vocab_size)``.
     """
 
     def __init__(self, tokenizer_model: Optional[str]) -> None:
@@ -285,7 +286,10 @@ class HuggingFaceTokenizer(Tokenizer):
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        # Ids outside the vocabulary (a padded-vocab model can sample them) have no text: drop them rather
+        # than let the Rust decoder raise on negatives.
+        valid = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
+        return self._tokenizer.decode(valid, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

@@ -134,6 +134,7 @@ def test_hf_tokenizer_from_local_dir(hf_tokenizer_dir):
     ids = [tok.bos] + tok.tokenize("Hello world") + [tok.eod]
     assert tok.detokenize(ids) == "Hello world"
     assert tok.detokenize(ids, skip_special_tokens=False) == "<s>Hello world</s>"
+    assert tok.detokenize(ids + [tok.vocab_size + 5, -1]) == "Hello world"  # padded-vocab ids dropped
     assert pickle.loads(pickle.dumps(tok)).tokenize("fox") == tok.tokenize("fox")
 
 
