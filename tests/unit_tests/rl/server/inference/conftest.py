@@ -13,14 +13,20 @@ from tests.conftest import REPO_ROOT, free_port
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], api_key: str | None = None, startup_timeout: float = 60.0):
+    """A server subprocess on a free loopback port: the CLI with ``args``, or ``[python, script, PORT]``."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, startup_timeout: float = 60.0,
+                 script: str | os.PathLike | None = None):
         self.port = free_port()
         self.api_key = api_key
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "megatron.rl.server.inference", "--port", str(self.port),
-               "--log-level", "warning", *args]
-        if api_key:
-            cmd += ["--api-key", api_key]
+        if script is not None:
+            cmd = [sys.executable, str(script), str(self.port), *args]
+        else:
+            cmd = [sys.executable, "-m", "megatron.rl.server.inference", "--port", str(self.port),
+                   "--log-level", "warning", *args]
+            if api_key:
+                cmd += ["--api-key", api_key]
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
