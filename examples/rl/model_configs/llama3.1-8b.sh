@@ -1,0 +1,45 @@
+# Llama-3.1-8B (meta-llama/Llama-3.1-8B, meta-llama/Llama-3.1-8B-Instruct): Megatron flags for the published architecture.
+# Published size: 8.03B parameters (Meta's "8B"; 7.50B non-embedding).
+# Same flags (in the same order) as tools/convert_hf_to_megatron.py writes to <save>/megatron_args.txt; a
+# converted checkpoint's own megatron_args.txt is authoritative (e.g. --max-position-embeddings differs between
+# some base and -Instruct releases, and the checkpoint validates it on --load).
+#
+# Recommended on 8xH100 (80 GB), RL with colocated generation:
+# TP=2 PP=1, DP=4 with the distributed optimizer (~37 GB/GPU of weights, grads and sharded Adam state).
+# Convert: python tools/convert_hf_to_megatron.py --hf-dir <hf dir> --save <ckpt> \
+#              --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
+# Use:     source examples/rl/model_configs/llama3.1-8b.sh; torchrun ... train_rl.py "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" ...
+# --use-rope-scaling / --rope-scaling-factor are Megatron-LM's flags for Llama-3 RoPE frequency scaling
+# (megatron-core GPTModel rope_scaling / rope_scaling_factor); the other llama3 constants (low 1, high 4,
+# original context 8192) are fixed in megatron-core and match Llama 3.1.
+
+MODEL_ARGS=(
+    --num-layers 32
+    --hidden-size 4096
+    --ffn-hidden-size 14336
+    --num-attention-heads 32
+    --group-query-attention
+    --num-query-groups 8
+    --kv-channels 128
+    --max-position-embeddings 131072
+    --position-embedding-type rope
+    --rotary-base 500000
+    --normalization RMSNorm
+    --norm-epsilon 1e-05
+    --swiglu
+    --disable-bias-linear
+    --untie-embeddings-and-output-weights
+    --use-rope-scaling
+    --rope-scaling-factor 8.0
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+    --vocab-size 128256
+    --make-vocab-size-divisible-by 128
+)
+
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size 2
+    --pipeline-model-parallel-size 1
+    --sequence-parallel
+    --use-distributed-optimizer
+)
