@@ -19,7 +19,8 @@ import logging
 import os
 import sys
 
-from megatron.rl.inference.api import InferenceInterface, backend_class, build_inference_interface
+from megatron.rl.inference.api import (InferenceError, InferenceInterface, backend_class,
+                                       build_inference_interface)
 from megatron.rl.server.inference.app import ServerConfig, create_app
 
 logger = logging.getLogger("megatron.rl.server.inference")
@@ -77,7 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
-    backend = build_backend(args.backend, dict(args.backend_arg), extra)
+    try:
+        backend = build_backend(args.backend, dict(args.backend_arg), extra)
+    except (InferenceError, TypeError, ValueError) as e:  # bad name or constructor args: say so, no traceback
+        build_parser().error(f"--backend {args.backend}: {e}")
     cfg = ServerConfig(model_name=args.model_name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
                        max_batch_requests=args.max_batch_requests, default_max_tokens=args.default_max_tokens)
     logger.info("serving backend %r as model %r on http://%s:%d", args.backend, args.model_name, args.host, args.port)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -15,7 +18,7 @@ from megatron.rl.inference.chat_template import builtin_chat_template
 from megatron.rl.inference.fake import FakeInference
 from megatron.rl.server.inference import ServerConfig, create_app
 from megatron.rl.server.inference.__main__ import build_backend
-from tests.conftest import free_port
+from tests.conftest import REPO_ROOT, free_port
 
 KEY = "test-key"
 
@@ -141,6 +144,12 @@ def test_unknown_backend_name_lists_registered():
         build_backend("nope", {}, [])
     with pytest.raises(NotImplementedError, match="--backend-arg"):
         build_backend("fake", {}, ["--load", "x"])
+    # the CLI exits with a usage error naming the registered backends (no traceback, no server)
+    proc = subprocess.run([sys.executable, "-m", "megatron.rl.server.inference", "--backend", "nope"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 2 and "registered backends: fake, huggingface, megatron, openai" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_backend_exception_is_500_and_server_survives():
