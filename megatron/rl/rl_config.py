@@ -62,7 +62,7 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Inference backend agents talk to: megatron (in-process, default), openai, huggingface.")
     g.add_argument("--inference-server-url", type=str, default=None,
                    help="Base URL for --inference-backend openai.")
-    g.add_argument("--rl-allow-import-paths", action="store_true",
+    g.add_argument("--langrl-allow-imports", action="store_true",
                    help="Let the env config name agents by 'module:Class' import path (runs user code).")
     g.add_argument("--rl-metrics-jsonl", type=str, default=None,
                    help="Append one JSON line of metrics per iteration to this file (rank 0).")
@@ -125,7 +125,7 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
         temperature=a.rl_default_temperature, top_p=a.rl_default_top_p, top_k=a.rl_default_top_k,
         max_new_tokens=a.rl_max_new_tokens, prompts_per_eval=a.rl_prompts_per_eval,
         eval_temperature=a.rl_eval_temperature, inference_backend=a.inference_backend,
-        inference_server_url=a.inference_server_url, allow_import_paths=a.rl_allow_import_paths,
+        inference_server_url=a.inference_server_url, allow_import_paths=a.langrl_allow_imports,
         metrics_jsonl=a.rl_metrics_jsonl)
     validate_rl_config(rl, cfg)
     return rl
