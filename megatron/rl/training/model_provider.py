@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron.rl.training.config import ModelConfig, ParallelConfig, TrainingConfig
+from megatron.rl.training.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,9 @@ def padded_vocab_size(cfg: TrainingConfig, tokenizer=None) -> int:
 
         tokenizer = tokenizer or build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
         vocab = tokenizer.vocab_size
+    elif tokenizer is not None and vocab < tokenizer.vocab_size:
+        raise ConfigError(f"--vocab-size={vocab} is smaller than the {cfg.tokenizer.tokenizer_type} vocabulary "
+                          f"({tokenizer.vocab_size} ids); drop --vocab-size or pass at least {tokenizer.vocab_size}.")
     from megatron.rl.training.tokenizer import padded_vocab_size as pad
 
     return pad(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
