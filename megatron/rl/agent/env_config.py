@@ -39,7 +39,10 @@ from megatron.rl.agent.weighted_multi_task import TaskEntry, WeightedMultiTaskAg
 logger = logging.getLogger(__name__)
 
 __all__ = ["EnvConfigError", "load_env_config", "build_agent_from_config", "import_builtin_agents",
-           "resolve_agent_type", "BUILTIN_AGENT_MODULES"]
+           "resolve_agent_type", "add_env_config_args", "BUILTIN_AGENT_MODULES", "DEFAULT_ENV_CONFIG"]
+
+# The embedded default task (relative to the repository root).
+DEFAULT_ENV_CONFIG = "examples/rl/environment_configs/arithmetic.yaml"
 
 # Built-in agent types live in modules imported on demand (examples/ needs the repository root on sys.path).
 BUILTIN_AGENT_MODULES = {
@@ -225,3 +228,14 @@ def build_agent_from_config(config: str | Path | dict | list, allow_imports: boo
         for i, e in enumerate(entries):
             e.agent.seed = seed + i
     return WeightedMultiTaskAgent(entries=entries)
+
+
+def add_env_config_args(parser: Any) -> Any:
+    """Add ``--langrl-env-config`` and ``--langrl-allow-imports`` to an argparse parser (an extra-args provider)."""
+    group = parser.add_argument_group("environments")
+    group.add_argument("--langrl-env-config", default=DEFAULT_ENV_CONFIG,
+                       help="YAML file listing the environments (agents), their weights and arguments "
+                            f"(default: {DEFAULT_ENV_CONFIG}, the arithmetic task)")
+    group.add_argument("--langrl-allow-imports", action="store_true",
+                       help="let the env config import user modules (`imports:` or `type: module:Class`)")
+    return parser

@@ -187,3 +187,16 @@ def test_user_defined_agent_end_to_end_in_a_fresh_process(tmp_path):
     groups = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [g[0] for g in groups] == ["reverse_word"] * 2 + ["arithmetic"] * 2
     assert all(g[2] == f"Reverse {g[1]}:" for g in groups[:2])
+
+
+def test_cli_flags_provider():
+    import argparse
+
+    from megatron.rl.agent.env_config import DEFAULT_ENV_CONFIG, add_env_config_args
+
+    parser = add_env_config_args(argparse.ArgumentParser())
+    ns = parser.parse_args([])
+    assert ns.langrl_env_config == DEFAULT_ENV_CONFIG and ns.langrl_allow_imports is False
+    assert (REPO_ROOT / DEFAULT_ENV_CONFIG).is_file()
+    ns = parser.parse_args(["--langrl-env-config", "x.yaml", "--langrl-allow-imports"])
+    assert ns.langrl_env_config == "x.yaml" and ns.langrl_allow_imports
