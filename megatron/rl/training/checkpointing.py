@@ -204,7 +204,8 @@ def check_model_args(saved: dict, current: dict, ckpt_path: Path) -> None:
 
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chunks: Sequence[torch.nn.Module],
                     optimizer=None, opt_param_scheduler=None, run_state: dict | None = None,
-                    model_args: dict | None = None, dist_opt_format: str = "fully_reshardable") -> Path:
+                    model_args: dict | None = None, dist_opt_format: str = "fully_reshardable", *,
+                    save_rng: bool = True) -> Path:
     """Save a checkpoint of ``iteration`` under ``save_dir`` and publish it atomically. Collective.
 
     Args:
@@ -218,6 +219,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
         model_args: json-able architecture flags compared on load (keep parallel sizes out of it).
         dist_opt_format: distributed-optimizer format, ``"fully_reshardable"`` (reshards across DP/TP/PP)
             or ``"dp_reshardable"`` (faster, DP changes only). Ignored for other optimizers.
+        save_rng: store each rank's RNG states (``--no-save-rng`` turns it off).
 
     Returns: the published checkpoint directory. Raises CheckpointError if the save fails on any rank
     (the previous checkpoint and the tracker are then untouched).
@@ -249,8 +251,9 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
         _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=opt_meta)
         contents.append("optimizer")
-    state[RNG_KEY] = rng_sharded_object(capture_rng_state(include_cuda=_cuda_rng()))
-    contents.append(RNG_KEY)
+    if save_rng:
+        state[RNG_KEY] = rng_sharded_object(capture_rng_state(include_cuda=_cuda_rng()))
+        contents.append(RNG_KEY)
     if opt_param_scheduler is not None:
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         contents.append("opt_param_scheduler")

@@ -80,6 +80,13 @@ def test_each_restored_part_matters(dist1, tmp_path):
     info, no_opt, _, opt, sched = resume(tiny, arch, False, tmp_path, load_optimizer=False)
     assert not info.loaded_optimizer and not info.loaded_scheduler and no_opt != ref
     assert adam_steps(opt) == {float(N - K)} and sched.num_steps == (N - K) * 1
+    # a checkpoint saved without RNG state loads (nothing to restore) and continues like load_rng=False
+    chunks, opt, sched = tiny.build(arch, False)
+    for s in range(K):
+        tiny.train_step(chunks, opt, sched, s)
+    save_checkpoint(tmp_path / "no_rng", K, chunks, opt, sched, save_rng=False)
+    info, no_saved_rng, *_ = resume(tiny, arch, False, tmp_path / "no_rng")
+    assert not info.loaded_rng and info.loaded_optimizer and no_saved_rng == no_rng
 
 
 def test_release_checkpoint_is_model_only(dist1, tmp_path):
