@@ -55,7 +55,6 @@ import numpy
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
 from megatron.rl.training.data_jsonl import iter_jsonl_texts, tokenize_document
@@ -402,9 +401,3 @@ def build_pretraining_data(data_cfg: DataSourceConfig, tokenizer, seq_length: in
     return MicroBatchIterator(dataset, micro_batch_size, dp_rank, dp_size, consumed_samples,
                               int(getattr(data_cfg, "num_workers", 0) or 0), keys)
 
-
-def read_indexed_dataset(prefix: str) -> List[numpy.ndarray]:
-    """All documents of the indexed dataset ``prefix`` (``.bin``/``.idx``) as arrays of ids (for tools/tests)."""
-    _check_sources([prefix])
-    ds = IndexedDataset(prefix)
-    return [numpy.asarray(ds[i]) for i in range(len(ds))]

@@ -2,7 +2,6 @@
 JSONL / indexed-dataset / mock sources, blends and bad input."""
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 from pathlib import Path
