@@ -25,7 +25,7 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
