@@ -10,8 +10,9 @@ Layout (Megatron-LM convention)::
 A save writes into a ``.tmp-`` directory, renames it into place once every rank has finished, then
 rewrites the tracker with write-to-temp + ``os.replace``. ``dist_checkpointing`` writes its
 ``metadata.json`` last (after all shards, behind a barrier), so that file is the completion marker: a
-directory without it is never loaded. Nothing here touches torch.distributed; callers decide which
-rank runs what.
+directory without it is never loaded. A save removes the ``.tmp-``/``.replaced-`` leftovers it finds, so
+one job writes to a save directory at a time. Nothing here touches torch.distributed; callers decide
+which rank runs what.
 """
 from __future__ import annotations
 

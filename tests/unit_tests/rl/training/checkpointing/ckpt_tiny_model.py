@@ -50,7 +50,6 @@ def init_torchrun() -> None:
 def set_layout(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
     """(Re)initialise megatron's parallel state for a layout and seed every generator."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
