@@ -81,7 +81,7 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
         check_token(authorization)
         try:
             req = AgentRequest.model_validate(await request.json())
-        except ValidationError as e:
+        except (ValidationError, ValueError) as e:  # ValueError: the body is not JSON
             return JSONResponse(status_code=422, content={"error": "ValidationError", "detail": str(e)})
         if type(req) is AgentRequest:
             return JSONResponse(status_code=422, content={"error": "ValidationError", "detail":

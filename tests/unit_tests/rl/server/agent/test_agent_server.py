@@ -151,3 +151,5 @@ def test_in_process_app_serves_a_multi_task_config():
     state = client.get("/state").json()
     assert state["agents"]["arithmetic"]["train_stream"]["consumed_global"] == 3
     assert client.post("/state", json=state).json() == {"status": "ok"}
+    bad = client.post("/request", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert bad.status_code == 422
