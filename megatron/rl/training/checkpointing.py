@@ -219,7 +219,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
         model_args: json-able architecture flags compared on load (keep parallel sizes out of it).
         dist_opt_format: distributed-optimizer format, ``"fully_reshardable"`` (reshards across DP/TP/PP)
             or ``"dp_reshardable"`` (faster, DP changes only). Ignored for other optimizers.
-        save_rng: store each rank's RNG states (``--no-save-rng`` turns it off).
+        save_rng: store each rank's RNG states (``--no-save-rng`` turns it off; never for "release").
 
     Returns: the published checkpoint directory. Raises CheckpointError if the save fails on any rank
     (the previous checkpoint and the tracker are then untouched).
@@ -251,7 +251,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
         _materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=opt_meta)
         contents.append("optimizer")
-    if save_rng:
+    if save_rng and iteration != paths.RELEASE:  # a release is model-only: nothing to resume
         state[RNG_KEY] = rng_sharded_object(capture_rng_state(include_cuda=_cuda_rng()))
         contents.append(RNG_KEY)
     if opt_param_scheduler is not None:
