@@ -58,6 +58,19 @@ def test_gate_up_and_vocab_padding():
         pad_vocab(emb, 4)
 
 
+def test_sharded_safetensors_write_and_lazy_read(tmp_path):
+    from tools.checkpoint_conversion.hf_io import SAFE_INDEX, HFTensorReader, write_safetensors
+
+    tensors = {f"t{i}": torch.randn(10, 10).to(torch.bfloat16 if i % 2 else torch.float32) for i in range(5)}
+    paths = write_safetensors(tmp_path, tensors, max_shard_bytes=450)  # 400-byte fp32 tensors: one per shard
+    assert len(paths) > 1 and (tmp_path / SAFE_INDEX).is_file()
+    reader = HFTensorReader(tmp_path)
+    assert reader.names() == sorted(tensors)
+    for name, t in tensors.items():
+        got = reader.get(name)
+        assert got.dtype == t.dtype and torch.equal(got, t)
+
+
 # ----------------------------------------------------------------------------------------- conversions
 
 def _load_converted(ckpt: Path, tp: int = 1):
@@ -75,10 +88,17 @@ def _load_converted(ckpt: Path, tp: int = 1):
     return cfg, model
 
 
-def _assert_bitwise_equal_dirs(a: Path, b: Path):
+def _all_tensors(d: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    ta, tb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_bitwise_equal_dirs(a: Path, b: Path):
+    ta, tb = _all_tensors(a), _all_tensors(b)
     assert sorted(ta) == sorted(tb)
     for name in ta:
         x, y = ta[name], tb[name]
@@ -87,15 +107,17 @@ def _assert_bitwise_equal_dirs(a: Path, b: Path):
     assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
 
 
-CASES = [pytest.param("llama", False, id="llama-untied"),
-         pytest.param("qwen2", True, id="qwen2-qkvbias-tied"),
-         pytest.param("qwen3", False, id="qwen3-qknorm-untied"),
-         pytest.param("llama", True, id="llama-tied", marks=pytest.mark.slow),
-         pytest.param("qwen3", True, id="qwen3-tied", marks=pytest.mark.slow)]
+# (family, tied, saved dtype, shard size of the HF input)
+CASES = [pytest.param("llama", False, torch.float32, "40KB", id="llama-untied-sharded"),
+         pytest.param("qwen2", True, torch.float32, None, id="qwen2-qkvbias-tied"),
+         pytest.param("qwen3", False, torch.float32, None, id="qwen3-qknorm-untied"),
+         pytest.param("qwen2", False, torch.bfloat16, None, id="qwen2-bf16"),
+         pytest.param("llama", True, torch.float32, None, id="llama-tied"),
+         pytest.param("qwen3", True, torch.bfloat16, "40KB", id="qwen3-tied-bf16-sharded")]
 
 
-@pytest.mark.parametrize("family,tied", CASES)
-def test_hf_to_megatron_logits_and_exact_round_trip(tmp_path, family, tied):
+@pytest.mark.parametrize("family,tied,dtype,shard", CASES)
+def test_hf_to_megatron_logits_and_exact_round_trip(tmp_path, family, tied, dtype, shard):
     from megatron.rl.runtime import setup_runtime
     from megatron.rl.training.tokenizer import HuggingFaceTokenizer
     from tools.checkpoint_conversion.hf_to_megatron import convert_hf_to_megatron
@@ -103,12 +125,14 @@ def test_hf_to_megatron_logits_and_exact_round_trip(tmp_path, family, tied):
 
     setup_runtime()
     hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "megatron", tmp_path / "hf_back"
-    hf_model = build_tiny_hf_model(hf_dir, family, tied=tied)
-    convert_hf_to_megatron(hf_dir, ckpt)
+    hf_model = build_tiny_hf_model(hf_dir, family, tied=tied, dtype=dtype, max_shard_size=shard)
+    assert (len(list(hf_dir.glob("*.safetensors"))) > 1) == (shard is not None)
+    assert {t.dtype for t in _all_tensors(hf_dir).values()} == {dtype}
+    convert_hf_to_megatron(hf_dir, ckpt)  # dtype: the config's
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     assert HuggingFaceTokenizer(str(ckpt / "tokenizer")).vocab_size == 10
 
-    cfg, model = _load_converted(ckpt)
+    cfg, model = _load_converted(ckpt)  # an fp32 model: a bf16 checkpoint is upcast on load
     assert model.embedding.word_embeddings.weight.shape[0] == 256  # vocab 200 padded to Megatron's multiple of 128
     assert model.share_embeddings_and_output_weights == tied
     torch.manual_seed(1)
@@ -141,6 +165,16 @@ def test_converted_checkpoints_load_at_tp2(tmp_path, torchrun):
         pairs += [hf_dir, ckpt]
     out = tmp_path / "result.json"
     torchrun(SCRIPTS / "load_converted_tp2.py", [out, *pairs], nproc=2)
+    # each rank also saved a training checkpoint (iter 5) at TP=2: it converts back to the original weights
+    from tools.checkpoint_conversion.megatron_to_hf import convert_megatron_to_hf, read_flags_file
+
+    for hf_dir, ckpt in zip(pairs[0::2], pairs[1::2]):
+        trained = Path(str(ckpt) + "_tp2_trained")
+        assert (trained / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+        back = tmp_path / f"{ckpt.name}_back"
+        convert_megatron_to_hf(trained, back, megatron_args=read_flags_file(ckpt / "megatron_args.txt"),
+                               hf_config_dir=ckpt / "hf_config")
+        _assert_bitwise_equal_dirs(hf_dir, back)
     results = json.loads(out.read_text())
     assert len(results) == 2
     for ckpt, r in results.items():

@@ -1,6 +1,7 @@
 """Tiny random Hugging Face Llama / Qwen2 / Qwen3 models built from configs (no downloads), for conversion tests."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -26,8 +27,12 @@ def tiny_config(family: str, tied: bool = False, **overrides):
 
 
 def build_tiny_hf_model(path: str | Path, family: str, tied: bool = False, seed: int = 0, tokenizer: bool = True,
-                        **overrides):
-    """Save a random ``family`` model (fp32, non-trivial norm weights and biases) to ``path``; return the model."""
+                        dtype: torch.dtype = torch.float32, max_shard_size: str | None = None, **overrides):
+    """Save a random ``family`` model (non-trivial norm weights and biases) to ``path``; return it in fp32.
+
+    ``dtype``: dtype of the saved weights; ``max_shard_size`` (e.g. "40KB"): save as several safetensors
+    files with an index, as large published checkpoints are.
+    """
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -39,7 +44,11 @@ def build_tiny_hf_model(path: str | Path, family: str, tied: bool = False, seed:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.5 * torch.randn_like(p))
-    model.save_pretrained(path)
+        for p in model.parameters():  # the fp32 reference holds exactly the saved values
+            p.copy_(p.to(dtype).float())
+    # cast a copy: casting the model itself would also round fp32 buffers such as RoPE's inv_freq
+    copy.deepcopy(model).to(dtype).save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size
+                                                            else {}))
     if tokenizer:
         save_tiny_tokenizer(path)
     return model

@@ -1,6 +1,8 @@
 """torchrun --nproc-per-node 2: load converted checkpoints at TP=2 and compare logits with the Hugging Face model.
 
 argv: OUT_JSON (HF_DIR CKPT_DIR)...  Rank 0 writes {ckpt: {"max_abs_diff": float, "qkv_rows": [...]}} to OUT_JSON.
+Each loaded model is also saved as a training checkpoint (iteration 5, TP=2) to CKPT_DIR + "_tp2_trained", so the
+test can convert a TP=2 checkpoint back to Hugging Face.
 The model is built by the training code path (parse_args -> initialize_megatron -> build_model) from the
 checkpoint's megatron_args.txt, and loaded with load_checkpoint(model_args=...), as a training run would.
 """
@@ -23,7 +25,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
-    from megatron.rl.training.checkpointing import load_checkpoint
+    from megatron.rl.training.checkpointing import load_checkpoint, save_checkpoint
     from megatron.rl.training.initialize import initialize_megatron
     from megatron.rl.training.model_provider import build_model, unwrap_model
     from tiny_hf_models import hf_logits, megatron_logits
@@ -49,6 +51,7 @@ def main() -> None:
         dist.all_gather(rows, torch.tensor([qkv.shape[0]]))
         results[ckpt] = {"max_abs_diff": float((full - ref).abs().max()), "ref_abs_max": float(ref.abs().max()),
                          "qkv_rows": [int(r) for r in rows]}
+        save_checkpoint(ckpt + "_tp2_trained", 5, [model], model_args=cfg.model_args())
     if dist.get_rank() == 0:
         Path(out_json).write_text(json.dumps(results))
     dist.barrier()
