@@ -144,10 +144,16 @@ def _patch_streams():
     torch.cuda.default_stream = lambda *a, **k: _SyncStream()
 
 
-@cpu_patch("torch.cuda.nvtx", "range push/pop markers for profilers; no-ops")
+@cpu_patch("torch.cuda.nvtx", "range push/pop markers for profilers; no-ops (without CUDA they raise 'NVTX "
+           "functions not installed'); also rebinds the copies dynamic_engine imported by name")
 def _patch_nvtx():
+    from megatron.core.inference.engines import dynamic_engine
+
     torch.cuda.nvtx.range_push = _noop_factory()
     torch.cuda.nvtx.range_pop = _noop_factory()
+    # `from torch.cuda.nvtx import range_pop, range_push` at import time bound the real functions.
+    dynamic_engine.range_push = torch.cuda.nvtx.range_push
+    dynamic_engine.range_pop = torch.cuda.nvtx.range_pop
 
 
 @cpu_patch("torch.cuda.memory_*/mem_get_info",

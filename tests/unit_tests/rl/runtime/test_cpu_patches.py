@@ -114,6 +114,18 @@ def test_torch_norm_allows_sequence_parallel_and_tags_weights():
     assert not any(getattr(p, "sequence_parallel", False) for p in WrappedTorchNorm(cfg, 8).parameters())
 
 
+def test_nvtx_stubbed_even_where_imported_before_install():
+    code = ("from megatron.core.inference.engines import dynamic_engine\n"  # binds nvtx names first
+            "from megatron.rl.runtime import setup_runtime\n"
+            "setup_runtime()\n"
+            "import torch\n"
+            "dynamic_engine.range_push('x'); dynamic_engine.range_pop()\n"
+            "torch.cuda.nvtx.range_push('y'); torch.cuda.nvtx.range_pop()\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_setup_runtime_never_installs_with_cuda():
     code = (
         "import torch; torch.cuda.is_available = lambda: True; torch.cuda.device_count = lambda: 1\n"
