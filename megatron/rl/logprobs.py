@@ -3,7 +3,8 @@
 With tensor parallelism each rank holds ``V / TP`` columns of the logits. Log-probs go through
 megatron-core's ``vocab_parallel_cross_entropy`` (which all-reduces max and sum over the TP group and is
 differentiable); entropy through :mod:`megatron.rl.algorithms.entropy`'s partial sums, all-reduced with
-megatron's autograd-aware region ops. With TP = 1 both reduce to the plain full-vocabulary formulas.
+megatron's autograd-aware region ops. With TP = 1 both reduce to the plain full-vocabulary formulas
+(:func:`megatron.rl.algorithms.logprobs.token_logprobs`, :func:`~megatron.rl.algorithms.entropy_from_logits`).
 
 Temperature: the inference backends report log-probs under ``softmax(logits / T)`` (T = 1 for greedy);
 the trainer must score the same distribution, so every function here takes ``temperature``.
@@ -13,11 +14,7 @@ from __future__ import annotations
 import torch
 
 from megatron.rl.algorithms.entropy import entropy_from_partials, entropy_partials
-
-
-def effective_temperature(temperature: float) -> float:
-    """Greedy decoding (T = 0) is scored at T = 1, as the inference API documents."""
-    return 1.0 if temperature == 0 else float(temperature)
+from megatron.rl.algorithms.logprobs import logprob_temperature
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -30,7 +27,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    scaled = logits.float() / effective_temperature(temperature)
+    scaled = logits.float() / logprob_temperature(temperature)
     return -vocab_parallel_cross_entropy(scaled, labels)
 
 
@@ -39,7 +36,7 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    scaled = logits.float() / effective_temperature(temperature)
+    scaled = logits.float() / logprob_temperature(temperature)
     row_max = scaled.detach().max(dim=-1).values  # the shift cancels exactly, so no gradient is needed
     tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     if tp > 1:

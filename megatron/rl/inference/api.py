@@ -21,6 +21,9 @@ from typing import Any, Callable, ClassVar, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# One rule for every backend and the trainer: greedy (T = 0) log-probs are reported under T = 1.
+from megatron.rl.algorithms.logprobs import logprob_temperature
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -308,6 +311,3 @@ def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceReque
     return out
 
 
-def logprob_temperature(temperature: float) -> float:
-    """Temperature of the distribution log-probs are reported under (greedy reports under T=1)."""
-    return 1.0 if temperature == 0 else temperature
