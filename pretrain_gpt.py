@@ -3,14 +3,16 @@
     python pretrain_gpt.py <flags>                          # one process (CPU or one GPU)
     torchrun --nproc-per-node N pretrain_gpt.py <flags>     # N processes (TP x PP x DP)
 
-Example (tiny model on CPU, about a minute):
+Example (tiny model on CPU, under a minute):
 
     python pretrain_gpt.py --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
         --micro-batch-size 4 --global-batch-size 8 --train-iters 50 --lr 1e-3 --mock-data --log-interval 10
 
 Runs from the repository root without installing: the repo's ``megatron/`` is a namespace portion next to
-the megatron-core wheel's.
+the megatron-core wheel's. Bad input (flags, paths, tokenizer, megatron-core version) exits with status 2
+and a one-line message naming what to fix, before any model is built.
 """
+import logging
 import os
 import sys
 
@@ -18,13 +20,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> int:
-    from megatron.rl.training.config import parse_args
+    from megatron.rl.runtime.cpu_patches import UnsupportedMegatronCoreVersion
+    from megatron.rl.training.checkpoint_paths import CheckpointError
+    from megatron.rl.training.config import ConfigError, parse_args
+    from megatron.rl.training.data import DataError
     from megatron.rl.training.initialize import destroy_megatron
     from megatron.rl.training.loop import pretrain
+    from megatron.rl.training.tokenizer import TokenizerError
 
-    cfg = parse_args(argv)
     try:
+        cfg = parse_args(argv)
         pretrain(cfg)
+    except (ConfigError, CheckpointError, DataError, TokenizerError, UnsupportedMegatronCoreVersion) as e:
+        logging.getLogger("pretrain_gpt").error("%s: %s", type(e).__name__, e)
+        return 2
     finally:
         destroy_megatron()
     return 0

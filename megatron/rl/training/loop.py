@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import time
 from functools import partial
 from typing import Callable, Iterator
@@ -224,25 +225,41 @@ def _data_iterators(cfg: TrainingConfig, tokenizer, consumed_samples: int, split
     return iters if n_chunks > 1 else iters[0]
 
 
-def _load(cfg: TrainingConfig, model, optimizer, scheduler) -> tuple[int, int]:
-    """Resume from --load, or start from --pretrained-checkpoint (weights only). Returns (iteration, consumed)."""
-    from megatron.rl.training.checkpointing import latest_checkpoint, load_checkpoint
+def resolve_load_dir(cfg: TrainingConfig) -> str | None:
+    """The directory ``--load`` resumes from, or None to start fresh; checked before any model is built.
+
+    ``--load`` naming a place without a checkpoint is an error, except for the auto-resume pattern
+    ``--save DIR --load DIR`` (first run of a job that resumes itself), or when ``--pretrained-checkpoint``
+    supplies the starting weights instead.
+    """
+    from megatron.rl.training.checkpointing import CheckpointError, latest_checkpoint
 
     c = cfg.checkpoint
-    if c.load and latest_checkpoint(c.load) is not None:
-        loaded = load_checkpoint(c.load, model, optimizer, scheduler,
+    if not c.load:
+        return None
+    if latest_checkpoint(c.load) is not None:
+        return c.load
+    if c.save and os.path.abspath(c.save) == os.path.abspath(c.load):
+        log.info("--load %s holds no checkpoint yet: starting from scratch (auto-resume run)", c.load)
+        return None
+    if c.pretrained_checkpoint:
+        return None
+    raise CheckpointError(f"--load {c.load}: no checkpoint there (missing directory or no "
+                          f"latest_checkpointed_iteration.txt); check the path, or drop --load to start from scratch")
+
+
+def _load(cfg: TrainingConfig, load_dir: str | None, model, optimizer, scheduler) -> tuple[int, int]:
+    """Resume from ``load_dir``, or start from --pretrained-checkpoint (weights only). Returns (iteration, consumed)."""
+    from megatron.rl.training.checkpointing import load_checkpoint
+
+    c = cfg.checkpoint
+    if load_dir is not None:
+        loaded = load_checkpoint(load_dir, model, optimizer, scheduler,
                                  load_optimizer=not (c.no_load_optim or c.finetune),
                                  load_rng=not (c.no_load_rng or c.finetune), model_args=cfg.model_args())
         if c.finetune:
             return 0, 0
         return int(loaded.iteration or 0), int(loaded.run_state.get("consumed_samples", 0))
-    if c.load:
-        from megatron.rl.training.checkpointing import CheckpointError
-
-        if c.pretrained_checkpoint is None:
-            raise CheckpointError(f"--load {c.load}: no checkpoint there (missing directory or no "
-                                  f"latest_checkpointed_iteration.txt); check the path or drop --load to start "
-                                  f"from scratch")
     if c.pretrained_checkpoint:
         load_checkpoint(c.pretrained_checkpoint, model, optimizer, scheduler, load_optimizer=False,
                         load_rng=False, model_args=cfg.model_args())
@@ -267,11 +284,15 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
         from megatron.rl.training.config import ConfigError
 
         raise ConfigError("--train-iters is required for pretraining.")
-    initialize_megatron(cfg)
+    from megatron.rl.logging import setup_distributed_logging
+
+    setup_distributed_logging(lg.log_level)
+    load_dir = resolve_load_dir(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
+    initialize_megatron(cfg)
     model = build_model(cfg, tokenizer=tokenizer)
     optimizer, scheduler = build_optimizer(cfg, model)
-    iteration, consumed = _load(cfg, model, optimizer, scheduler)
+    iteration, consumed = _load(cfg, load_dir, model, optimizer, scheduler)
     train_iter = _data_iterators(cfg, tokenizer, consumed, "train", t.train_iters * t.global_batch_size)
     valid_iter = None
     if t.eval_interval and t.eval_iters > 0:
@@ -288,7 +309,7 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
     evals: list[tuple[int, dict[str, float]]] = []
     skipped_total = nan_total = 0
     window_start, window_iters = time.perf_counter(), 0
-    last_saved = iteration if c.load else None
+    last_saved = iteration if load_dir else None
     log.info("training from iteration %d to %d (global batch %d = %d microbatches x %d x DP %d)", iteration,
              t.train_iters, t.global_batch_size, t.num_microbatches, t.micro_batch_size,
              cfg.parallel.data_parallel_size)
