@@ -39,7 +39,9 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "wandb": ["wandb"],
         "math": ["sympy"],
-        "dev": ["pytest>=7", "pytest-timeout", "transformers>=4.40", "tokenizers", "safetensors", "sympy",
-                "matplotlib"],
+        "data": ["datasets"],  # Parquet / Arrow / JSON files for HuggingFaceDatasetAgent (JSONL needs nothing)
+        "plot": ["matplotlib"],
+        "dev": ["pytest>=7", "transformers>=4.40", "tokenizers", "safetensors", "sympy", "datasets",
+                "matplotlib", "jinja2"],
     },
 )
