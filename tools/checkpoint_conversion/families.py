@@ -166,9 +166,11 @@ class Family:
                         qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
                         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
-    def hf_config(self, model, vocab_size: int, dtype: str) -> dict[str, Any]:
+    def hf_config(self, model, vocab_size: int, dtype: str, rope_scaling_factor: float | None = None) -> dict[str, Any]:
         """A minimal ``config.json`` dict for a Megatron model (``model``: our ``ModelConfig``), used when the
-        checkpoint carries no original Hugging Face config."""
+        checkpoint carries no original Hugging Face config. ``rope_scaling_factor``: Llama-3 RoPE scaling."""
+        if rope_scaling_factor is not None:
+            raise ConversionError(f"--use-rope-scaling is not supported for {self.name}")
         return {"architectures": [self.architecture], "model_type": self.model_types[0], "hidden_act": "silu",
                 "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
                 "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,

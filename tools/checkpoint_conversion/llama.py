@@ -44,7 +44,10 @@ class LlamaFamily(Family):
             return []
         return ["--use-rope-scaling", "--rope-scaling-factor", repr(float(scaling.get("factor", 8.0)))]
 
-    def hf_config(self, model, vocab_size: int, dtype: str) -> dict:
+    def hf_config(self, model, vocab_size: int, dtype: str, rope_scaling_factor: float | None = None) -> dict:
         cfg = super().hf_config(model, vocab_size, dtype)
         cfg.update(attention_bias=False, mlp_bias=False)
+        if rope_scaling_factor is not None:
+            cfg["rope_scaling"] = {"rope_type": "llama3", "factor": float(rope_scaling_factor),
+                                   **_MCORE_LLAMA3_FIXED}
         return cfg

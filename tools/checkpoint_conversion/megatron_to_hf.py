@@ -66,6 +66,15 @@ def _checkpoint_vocab_rows(ckpt: Path) -> int:
     raise ConversionError(f"{ckpt} has no embedding.word_embeddings.weight; is it a GPT checkpoint?")
 
 
+def _rope_scaling_factor(cfg) -> float | None:
+    """--rope-scaling-factor when --use-rope-scaling is on (model section, or extra flags while the training
+    parser lacks them)."""
+    for section in (cfg.model, cfg.extra):
+        if getattr(section, "use_rope_scaling", False):
+            return float(getattr(section, "rope_scaling_factor", 8.0))
+    return None
+
+
 def _check_config_matches(hf_cfg: dict, flags: list[str], model_args: dict, source: str) -> None:
     family = family_for_config(hf_cfg)
     family.check(hf_cfg)
@@ -114,7 +123,7 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
         vocab = cfg.tokenizer.vocab_size
         if vocab is None:
             raise ConversionError("the model flags lack --vocab-size, needed to drop Megatron's vocab padding")
-        hf_cfg = family.hf_config(cfg.model, vocab, dtype or "float32")
+        hf_cfg = family.hf_config(cfg.model, vocab, dtype or "float32", _rope_scaling_factor(cfg))
         _check_config_matches(hf_cfg, list(megatron_args), model_args, f"synthesised for {family.name}")
         log.warning("no Hugging Face config found next to %s; writing a minimal %s config", ckpt, family.name)
     out_dtype = torch_dtype(dtype or config_dtype(hf_cfg) or "float32")

@@ -11,8 +11,8 @@ class Qwen2Family(Family):
     architecture = "Qwen2ForCausalLM"
     qkv_bias = True
 
-    def hf_config(self, model, vocab_size: int, dtype: str) -> dict:
-        cfg = super().hf_config(model, vocab_size, dtype)
+    def hf_config(self, model, vocab_size: int, dtype: str, rope_scaling_factor: float | None = None) -> dict:
+        cfg = super().hf_config(model, vocab_size, dtype, rope_scaling_factor)
         cfg.pop("head_dim")  # Qwen2 derives it as hidden_size / num_attention_heads
         cfg.update(use_sliding_window=False)
         return cfg
@@ -25,7 +25,7 @@ class Qwen3Family(Family):
     architecture = "Qwen3ForCausalLM"
     qk_norm = True
 
-    def hf_config(self, model, vocab_size: int, dtype: str) -> dict:
-        cfg = super().hf_config(model, vocab_size, dtype)
+    def hf_config(self, model, vocab_size: int, dtype: str, rope_scaling_factor: float | None = None) -> dict:
+        cfg = super().hf_config(model, vocab_size, dtype, rope_scaling_factor)
         cfg.update(attention_bias=False, use_sliding_window=False)
         return cfg

@@ -183,3 +183,42 @@ def test_converted_checkpoints_load_at_tp2(tmp_path, torchrun):
     # TP really split the fused QKV: 4 heads + 2*2 groups = 8 heads' rows in total, half on each rank
     assert results[str(pairs[1])]["qkv_rows"] == [4 * 16, 4 * 16]
     assert results[str(pairs[3])]["qkv_rows"] == [4 * 32, 4 * 32]
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
+                                              ("llama", {"rope_parameters": LLAMA3_ROPE})],
+                         ids=["llama", "qwen2", "qwen3", "llama3-rope-scaling"])
+def test_megatron_to_hf_without_the_original_config(tmp_path, family, overrides):
+    """A checkpoint without hf_config/ (e.g. copied without it) gets a synthesised config.json that transformers
+    loads into a model with the same logits."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron.rl.runtime import setup_runtime
+    from tools.checkpoint_conversion.hf_to_megatron import convert_hf_to_megatron
+    from tools.checkpoint_conversion.megatron_to_hf import convert_megatron_to_hf
+
+    setup_runtime()
+    hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "megatron", tmp_path / "hf_back"
+    hf_model = build_tiny_hf_model(hf_dir, family, tied=family == "qwen2", tokenizer=False, **overrides)
+    convert_hf_to_megatron(hf_dir, ckpt)
+    assert ("--use-rope-scaling" in (ckpt / "megatron_args.txt").read_text()) == bool(overrides)
+    shutil.rmtree(ckpt / "hf_config")
+    convert_megatron_to_hf(ckpt, back)
+    config = json.loads((back / "config.json").read_text())
+    assert config["model_type"] == family  # guessed from the flags (qk-layernorm / qkv bias / neither)
+    reloaded = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    from tools.checkpoint_conversion.families import rope_settings
+
+    theta, scaling = rope_settings(reloaded.config.to_dict())  # as transformers understood the written config
+    assert theta == rope_settings(hf_model.config.to_dict())[0]
+    assert (scaling or {}).get("rope_type") == ("llama3" if overrides else None)
+    if overrides:
+        assert scaling["factor"] == 8.0
+    tokens = torch.randint(0, 200, (1, 9))
+    torch.testing.assert_close(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens), atol=1e-5, rtol=0)
