@@ -30,13 +30,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from tools.checkpoint_conversion.families import ArchSpec, ConversionError, Family, config_dtype, family_for_config
 from tools.checkpoint_conversion.hf_io import HFTensorReader, copy_tokenizer, read_hf_config
 from tools.checkpoint_conversion.llama import rope_scaling_args_provider
-from tools.checkpoint_conversion.mapping import hf_tensor_names, hf_to_megatron
+from tools.checkpoint_conversion.mapping import hf_tensor_names, iter_hf_to_megatron
 
 log = logging.getLogger(__name__)
 
@@ -156,21 +157,27 @@ def build_tp1_model(flags: list[str], padded: int, dtype: torch.dtype):
     return cfg, unwrap_model(chunks)[0]
 
 
-def fill_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy ``tensors`` into ``model``'s parameters/buffers by state-dict name; every tensor must be used once."""
+def fill_model(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy ``(name, tensor)`` pairs into ``model``'s parameters/buffers by state-dict name, one at a time.
+
+    Every tensor of the model (except ``_extra_state``) must be given exactly once, with its shape.
+    """
     targets = {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
-    missing = sorted(set(targets) - set(tensors) - {k for k in targets if k.endswith("._extra_state")})
-    unused = sorted(set(tensors) - set(targets))
-    if missing or unused:
-        raise ConversionError(f"state-dict mismatch between the mapping and the Megatron model: missing "
-                              f"{missing[:5]}, unused {unused[:5]}")
+    seen: set[str] = set()
     with torch.no_grad():
-        for name, src in tensors.items():
+        for name, src in tensors:
+            if name not in targets or name in seen:
+                raise ConversionError(f"state-dict mismatch between the mapping and the Megatron model: "
+                                      f"{name!r} is {'given twice' if name in seen else 'not in the model'}")
             dst = targets[name]
             if tuple(dst.shape) != tuple(src.shape):
                 raise ConversionError(f"{name}: Megatron expects shape {tuple(dst.shape)}, the Hugging Face "
                                       f"weights give {tuple(src.shape)}")
             dst.copy_(src)
+            seen.add(name)
+    missing = sorted(k for k in set(targets) - seen if not k.endswith("._extra_state"))
+    if missing:
+        raise ConversionError(f"the mapping left {len(missing)} Megatron tensor(s) unset, e.g. {missing[:5]}")
 
 
 def _flags_text(flags: list[str]) -> str:
@@ -237,7 +244,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
     from megatron.rl.training.checkpointing import save_checkpoint
 
     train_cfg, model = build_tp1_model(plan.flags, plan.padded_vocab, plan.dtype)
-    fill_model(model, hf_to_megatron(lambda n: reader.get(n), plan.spec, plan.padded_vocab))
+    fill_model(model, iter_hf_to_megatron(reader.get, plan.spec, plan.padded_vocab))
     target_cfg = parse_megatron_flags(plan.flags, plan.target_tp, plan.target_pp)
     out = save_checkpoint(save, "release", [model], model_args=target_cfg.model_args())
     write_sidecars(plan, save)

@@ -59,7 +59,7 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_groups: int) -> tuple[torch
 
 
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU ``gate [F, hidden]`` and ``up [F, hidden]`` -> megatron ``linear_fc1`` ``[2F, hidden]`` = ``[gate; up]``."""
+    """SwiGLU ``gate [F, hidden]``, ``up [F, hidden]`` -> megatron ``linear_fc1`` ``[2F, hidden]`` = ``[gate; up]``."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} projections differ in shape")
     return torch.cat([gate, up], dim=0)

@@ -8,7 +8,7 @@ local spec loads into either spec at any TP/PP.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -46,30 +46,35 @@ def hf_tensor_names(spec: ArchSpec) -> list[str]:
     return names
 
 
-def hf_to_megatron(get: TensorGetter, spec: ArchSpec, padded_vocab: int) -> dict[str, torch.Tensor]:
-    """Megatron state dict (TP=1 global tensors) from Hugging Face tensors fetched by name with ``get``.
+def iter_hf_to_megatron(get: TensorGetter, spec: ArchSpec, padded_vocab: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(megatron name, TP=1 global tensor)`` pairs from Hugging Face tensors fetched by name with ``get``.
 
-    ``get`` is called once per HF tensor, so a lazy safetensors reader keeps memory at one layer's worth of
-    temporaries. Embedding/output rows are zero-padded from ``spec.vocab_size`` to ``padded_vocab``.
+    A generator, so a converter can copy each tensor into the model and drop it: with a lazy safetensors
+    reader, peak memory is the model plus one layer's worth of temporaries. Embedding/output rows are
+    zero-padded from ``spec.vocab_size`` to ``padded_vocab``.
     """
-    out = {"embedding.word_embeddings.weight": pad_vocab(get("model.embed_tokens.weight"), padded_vocab),
-           "decoder.final_layernorm.weight": get("model.norm.weight")}
-    if not spec.tied_embeddings:
-        out["output_layer.weight"] = pad_vocab(get("lm_head.weight"), padded_vocab)
+    yield "embedding.word_embeddings.weight", pad_vocab(get("model.embed_tokens.weight"), padded_vocab)
     for i in range(spec.num_layers):
         h, m = _HF_LAYER.format(i=i), _MC_LAYER.format(i=i)
         for hf, mc in _LAYER_DIRECT:
-            out[m + mc] = get(h + hf)
-        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            yield m + mc, get(h + hf)
+        yield m + "self_attention.linear_qkv.weight", fuse_qkv(
             *(get(h + f"self_attn.{x}_proj.weight") for x in "qkv"), spec.num_heads, spec.num_groups)
         if spec.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
+            yield m + "self_attention.linear_qkv.bias", fuse_qkv(
                 *(get(h + f"self_attn.{x}_proj.bias") for x in "qkv"), spec.num_heads, spec.num_groups)
         if spec.qk_norm:
             for hf, mc in _QK_NORM:
-                out[m + mc] = get(h + hf)
-        out[m + "mlp.linear_fc1.weight"] = fuse_gate_up(get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight"))
-    return out
+                yield m + mc, get(h + hf)
+        yield m + "mlp.linear_fc1.weight", fuse_gate_up(get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight"))
+    yield "decoder.final_layernorm.weight", get("model.norm.weight")
+    if not spec.tied_embeddings:
+        yield "output_layer.weight", pad_vocab(get("lm_head.weight"), padded_vocab)
+
+
+def hf_to_megatron(get: TensorGetter, spec: ArchSpec, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """Megatron state dict (TP=1 global tensors) from Hugging Face tensors; see :func:`iter_hf_to_megatron`."""
+    return dict(iter_hf_to_megatron(get, spec, padded_vocab))
 
 
 def megatron_to_hf(mc: dict[str, torch.Tensor], spec: ArchSpec) -> dict[str, torch.Tensor]:

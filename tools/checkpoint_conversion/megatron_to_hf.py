@@ -86,7 +86,8 @@ def _check_config_matches(hf_cfg: dict, flags: list[str], model_args: dict, sour
 
 
 def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, megatron_args: list[str] | None = None,
-                           hf_config_dir: str | os.PathLike | None = None, tokenizer_dir: str | os.PathLike | None = None,
+                           hf_config_dir: str | os.PathLike | None = None,
+                           tokenizer_dir: str | os.PathLike | None = None,
                            dtype: str | None = None, model_type: str | None = None) -> Path:
     """Write the Hugging Face form of the Megatron checkpoint ``load`` into ``save``; returns ``save``.
 
@@ -166,7 +167,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-args", help=f"file with the model flags (default: {ARGS_TXT} next to the checkpoint)")
     p.add_argument("--hf-config", help=f"directory with the original config.json (default: {HF_CONFIG_DIR}/ next "
                                        f"to the checkpoint)")
-    p.add_argument("--tokenizer-dir", help=f"tokenizer files to copy (default: {TOKENIZER_DIR}/ next to the checkpoint)")
+    p.add_argument("--tokenizer-dir",
+                   help=f"tokenizer files to copy (default: {TOKENIZER_DIR}/ next to the checkpoint)")
     p.add_argument("--dtype", help="output dtype (default: the config's)")
     p.add_argument("--model-type", help="family when no config.json is available: llama, qwen2 or qwen3")
     return p

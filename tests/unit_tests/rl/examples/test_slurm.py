@@ -38,6 +38,11 @@ fi
 }
 
 
+LAUNCH_VARS = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGATRON_RL_DIR", "MODEL_CONFIG",
+               "PRETRAINED_CKPT", "TOKENIZER_MODEL", "ENV_CONFIG", "RUNS_ROOT", "RUN_NAME", "GPUS_PER_NODE",
+               "SAVE_INTERVAL", "PYTHON_ENV", "RL_CUDA"}
+
+
 @pytest.fixture
 def fake_slurm(tmp_path):
     """(env, out_dir): a PATH with the stubs and a Slurm-like environment for job 1234."""
@@ -50,7 +55,8 @@ def fake_slurm(tmp_path):
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     pretrained = tmp_path / "pretrained"
     (pretrained / "tokenizer").mkdir(parents=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    # a clean slate: no Slurm/torchrun variables (in-process tests set MASTER_PORT etc.) or launcher settings
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in LAUNCH_VARS}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", STUB_OUT=str(out), SLURM_JOB_ID="1234", SLURM_JOB_NAME="rl",
                SLURM_SUBMIT_DIR=str(REPO), SLURM_GPUS_ON_NODE="8", SLURM_NNODES="1", SLURM_JOB_NODELIST="node01",
                RUNS_ROOT=str(tmp_path / "runs"), PRETRAINED_CKPT=str(pretrained))
