@@ -222,3 +222,24 @@ def test_megatron_to_hf_without_the_original_config(tmp_path, family, overrides)
         assert scaling["factor"] == 8.0
     tokens = torch.randint(0, 200, (1, 9))
     torch.testing.assert_close(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # two fresh interpreters importing torch, transformers and megatron-core
+def test_command_line_tools_from_another_directory(tmp_path):
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[4]
+    hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "megatron", tmp_path / "hf_back"
+    build_tiny_hf_model(hf_dir, "qwen3", tied=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)  # the scripts must find the repository on their own
+    for cmd in ([sys.executable, str(repo / "tools" / "convert_hf_to_megatron.py"), "--hf-dir", str(hf_dir),
+                 "--save", str(ckpt), "--target-tensor-parallel-size", "2"],
+                [sys.executable, str(repo / "tools" / "convert_megatron_to_hf.py"), "--load", str(ckpt),
+                 "--save", str(back)]):
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "--tensor-model-parallel-size 2" in (ckpt / "megatron_args.txt").read_text()
+    assert json.loads((ckpt / "conversion.json").read_text())["compatible_tensor_parallel_sizes"] == [1, 2]
+    _assert_bitwise_equal_dirs(hf_dir, back)
