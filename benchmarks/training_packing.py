@@ -1,0 +1,166 @@
+"""Training tokens/s with sequence packing vs padding, on a realistic RL length mix, measured side by side.
+
+Both layouts train the same model on the same sequences with the same global batch, through exactly the
+RL trainer's path: :func:`megatron.rl.rl_utils.build_step_batches` lays out the step (packed: first-fit
+decreasing into ``--seq-length`` bins with up to ``--max-seqs-per-bin`` sequences; padded: one sequence
+per row, i.e. ``max_sequences_per_bin=1``), :func:`megatron.rl.rl_loss.training_forward_step` computes the
+GRPO loss with the block-diagonal causal attention mask the local layer spec needs on CPU, and
+:func:`megatron.rl.training.loop.train_step` runs forward + backward + optimizer step through
+megatron-core's schedule. Old log-probs are scored once per layout (untimed), as the RL step does before
+its updates.
+
+Length mix (seeded): prompt lengths uniform in [20, 200] tokens; response lengths log-normal (median
+``--response-median`` tokens, sigma ``--response-sigma``: most answers short, a long tail) clipped to the
+room the prompt leaves in ``--seq-length``. That is the shape of GRPO rollouts with a generous
+``--rl-max-new-tokens``: a few rollouts use the budget, most stop far earlier.
+
+tokens/s counts real (non-padding) tokens: ``sum(len(sequence))`` per step / step time. Packing efficiency
+= real tokens / (rows * seq_length), rows including the empty rows that fill the last micro-batch. The
+two layouts alternate within every round (order swapped each round), median step time per layout.
+
+    python benchmarks/training_packing.py [--seq-length 1024 --num-seqs 64 --rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+PROMPT_RANGE = (20, 200)
+
+
+def sample_lengths(num_seqs: int, seq_length: int, seed: int, response_median: float = 128.0,
+                   response_sigma: float = 1.0) -> list[tuple[int, int]]:
+    """(prompt_len, response_len) per sequence; prompt + response <= seq_length, response >= 1."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_seqs):
+        prompt = min(rng.randint(*PROMPT_RANGE), seq_length - 1)
+        response = int(round(rng.lognormvariate(math.log(response_median), response_sigma)))
+        out.append((prompt, max(1, min(response, seq_length - prompt))))
+    return out
+
+
+def make_sequences(lengths: list[tuple[int, int]], vocab: int, seed: int, group_size: int):
+    """Random-token :class:`TrainingSequence` s (loss on the response) with GRPO-like advantages."""
+    import torch
+
+    from megatron.rl.rollouts import TrainingSequence
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i, (p, r) in enumerate(lengths):
+        ids = torch.randint(0, vocab, (p + r,), generator=g).tolist()
+        adv = float(torch.randn((), generator=g))
+        seqs.append(TrainingSequence(token_ids=ids, loss_mask=[0] * p + [1] * r, inference_logprobs=None,
+                                     advantage=adv, reward=adv, group_index=i // group_size, env_id="bench"))
+    return seqs
+
+
+def build_argv(a) -> list[str]:
+    return (C.model_flags(a.hidden, a.layers, a.heads, a.seq_length)
+            + C.optim_flags(a.micro_batch_size, a.num_seqs)
+            + ["--langrl-env-config", str(C.ARITHMETIC_ENV), "--grpo-prompts-per-step", str(a.num_seqs // 8),
+               "--grpo-group-size", "8", "--rl-use-sequence-packing",
+               "--rl-sequence-packing-max-sequences-per-bin", str(a.max_seqs_per_bin),
+               "--rl-max-new-tokens", str(a.seq_length - PROMPT_RANGE[0])])
+
+
+def run(a) -> dict:
+    from megatron.rl.rl_config import add_rl_args, rl_config_from_args
+    from megatron.rl.rl_loss import training_forward_step
+    from megatron.rl.rl_utils import StepContext, _shape_args, build_step_batches, score
+    from megatron.rl.sequence_packing_utils import get_microbatch_dataloader
+    from megatron.rl.training.loop import train_step
+
+    if a.num_seqs % 8:
+        raise SystemExit(f"--num-seqs={a.num_seqs}: must be a multiple of 8 (8 rollouts per prompt group)")
+    tr = C.build_trainer(build_argv(a), extra_args_providers=[add_rl_args])
+    rl_packed = rl_config_from_args(tr.cfg)
+    rl_padded = dataclasses.replace(rl_packed, use_sequence_packing=False)
+    ctx = StepContext(model=tr.model, optimizer=tr.optimizer, scheduler=tr.scheduler, agent=None, inference=None,
+                      pad_token_id=tr.tokenizer.pad, seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
+                      global_batch_size=a.num_seqs, seed=a.seed, device=tr.device)
+    lengths = sample_lengths(a.num_seqs, a.seq_length, a.seed, a.response_median, a.response_sigma)
+    sequences = make_sequences(lengths, tr.tokenizer.vocab_size, a.seed, group_size=8)
+    real_tokens = sum(p + r for p, r in lengths)
+
+    layouts = {}
+    for name, rl in (("packed", rl_packed), ("padded", rl_padded)):
+        (step,) = build_step_batches(sequences, rl, ctx, num_steps=1, need_ref=False)
+        score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
+        layouts[name] = (rl, step)
+
+    def one_step(name: str) -> float:
+        rl, step = layouts[name]
+        fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
+                                    grad_scale=float(step.num_microbatches), device=ctx.device, use_thd=False)
+        loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
+        return C.timed(lambda: train_step(fwd, iter(loader), ctx.model, ctx.optimizer, ctx.scheduler,
+                                          step.num_microbatches, **_shape_args(ctx)))
+
+    times = {"packed": [], "padded": []}
+    for name in times:  # warm-up (allocator, first-call paths), untimed
+        one_step(name)
+    for r in range(a.rounds):
+        for name in (("packed", "padded") if r % 2 == 0 else ("padded", "packed")):
+            times[name].append(one_step(name))
+    C.teardown()
+
+    rows = []
+    result = {"lengths": lengths, "real_tokens": real_tokens, "layouts": {}}
+    for name, (rl, step) in layouts.items():
+        t = C.median(times[name])
+        eff = step.num_real_tokens / (step.num_rows_total * a.seq_length)
+        result["layouts"][name] = dict(rows=step.num_rows_total, microbatches=step.num_microbatches, efficiency=eff,
+                                       step_s=t, tokens_per_s=real_tokens / t, times=times[name])
+        rows.append([name, step.num_rows_total, step.num_microbatches, f"{100 * eff:.1f}%", f"{t:.2f}",
+                     f"{real_tokens / t:,.0f}", f"{step.num_rows_total * a.seq_length / t:,.0f}"])
+    speedup = result["layouts"]["packed"]["tokens_per_s"] / result["layouts"]["padded"]["tokens_per_s"]
+    result["speedup"] = speedup
+    rows.append(["packed / padded", "", "", "", "", f"{speedup:.2f}x", ""])
+    resp = sorted(r for _, r in lengths)
+    print(C.machine_line())
+    print(f"model: {a.layers} layers, hidden {a.hidden}, {a.heads} heads; seq-length {a.seq_length}; "
+          f"{a.num_seqs} sequences per step ({real_tokens} real tokens); micro-batch {a.micro_batch_size} rows; "
+          f"packing: first-fit decreasing, <= {a.max_seqs_per_bin} sequences per bin")
+    print(f"length mix (seed {a.seed}): prompt U[{PROMPT_RANGE[0]}, {PROMPT_RANGE[1]}], response lognormal(median "
+          f"{a.response_median:g}, sigma {a.response_sigma:g}) clipped: response p50 {resp[len(resp) // 2]}, "
+          f"p90 {resp[int(0.9 * (len(resp) - 1))]}, max {resp[-1]}; mean sequence {real_tokens / a.num_seqs:.0f} "
+          f"tokens; {a.rounds} rounds, median step")
+    print(C.format_table(["layout", "rows", "micro-batches", "packing efficiency", "step s (median)",
+                          "real tokens/s", "row tokens/s"], rows,
+                         title="Training throughput: packed vs padded (forward + backward + optimizer)"))
+    return result
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--num-seqs", type=int, default=64, help="sequences per optimizer step (global batch)")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch (both layouts)")
+    p.add_argument("--max-seqs-per-bin", type=int, default=16)
+    p.add_argument("--response-median", type=float, default=128.0)
+    p.add_argument("--response-sigma", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    run(parse(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Smoke tests of the training benchmarks at toy size: each runs end to end and prints its table with the
+expected rows; the numbers that do not depend on timing (packing efficiency, FLOP counts) are checked
+against an independent computation. Timings are never asserted."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[4]
+BENCH = REPO / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _common as C  # noqa: E402
+import training_packing  # noqa: E402
+
+
+def run_bench(script: str, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """First column -> the other cells, for every data row of the markdown tables in ``text``."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("|-"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_length_mix_is_seeded_and_fits():
+    a = training_packing.sample_lengths(200, 512, seed=3)
+    assert a == training_packing.sample_lengths(200, 512, seed=3)
+    assert a != training_packing.sample_lengths(200, 512, seed=4)
+    assert all(20 <= p <= 200 and r >= 1 and p + r <= 512 for p, r in a)
+    responses = sorted(r for _, r in a)
+    assert responses[len(a) // 2] < 0.5 * responses[-1]  # long-tailed: the median far below the longest
+
+
+def test_training_flops_formula_and_matmul_params():
+    # 6*N*T + 12*L*S*h*T, written out for N=1000, T=10, L=2, S=8, h=4
+    assert C.training_flops(1000, 10, 2, 8, 4) == 6 * 1000 * 10 + 12 * 2 * 8 * 4 * 10
+    table = "| a | b |\n|---|---|\n| x | 1 |"
+    assert table_rows(table) == {"a": ["b"], "x": ["1"]}
+
+
+def test_training_packing_table():
+    args = ["--seq-length", "256", "--num-seqs", "16", "--hidden", "32", "--layers", "1", "--heads", "2",
+            "--micro-batch-size", "2", "--response-median", "16", "--rounds", "1"]
+    out = run_bench("training_packing.py", *args)
+    rows = table_rows(out)
+    assert {"packed", "padded", "packed / padded"} <= set(rows)
+    # Efficiencies equal what the packing plan gives for the same seeded lengths, computed here directly.
+    from megatron.rl.sequence_packing_utils import distribute_bins, plan_packing
+
+    lengths = [p + r for p, r in training_packing.sample_lengths(16, 256, 0, 16.0, 1.0)]
+    for name, max_per_bin in (("packed", 16), ("padded", 1)):
+        info = plan_packing(lengths, 256, max_per_bin)
+        plan = distribute_bins(info.num_bins, 1, 2)
+        rows_total = plan.num_microbatches * 2
+        assert rows[name][0] == str(rows_total)
+        assert rows[name][2] == f"{100 * sum(lengths) / (rows_total * 256):.1f}%"
+    assert int(rows["padded"][0]) == 16 > int(rows["packed"][0])
+    assert re.fullmatch(r"[0-9.]+x", rows["packed / padded"][4])
+
+
+def test_mfu_table():
+    out = run_bench("mfu.py", "--models", "toy", "--rounds", "1", "--matmul-size", "256")
+    rows = table_rows(out)
+    assert "matmul peak (fp32)" in rows
+    (toy,) = [k for k in rows if k.startswith("toy:")]
+    # toy: 2 layers, h=64, SwiGLU ffn f, no biases, padded vocab 384; matmul N per layer = qkv 3h^2 +
+    # proj h^2 + fc1 2hf + fc2 fh, plus the output layer V*h.
+    from megatron.rl.training.config import parse_args
+
+    cfg = parse_args(C.model_flags(64, 2, 2, 64) + C.optim_flags(4, 4), world_size=1)
+    h, f = 64, cfg.model.ffn_hidden_size
+    n = 2 * (4 * h * h + 3 * h * f) + 384 * h
+    assert rows[toy][0].endswith(f"{n / 1e6:.2f}M")
+    assert rows[toy][2] == f"{C.training_flops(n, 4 * 64, 2, 64, 64) / 1e9:.2f}"
+    assert rows[toy][5].endswith("%")
+
+
+def test_grpo_step_table():
+    out = run_bench("grpo_step.py", "--iters", "2", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4",
+                    "--hidden", "32", "--layers", "1", "--heads", "2", "--seq-length", "64",
+                    "--micro-batch-size", "2")
+    rows = table_rows(out)
+    for phase in ("generate", "log-probs", "train", "other (gather, packing, metrics)", "total"):
+        assert phase in rows, out
+    parts = sum(float(rows[p][0]) for p in ("generate", "log-probs", "train", "other (gather, packing, metrics)"))
+    assert parts == pytest.approx(float(rows["total"][0]), abs=2e-3)
