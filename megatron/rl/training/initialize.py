@@ -66,17 +66,18 @@ def _free_port() -> int:
 
 
 def init_process_group(backend: str, timeout_minutes: int = 30) -> None:
-    """Initialise torch.distributed from torchrun's env, or as a one-process group when run with plain python."""
+    """Initialise torch.distributed from torchrun's env, or as a one-process group when run with plain python.
+
+    The one-process case uses a free loopback port and leaves ``os.environ`` untouched (so a later torchrun
+    launched from this process does not inherit a fake RANK/WORLD_SIZE).
+    """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    kwargs = dict(backend=backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                  timeout=timedelta(minutes=timeout_minutes))
+    kwargs = dict(backend=backend, timeout=timedelta(minutes=timeout_minutes))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        kwargs.update(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        kwargs.update(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(**kwargs)
