@@ -1,0 +1,40 @@
+"""User-defined agents for the train_rl.py tests (named in env configs as ``module:Class``).
+
+HashReward: a reward that varies between samples even for a random-weight model (a function of the
+completion's bytes), so advantages, losses and gradients are non-zero from the first iteration.
+NaNReward: a broken reward function. LongPrompt: prompts longer than any tiny --seq-length.
+EmptyDataset: a dataset with no problems.
+"""
+from megatron.rl.agent import RewardOnlyAgent
+
+
+class HashReward(RewardOnlyAgent):
+    stop: list[str] = []
+
+    def get_problem(self, index: int, validation: bool) -> dict:
+        return {"prompt": f"Q{index % 97}:", "id": f"{'v' if validation else 't'}{index}"}
+
+    def compute_reward(self, problem: dict, completion: str) -> float:
+        return (sum(completion.encode("utf-8", "replace")) % 11) / 10.0
+
+
+class NaNReward(HashReward):
+    def compute_reward(self, problem: dict, completion: str) -> float:
+        return float("nan")
+
+
+class LongPrompt(HashReward):
+    def get_problem(self, index: int, validation: bool) -> dict:
+        return {"prompt": "x" * 300 + f"{index}:", "id": f"long{index}"}
+
+
+class EmptyDataset(HashReward):
+    def dataset_size(self, validation: bool) -> int:
+        return 0
+
+
+class NearLimitPrompt(HashReward):
+    """Prompts that fit --seq-length 64 but leave less room than --rl-max-new-tokens."""
+
+    def get_problem(self, index: int, validation: bool) -> dict:
+        return {"prompt": "y" * 57 + f"{index % 10}:", "id": f"near{index}"}

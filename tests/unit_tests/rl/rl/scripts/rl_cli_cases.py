@@ -1,0 +1,37 @@
+"""Run train_rl.main(argv) for several bad-input cases in one process (imports paid once); JSON results.
+
+    python rl_cli_cases.py CASES.json OUT.json
+
+CASES.json: ``{name: argv}``. OUT.json: ``{name: {"ok": bool, "error_type": str, "error": str}}``.
+train_rl.main is what ``python train_rl.py`` runs (parse flags, validate, run, destroy_megatron).
+"""
+import json
+import os
+import sys
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 5))
+sys.path.insert(0, REPO)
+
+
+def main() -> int:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_rl_cli", os.path.join(REPO, "train_rl.py"))
+    train_rl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_rl)
+    cases = json.loads(open(sys.argv[1]).read())
+    out = {}
+    for name, argv in cases.items():
+        try:
+            rc = train_rl.main(argv)
+            out[name] = {"ok": True, "rc": rc}
+        except BaseException as e:  # SystemExit from argparse too
+            out[name] = {"ok": False, "error_type": type(e).__name__, "error": str(e)}
+        print(f"case {name}: {out[name]}", flush=True)
+    with open(sys.argv[2], "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
