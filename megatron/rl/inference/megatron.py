@@ -133,6 +133,7 @@ class MegatronInference(InferenceInterface):
     def __init__(self, model: Any, tokenizer: Any, settings: EngineSettings | None = None,
                  max_sequence_length: int | None = None):
         runtime = setup_runtime()
+        self._cpu_layer = runtime.cpu_layer_active
         if not dist.is_initialized():
             raise InferenceError("MegatronInference needs torch.distributed and megatron-core parallel_state "
                                  "initialised (call megatron.rl.training.initialize.initialize_megatron first)")
@@ -160,6 +161,7 @@ class MegatronInference(InferenceInterface):
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._worker_error: BaseException | None = None
+        self._worker_failed = False
         self._was_training = False
         self._live: dict[str, Any] = {}  # engine, context, controller while in inference mode
         self.engine_steps = 0  # engine steps run since construction (a batching diagnostic)
@@ -191,7 +193,13 @@ class MegatronInference(InferenceInterface):
         if self._worker_error is not None:
             error, self._worker_error = self._worker_error, None
             self._thread.join()
-            self._thread = None
+            with self._lock:
+                self._thread = None
+                stranded = [self._waiters.pop(job.seq) for job in self._queue if job.seq in self._waiters]
+                self._queue = []
+            for waiter in stranded:  # submitted by a concurrent caller while the engine was being built
+                _resolve(waiter, InferenceResponse.failed(f"the inference engine failed to start: {error!r}",
+                                                          waiter.job.prompt_text))
             self._restore_train_mode()
             raise InferenceError(f"could not start the megatron-core inference engine: {error!r}") from error
 
@@ -210,6 +218,7 @@ class MegatronInference(InferenceInterface):
         with self._lock:
             self._thread = None
             self._stop_requested = False
+            self._worker_failed = False
             leftovers = list(self._waiters.items())
             self._waiters.clear()
             self._early.clear()
@@ -239,6 +248,8 @@ class MegatronInference(InferenceInterface):
     # ------------------------------------------------------------------ requests
 
     async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        if self._worker_failed:  # the engine failed earlier: stop what is left of it and start a fresh one
+            await asyncio.to_thread(self.exit_inference_mode)
         if not self.active:
             await asyncio.to_thread(self.enter_inference_mode)
         loop = asyncio.get_running_loop()
@@ -321,7 +332,8 @@ class MegatronInference(InferenceInterface):
     # ------------------------------------------------------------------ engine thread
 
     def _worker_main(self) -> None:
-        setup_runtime()  # torch-function modes (the CPU layer) are thread-local
+        if self._cpu_layer and not self.settings.cpu_fast_steps:
+            setup_runtime()  # the CPU layer's device mode is thread-local: enter it for everything this thread runs
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
@@ -332,8 +344,9 @@ class MegatronInference(InferenceInterface):
 
     async def _serve(self) -> None:
         try:
-            engine, context, controller = build_engine(self.model, self._engine_tokenizer, self.settings,
-                                                       self.max_sequence_length)
+            with self._device_mode():
+                engine, context, controller = build_engine(self.model, self._engine_tokenizer, self.settings,
+                                                           self.max_sequence_length)
         except BaseException as e:  # reported by enter_inference_mode
             log.exception("building the megatron-core inference engine failed")
             self._worker_error = e
@@ -360,6 +373,7 @@ class MegatronInference(InferenceInterface):
                     break
         except BaseException as e:
             log.exception("the megatron-core inference engine failed")
+            self._worker_failed = True  # before any caller hears of it, so its next call restarts the engine
             for job in jobs.values():
                 self._deliver(job, InferenceResponse.failed(f"inference engine failed: {e!r}", job.prompt_text))
             with self._lock:  # fail what was queued too; later submissions see a stopped engine
@@ -371,6 +385,20 @@ class MegatronInference(InferenceInterface):
             context.deallocate_all_tensors()  # frees the KV cache even if something still holds the context
             self._live.clear()
             del engine, context, controller
+
+    def _device_mode(self):
+        """With ``cpu_fast_steps``: the CPU layer's device-rewriting mode, for construction and admission only.
+
+        Engine steps then run without it (the mode costs a Python dispatch per torch call, about a third of a
+        decode step of a small model); the step path only meets device helpers the layer patches globally
+        (``torch.cuda.current_device``, streams, events). Admission and construction allocate with
+        ``pin_memory=True`` / CUDA device literals, which need the mode.
+        """
+        if self._cpu_layer and self.settings.cpu_fast_steps:
+            from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
+
+            return CudaToCpuMode()
+        return contextlib.nullcontext()
 
     def _next_plan(self, idle: bool) -> _Plan:
         """Source: take everything queued (waiting while idle); all ranks: agree on it via broadcast."""
@@ -401,7 +429,8 @@ class MegatronInference(InferenceInterface):
         params = SamplingParams(temperature=1.0, top_k=0, top_p=0.0, return_log_probs=True,
                                 skip_prompt_log_probs=True, num_tokens_to_generate=job.max_new_tokens,
                                 termination_id=self._termination_id)
-        engine.add_request(job.seq, list(job.prompt_ids), params)
+        with self._device_mode():
+            engine.add_request(job.seq, list(job.prompt_ids), params)
         if job.seq in engine.failed_request_ids:  # rejected at once: never stepped, so report it here
             engine.failed_request_ids.remove(job.seq)
             entry = engine.requests.pop(job.seq)

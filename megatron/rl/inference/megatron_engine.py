@@ -45,6 +45,9 @@ class EngineSettings:
     max_tokens: most tokens in one forward step (prefill chunks are cut to fit).
     max_sequence_length: prompt + generated tokens per request (None: the model's ``max_sequence_length``).
     seed: seeds the sampler shared by requests without their own seed (same on all ranks of a group).
+    cpu_fast_steps: on CPU, run engine steps outside the CPU layer's device-rewriting torch-function mode
+        (construction and request admission stay inside it); ~1.5x faster decode steps on small models.
+        Set False if a step ever fails with a CUDA device error (then everything runs inside the mode).
 
     Defaults: :meth:`for_device`. On CPU, small blocks and a buffer sized for the batch matter most
     (the stock 256-token blocks and 16 384-token steps gather far more cache than a short request uses).
@@ -56,6 +59,7 @@ class EngineSettings:
     max_tokens: int = 4096
     max_sequence_length: int | None = None
     seed: int = 1234
+    cpu_fast_steps: bool = True
 
     @classmethod
     def for_device(cls, device: str | torch.device) -> "EngineSettings":

@@ -68,8 +68,10 @@ def sample_tokens(log_probs: torch.Tensor, temperature: torch.Tensor, top_k: tor
         return greedy
     rows = torch.tensor(sampled_rows, dtype=torch.long, device=log_probs.device)
     lp = log_probs[rows]
-    keep = truncation_mask(lp, top_k[rows], top_p[rows])
-    probs = lp.exp().masked_fill(~keep, 0.0)
+    probs = lp.exp()
+    k, p = top_k[rows], top_p[rows]
+    if bool(((k > 0) | (p < 1.0)).any()):  # the sort in truncation_mask is the costly part: skip when unused
+        probs = probs.masked_fill(~truncation_mask(lp, k, p), 0.0)
     noise = torch.empty_like(probs)
     unseeded = [i for i, r in enumerate(sampled_rows) if generators[r] is None]
     if unseeded:

@@ -145,6 +145,22 @@ def test_bad_requests_are_per_request_errors(setup):
     assert again.token_ids == out[1].token_ids
 
 
+def test_engine_failure_is_reported_and_the_next_call_restarts_it(setup):
+    _, backend = setup
+    backend.enter_inference_mode()
+    controller = backend._live["controller"]
+
+    def broken(logits):
+        raise RuntimeError("injected sampling failure")
+
+    controller._dynamic_step_sample_logits = broken
+    failed = backend.generate([_req(p, temperature=0, max_tokens=4) for p in PROMPTS[:2]])
+    assert [r.finish_reason for r in failed] == ["error", "error"]
+    assert "injected sampling failure" in failed[0].error
+    ok = backend.generate([_req(PROMPTS[0], temperature=0, max_tokens=4)])[0]
+    assert ok.finish_reason == "length" and len(ok.generated_token_ids) == 4
+
+
 def test_concurrent_agenerate_calls_share_batches(setup):
     _, backend = setup
     backend.enter_inference_mode()
