@@ -27,6 +27,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--grpo-entropy-term-weight", "0.01", "--rl-default-temperature", "0.7"]
 # aux loss 0: the router's load-balancing loss is computed over every row a rank holds, padding rows included,
 # and the number of padding rows depends on DP x micro-batch size (see the helper's report).
+# The other loss terms: KL to the reference (k3), truncated IS correction, sequence-level aggregation.
+ALT = ["--grpo-kl-beta", "0.05", "--rl-inference-logprobs-is-correction", "--grpo-loss-aggregation", "sequence",
+       "--grpo-clamp-eps-upper", "0.28"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--disable-bias-linear",
        "--moe-aux-loss-coeff", "0", "--moe-token-dispatcher-type", "alltoall"]
 
@@ -52,6 +55,8 @@ def one_process_runs(tmp_path_factory):
         "mbs1x8": _variant(ctx, "dense", "--micro-batch-size", "1"),
         "mbs8x1": _variant(ctx, "dense", "--micro-batch-size", "8"),
         "moe_ep1": _variant(ctx, "moe", save=True),
+        "alt": _variant(ctx, "dense", *ALT),
+        "alt_packed_mbs1": _variant(ctx, "dense", *ALT, "--rl-use-sequence-packing", "--micro-batch-size", "1"),
     }, nproc=1)
     return ctx, runs
 
@@ -65,6 +70,9 @@ def two_process_runs(one_process_runs):
         "dp2": _variant(ctx, "dense"),
         "dp2_packed": _variant(ctx, "dense", "--rl-use-sequence-packing", "--micro-batch-size", "1"),
         "moe_ep2": _variant(ctx, "moe", "--expert-model-parallel-size", "2"),
+        "alt_tp2": _variant(ctx, "dense", *ALT, "--tensor-model-parallel-size", "2"),
+        "alt_pp2_packed": _variant(ctx, "dense", *ALT, "--pipeline-model-parallel-size", "2",
+                                   "--rl-use-sequence-packing"),
     }, nproc=2)
     return {**one, **two}
 
@@ -99,7 +107,7 @@ def test_reference_is_nontrivial(one_process_runs):
 
 
 @pytest.mark.parametrize("name,ref", [("packed", "ref"), ("mbs1x8", "mbs8x1"), ("mbs1x8", "ref"),
-                                      ("mbs8x1", "ref")])
+                                      ("mbs8x1", "ref"), ("alt_packed_mbs1", "alt")])
 def test_packing_and_micro_batching_do_not_change_the_step(one_process_runs, name, ref):
     runs = one_process_runs[1]
     d = _diffs(runs[name], runs[ref])
@@ -114,12 +122,15 @@ def test_micro_batch_layouts_really_differ(one_process_runs):
     # packing puts several rollouts in one row: fewer micro-batches than one rollout per row
     assert sum(runs["packed"]["num_microbatches"]) < sum(runs["ref"]["num_microbatches"])
     assert runs["moe_ep1"]["losses"] != runs["ref"]["losses"]  # the MoE reference is a different model
+    alt = runs["alt"]
+    assert alt["losses"] != runs["ref"]["losses"] and "kl_mean" in alt["reports"][1]
+    assert alt["reports"][1]["kl_mean"] > 0  # the policy moved away from the reference after one step
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("name,ref", [("tp2", "ref"), ("pp2", "ref"), ("dp2", "ref"), ("dp2_packed", "ref"),
-                                      ("moe_ep2", "moe_ep1")])
+                                      ("moe_ep2", "moe_ep1"), ("alt_tp2", "alt"), ("alt_pp2_packed", "alt")])
 def test_layouts_give_the_one_process_rl_step(two_process_runs, name, ref):
     d = _diffs(two_process_runs[name], two_process_runs[ref])
     assert max(d.values()) <= 1e-5, d

@@ -67,6 +67,12 @@ def run_variant(argv, ckpt, save_ckpt):
         save_checkpoint(ckpt, 0, model, None, None, model_args=cfg.model_args())
     load_checkpoint(ckpt, model, None, None, load_optimizer=False, load_rng=False, model_args=cfg.model_args())
 
+    ref_model = None
+    if rl.loss.needs_ref_logprobs:  # the reference policy: the same starting weights, never trained
+        ref_model = build_model(cfg, wrap_with_ddp=False)
+        load_checkpoint(ckpt, ref_model, None, None, load_optimizer=False, load_rng=False,
+                        model_args=cfg.model_args())
+
     sequences, stats = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
     assert len(sequences) == rl.rollouts_per_step, (len(sequences), rl.rollouts_per_step)
     t = cfg.train
@@ -74,9 +80,11 @@ def run_variant(argv, ckpt, save_ckpt):
                                pad_token_id=257, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
                                global_batch_size=t.global_batch_size, seed=t.seed, device=runtime.device)
     num_steps = rl.rollouts_per_step // t.global_batch_size
-    steps = rl_utils.build_step_batches(sequences, rl, ctx, num_steps, need_ref=False)
+    steps = rl_utils.build_step_batches(sequences, rl, ctx, num_steps, need_ref=ref_model is not None)
     for step in steps:
         rl_utils.score(model, step, "old_logprobs", rl.temperature, ctx)
+        if ref_model is not None:
+            rl_utils.score(ref_model, step, "ref_logprobs", rl.temperature, ctx)
     gap = rl_utils.logprob_gap(steps)
     dp = cfg.parallel.data_parallel_size
     out = {"logprob_gap_mean": gap["logprob_gap_mean"], "losses": [], "grad_norms": [], "reports": [],
