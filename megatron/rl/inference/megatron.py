@@ -285,6 +285,13 @@ class MegatronInference(InferenceInterface):
             raise _with_prompt(_RequestError(f"invalid generation_args: {e}"), prompt_text) from e
         except _RequestError as e:
             raise _with_prompt(e, prompt_text)
+        except Exception as e:  # a chat template or tokenizer failing on this input fails this request only
+            raise _with_prompt(_RequestError(f"could not render/tokenize the prompt: {e!r}"), prompt_text) from e
+        bad = [t for t in ids if not 0 <= t < self._gpt.vocab_size]
+        if bad:
+            raise _with_prompt(_RequestError(
+                f"the tokenizer produced ids {bad[:5]} outside the model's vocabulary of {self._gpt.vocab_size}: "
+                "the tokenizer does not match the model"), prompt_text)
         if not ids:
             raise _with_prompt(_RequestError(f"the prompt {prompt_text[:40]!r} tokenizes to zero tokens"),
                                prompt_text)

@@ -114,6 +114,9 @@ def test_stop_strings_and_max_tokens(setup):
         steps = backend.engine_steps
         cut = backend.generate([_req(prompt, temperature=0, max_tokens=24, stop=["never-there", stop])])[0]
         assert backend.engine_steps - steps <= pos + 3  # generation stopped early, not trimmed afterwards
+        # a tokenizer that does not match the model: a per-request error, not an engine crash
+        foreign = backend.generate([_req(prompt + chr(0x100 + 1000), temperature=0, max_tokens=2)])[0]
+        assert foreign.finish_reason == "error" and "outside the model's vocabulary" in foreign.error
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[:pos]
     # tokens up to the one completing the stop string are kept (the trainer sees what was sampled)
