@@ -44,6 +44,8 @@ class ArchSpec:
     qkv_bias: bool
     qk_norm: bool
     tied_embeddings: bool
+    num_experts: int = 0             # 0: dense MLP; else every layer is a mixture of experts
+    moe_ffn_hidden_size: int = 0
 
 
 def rope_settings(cfg: dict) -> tuple[float, dict | None]:
@@ -86,6 +88,7 @@ class Family:
     architecture: ClassVar[str] = ""          # the HF class written into config.json "architectures"
     qkv_bias: ClassVar[bool] = False          # Qwen2: q/k/v projections always carry a bias
     qk_norm: ClassVar[bool] = False           # Qwen3: RMSNorm over each q and k head
+    moe: ClassVar[bool] = False               # Qwen3-MoE: every layer's MLP is a mixture of experts
 
     # ------------------------------------------------------------------ checks
     def problems(self, cfg: dict) -> list[str]:
@@ -107,7 +110,7 @@ class Family:
             out.append(f"partial_rotary_factor={cfg['partial_rotary_factor']} (partial RoPE)")
         if cfg.get("quantization_config"):
             out.append("quantization_config (quantized weights; convert the unquantized checkpoint)")
-        if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        if (cfg.get("num_experts") or cfg.get("num_local_experts")) and not self.moe:
             out.append("mixture-of-experts layers (num_experts)")
         theta, scaling = rope_settings(cfg)
         if theta != int(theta):
@@ -154,7 +157,10 @@ class Family:
         flags += ["--attention-dropout", "0.0", "--hidden-dropout", "0.0",
                   "--vocab-size", str(cfg["vocab_size"]),
                   "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by)]
-        return flags
+        return flags + self.moe_flags(cfg)
+
+    def moe_flags(self, cfg: dict) -> list[str]:
+        return []
 
     def rope_scaling_flags(self, scaling: dict | None) -> list[str]:
         return []

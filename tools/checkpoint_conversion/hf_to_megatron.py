@@ -134,8 +134,10 @@ def plan_conversion(hf_dir: str | os.PathLike, target_tp: int = 1, target_pp: in
     flags = family.megatron_flags(cfg, make_vocab_size_divisible_by)
     from megatron.rl.training.config import ConfigError
 
+    # megatron-core runs MoE with TP > 1 only with sequence parallelism
+    runtime = ["--sequence-parallel"] if spec.num_experts and target_tp > 1 else []
     try:  # Megatron's own validation of the flags at the target layout
-        parse_megatron_flags(flags, target_tp, target_pp)
+        parse_megatron_flags(flags, target_tp, target_pp, extra=runtime)
     except ConfigError as e:
         raise ConversionError(f"the Megatron flags for this model are refused at {TP_FLAG}={target_tp} "
                               f"{PP_FLAG}={target_pp}: {e}") from e
@@ -224,7 +226,7 @@ def write_sidecars(plan: ConversionPlan, save: Path) -> None:
 def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, target_tp: int = 1,
                            target_pp: int = 1, dtype: str | None = None,
                            make_vocab_size_divisible_by: int = 128) -> Path:
-    """Convert a local Hugging Face Llama/Qwen2/Qwen3 directory into a Megatron release checkpoint at ``save``.
+    """Convert a local Hugging Face Llama/Qwen2/Qwen3(-MoE) directory into a Megatron release checkpoint.
 
     ``dtype``: parameter dtype of the checkpoint (default: the Hugging Face config's, else float32).
     Needs a 1-process torch.distributed group (created if absent) and runs megatron-core on CPU-sized
@@ -245,7 +247,9 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
 
     train_cfg, model = build_tp1_model(plan.flags, plan.padded_vocab, plan.dtype)
     fill_model(model, iter_hf_to_megatron(reader.get, plan.spec, plan.padded_vocab))
-    target_cfg = parse_megatron_flags(plan.flags, plan.target_tp, plan.target_pp)
+    target_cfg = parse_megatron_flags(plan.flags, plan.target_tp, plan.target_pp,
+                                      extra=["--sequence-parallel"] if plan.spec.num_experts and plan.target_tp > 1
+                                      else [])
     out = save_checkpoint(save, "release", [model], model_args=target_cfg.model_args())
     write_sidecars(plan, save)
     log.info("converted %s (%s, %.1fM parameters, %s) to %s in %.1f s", plan.hf_dir, plan.family.name,
@@ -254,7 +258,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Convert a Hugging Face Llama 3.x / Qwen2 / Qwen2.5 / Qwen3 model to a "
+    p = argparse.ArgumentParser(description="Convert a Hugging Face Llama 3.x / Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE model to a "
                                             "Megatron torch_dist release checkpoint.", allow_abbrev=False)
     p.add_argument("--hf-dir", required=True, help="local Hugging Face model directory (config.json + weights)")
     p.add_argument("--save", required=True, help="output directory (Megatron --load / --pretrained-checkpoint)")

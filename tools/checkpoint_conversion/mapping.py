@@ -36,9 +36,14 @@ def hf_tensor_names(spec: ArchSpec) -> list[str]:
         names.append("lm_head.weight")
     for i in range(spec.num_layers):
         p = _HF_LAYER.format(i=i)
-        names += [p + hf for hf, _ in _LAYER_DIRECT]
+        names += [p + hf for hf, _ in _LAYER_DIRECT if not (spec.num_experts and hf.startswith("mlp."))]
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up")]
+        if spec.num_experts:
+            names.append(p + "mlp.gate.weight")
+            names += [p + f"mlp.experts.{e}.{x}_proj.weight" for e in range(spec.num_experts)
+                      for x in ("gate", "up", "down")]
+        else:
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up")]
         if spec.qkv_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if spec.qk_norm:
@@ -57,7 +62,8 @@ def iter_hf_to_megatron(get: TensorGetter, spec: ArchSpec, padded_vocab: int) ->
     for i in range(spec.num_layers):
         h, m = _HF_LAYER.format(i=i), _MC_LAYER.format(i=i)
         for hf, mc in _LAYER_DIRECT:
-            yield m + mc, get(h + hf)
+            if not (spec.num_experts and hf.startswith("mlp.")):  # expert MLPs are mapped below
+                yield m + mc, get(h + hf)
         yield m + "self_attention.linear_qkv.weight", fuse_qkv(
             *(get(h + f"self_attn.{x}_proj.weight") for x in "qkv"), spec.num_heads, spec.num_groups)
         if spec.qkv_bias:
@@ -66,7 +72,15 @@ def iter_hf_to_megatron(get: TensorGetter, spec: ArchSpec, padded_vocab: int) ->
         if spec.qk_norm:
             for hf, mc in _QK_NORM:
                 yield m + mc, get(h + hf)
-        yield m + "mlp.linear_fc1.weight", fuse_gate_up(get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight"))
+        if spec.num_experts:
+            yield m + "mlp.router.weight", get(h + "mlp.gate.weight")
+            for e in range(spec.num_experts):
+                he, me = h + f"mlp.experts.{e}.", m + f"mlp.experts.local_experts.{e}."
+                yield me + "linear_fc1.weight", fuse_gate_up(get(he + "gate_proj.weight"), get(he + "up_proj.weight"))
+                yield me + "linear_fc2.weight", get(he + "down_proj.weight")
+        else:
+            yield m + "mlp.linear_fc1.weight", fuse_gate_up(get(h + "mlp.gate_proj.weight"),
+                                                            get(h + "mlp.up_proj.weight"))
     yield "decoder.final_layernorm.weight", get("model.norm.weight")
     if not spec.tied_embeddings:
         yield "output_layer.weight", pad_vocab(get("lm_head.weight"), padded_vocab)
@@ -94,7 +108,8 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], spec: ArchSpec) -> dict[str, tor
     for i in range(spec.num_layers):
         h, m = _HF_LAYER.format(i=i), _MC_LAYER.format(i=i)
         for hf, mcn in _LAYER_DIRECT:
-            out[h + hf] = take(m + mcn)
+            if not (spec.num_experts and hf.startswith("mlp.")):
+                out[h + hf] = take(m + mcn)
         q, k, v = split_qkv(take(m + "self_attention.linear_qkv.weight"), spec.num_heads, spec.num_groups)
         out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k,
                     h + "self_attn.v_proj.weight": v})
@@ -105,6 +120,13 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], spec: ArchSpec) -> dict[str, tor
         if spec.qk_norm:
             for hf, mcn in _QK_NORM:
                 out[h + hf] = take(m + mcn)
-        gate, up = split_gate_up(take(m + "mlp.linear_fc1.weight"))
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+        if spec.num_experts:
+            out[h + "mlp.gate.weight"] = take(m + "mlp.router.weight")
+            for e in range(spec.num_experts):
+                he, me = h + f"mlp.experts.{e}.", m + f"mlp.experts.local_experts.{e}."
+                out[he + "gate_proj.weight"], out[he + "up_proj.weight"] = split_gate_up(take(me + "linear_fc1.weight"))
+                out[he + "down_proj.weight"] = take(me + "linear_fc2.weight")
+        else:
+            gate, up = split_gate_up(take(m + "mlp.linear_fc1.weight"))
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
     return out

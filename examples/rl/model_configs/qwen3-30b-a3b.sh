@@ -4,7 +4,8 @@
 # routing, no shared expert. Qwen3's router (softmax over all experts, top-8, renormalised: norm_topk_prob) is
 # megatron-core's default router (top-k on the logits, softmax over the chosen k), which gives the same weights.
 # --ffn-hidden-size is the config's intermediate_size (unused: no dense MLP layers).
-# tools/convert_hf_to_megatron.py does not convert MoE checkpoints yet (model_type qwen3_moe is refused).
+# Same flags (in the same order) as tools/convert_hf_to_megatron.py writes to <save>/megatron_args.txt.
+# Convert: python tools/convert_hf_to_megatron.py --hf-dir <hf dir> --save <ckpt> --target-tensor-parallel-size 2
 #
 # Recommended on 8xH100 (80 GB): TP=2 with sequence parallelism, EP=8, expert TP=1, PP=1, distributed optimizer.
 # Every GPU holds 16 experts of each layer plus half the attention/embeddings: ~4.4B parameters, ~70 GB of bf16
@@ -38,7 +39,7 @@ MODEL_ARGS=(
     --moe-router-topk 8
     --moe-ffn-hidden-size 768
     --moe-router-load-balancing-type aux_loss
-    --moe-aux-loss-coeff 1e-3
+    --moe-aux-loss-coeff 0.001
 )
 
 PARALLEL_ARGS=(

@@ -25,7 +25,7 @@ RECOMMENDED_TP = {"qwen2.5-0.5b": 1, "qwen2.5-1.5b": 1, "qwen2.5-7b": 2, "qwen2.
                   "qwen3-8b": 2, "qwen3-30b-a3b": 2, "llama3.1-8b": 2}
 _L3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
        "original_max_position_embeddings": 8192}
-# Hugging Face config.json values of the dense models (from the published configs)
+# Hugging Face config.json values (from the published configs)
 HF_CONFIGS = {
     "qwen2.5-0.5b": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
@@ -45,6 +45,12 @@ HF_CONFIGS = {
     "qwen3-8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, intermediate_size=6144,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                          rope_theta=1e6, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
+                          mlp_only_layers=[]),
     "llama3.1-8b": dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                         max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_L3),
@@ -92,8 +98,12 @@ def test_every_config_is_valid_bash_and_present():
         subprocess.run(["bash", "-n", str(CONFIG_DIR / f"{name}.sh")], check=True)
 
 
+def test_every_config_has_its_published_hf_config():
+    assert sorted(HF_CONFIGS) == NAMES
+
+
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
-def test_dense_config_flags_equal_what_the_converter_writes(name):
+def test_config_flags_equal_what_the_converter_writes(name):
     """A converted checkpoint of the published model validates against these flags (same model_args)."""
     from tools.checkpoint_conversion.families import family_for_config
 

@@ -26,14 +26,14 @@ def _config_dict(family: str, **overrides) -> dict:
     return cfg
 
 
-@pytest.mark.parametrize("model_type,arch", [("mistral", "MistralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")])
+@pytest.mark.parametrize("model_type,arch", [("mistral", "MistralForCausalLM"), ("mixtral", "MixtralForCausalLM")])
 def test_unsupported_architecture_is_named(tmp_path, model_type, arch):
     hf = _write_config(tmp_path / "hf", {**_config_dict("llama"), "model_type": model_type, "architectures": [arch]})
     with pytest.raises(UnsupportedModelError) as e:
         plan_conversion(hf)
     msg = str(e.value)
     assert repr(model_type) in msg and arch in msg
-    assert "llama, qwen2, qwen3" in msg  # what is supported
+    assert "llama, qwen2, qwen3, qwen3_moe" in msg  # what is supported
 
 
 @pytest.mark.parametrize("family,overrides,needle", [
@@ -42,6 +42,9 @@ def test_unsupported_architecture_is_named(tmp_path, model_type, arch):
     ("llama", {"mlp_bias": True}, "mlp_bias"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ("llama", {"num_local_experts": 8}, "mixture-of-experts"),
+    ("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob=false"),
+    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
 ])
 def test_unsupported_feature_is_named(tmp_path, family, overrides, needle):
     hf = _write_config(tmp_path / "hf", _config_dict(family, **overrides))

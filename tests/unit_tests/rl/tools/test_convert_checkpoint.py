@@ -113,7 +113,8 @@ CASES = [pytest.param("llama", False, torch.float32, "40KB", id="llama-untied-sh
          pytest.param("qwen3", False, torch.float32, None, id="qwen3-qknorm-untied"),
          pytest.param("qwen2", False, torch.bfloat16, None, id="qwen2-bf16"),
          pytest.param("llama", True, torch.float32, None, id="llama-tied"),
-         pytest.param("qwen3", True, torch.bfloat16, "40KB", id="qwen3-tied-bf16-sharded")]
+         pytest.param("qwen3", True, torch.bfloat16, "40KB", id="qwen3-tied-bf16-sharded"),
+         pytest.param("qwen3_moe", False, torch.float32, None, id="qwen3-moe")]
 
 
 @pytest.mark.parametrize("family,tied,dtype,shard", CASES)

@@ -12,8 +12,8 @@ _COMMON = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def tiny_config(family: str, tied: bool = False, **overrides):
-    """A transformers config of ``family`` ('llama', 'qwen2', 'qwen3') with tiny shapes."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A transformers config of ``family`` ('llama', 'qwen2', 'qwen3', 'qwen3_moe') with tiny shapes."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     kw = {**_COMMON, "tie_word_embeddings": tied, **overrides}
     if family == "llama":
@@ -23,6 +23,9 @@ def tiny_config(family: str, tied: bool = False, **overrides):
     if family == "qwen3":
         # head_dim 32 != hidden/heads = 16, as in real Qwen3 models (head_dim 128 with hidden 2560 etc.)
         return Qwen3Config(rope_theta=1000000.0, head_dim=kw.pop("head_dim", 32), **kw)
+    if family == "qwen3_moe":
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        return Qwen3MoeConfig(rope_theta=1000000.0, head_dim=kw.pop("head_dim", 32), **{**moe, **kw})
     raise ValueError(family)
 
 
