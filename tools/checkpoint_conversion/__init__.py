@@ -5,8 +5,8 @@ Modules, one job each:
 - :mod:`.layout`: pure tensor functions for megatron-core's fused layouts (QKV per query group, SwiGLU
   gate/up in ``linear_fc1``, vocab padding).
 - :mod:`.families`: the per-family registry (``@register_family``) that checks a Hugging Face ``config.json``
-  for unsupported features and turns it into Megatron-LM flags; :mod:`.llama`, :mod:`.qwen` (qwen2, qwen3, qwen3_moe) register
-  the families.
+  for unsupported features and turns it into Megatron-LM flags; :mod:`.llama` and :mod:`.qwen` (qwen2,
+  qwen3, qwen3_moe) register the families.
 - :mod:`.mapping`: Hugging Face state-dict names <-> megatron-core ``GPTModel`` state-dict names.
 - :mod:`.hf_io`: reading/writing Hugging Face checkpoint directories (safetensors, config, tokenizer files).
 - :mod:`.hf_to_megatron` / :mod:`.megatron_to_hf`: the two conversions (also the CLI entry points used by

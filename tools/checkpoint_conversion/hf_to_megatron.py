@@ -258,8 +258,8 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Convert a Hugging Face Llama 3.x / Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE model to a "
-                                            "Megatron torch_dist release checkpoint.", allow_abbrev=False)
+    p = argparse.ArgumentParser(description="Convert a Hugging Face Llama 3.x / Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE "
+                                            "model to a Megatron torch_dist release checkpoint.", allow_abbrev=False)
     p.add_argument("--hf-dir", required=True, help="local Hugging Face model directory (config.json + weights)")
     p.add_argument("--save", required=True, help="output directory (Megatron --load / --pretrained-checkpoint)")
     p.add_argument(TP_FLAG, type=int, default=1, help="TP the checkpoint is meant for (validated; fixes vocab padding)")
