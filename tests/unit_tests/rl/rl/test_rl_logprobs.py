@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron.rl.logprobs import effective_temperature
+from megatron.rl.algorithms.logprobs import logprob_temperature as effective_temperature
 from tests.conftest import REPO_ROOT, run_torchrun
 
 SCRIPT = REPO_ROOT / "tests/unit_tests/rl/rl/scripts/rl_logprobs_check.py"
