@@ -290,3 +290,23 @@ def test_sigkill_mid_save_then_resume_is_exact(full_run, tmp_path):
     assert sorted(after) == [2, 3]
     _assert_same_metrics(after, full_run["records"], [2, 3])
     assert (ckpt / "iter_0000003").is_dir() and not any(ckpt.glob("*.tmp-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_dp2_stop_and_resume_is_exact(tmp_path):
+    """torchrun, DP=2: each rank draws its own prompts and sampling seeds; resuming restores both exactly."""
+    from tests.conftest import run_torchrun
+
+    env = _env(tmp_path, "HashReward")
+    script = REPO_ROOT / "train_rl.py"
+    base = [*FLAGS, "--langrl-env-config", env, "--save-interval", "1"]
+    full_m, part_m = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
+    run_torchrun(script, [*base, "--rl-metrics-jsonl", full_m, "--save", tmp_path / "ck_full"], timeout=500)
+    part = [*base, "--rl-metrics-jsonl", part_m, "--save", tmp_path / "ck", "--load", tmp_path / "ck"]
+    run_torchrun(script, [*part, "--exit-interval", "1"], timeout=500)
+    run_torchrun(script, part, timeout=500)
+    full, resumed = _records(full_m), _records(part_m)
+    assert sorted(full) == sorted(resumed) == [1, 2, 3]
+    assert all(r["num_sequences"] == 16 for r in full.values())
+    _assert_same_metrics(resumed, full, [1, 2, 3])
