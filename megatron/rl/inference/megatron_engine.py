@@ -13,6 +13,7 @@ for why the stock controller's numbers do not match what the RL trainer recomput
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Sequence
 
@@ -45,6 +46,9 @@ class EngineSettings:
     max_tokens: most tokens in one forward step (prefill chunks are cut to fit).
     max_sequence_length: prompt + generated tokens per request (None: the model's ``max_sequence_length``).
     seed: seeds the sampler shared by requests without their own seed (same on all ranks of a group).
+    token_rounder: forward steps are padded to a multiple of this many tokens (megatron-core pads to 64 so
+        CUDA graphs see few shapes; without graphs the padding is pure waste: a decode step for 3 requests
+        would compute 64 token slots). Rounded up to a multiple of the TP size. None = megatron-core's 64.
     cpu_fast_steps: on CPU, run engine steps outside the CPU layer's device-rewriting torch-function mode
         (construction and request admission stay inside it); ~1.5x faster decode steps on small models.
         Set False if a step ever fails with a CUDA device error (then everything runs inside the mode).
@@ -59,14 +63,15 @@ class EngineSettings:
     max_tokens: int = 4096
     max_sequence_length: int | None = None
     seed: int = 1234
+    token_rounder: int | None = 8
     cpu_fast_steps: bool = True
 
     @classmethod
     def for_device(cls, device: str | torch.device) -> "EngineSettings":
         if torch.device(device).type == "cpu":
             return cls()
-        # GPU: megatron-core's own block size and step size, a larger buffer and batch.
-        return cls(buffer_size_gb=4.0, block_size_tokens=256, max_requests=512, max_tokens=16384)
+        # GPU: megatron-core's own block size, step size and token padding, a larger buffer and batch.
+        return cls(buffer_size_gb=4.0, block_size_tokens=256, max_requests=512, max_tokens=16384, token_rounder=None)
 
 
 @dataclasses.dataclass
@@ -157,6 +162,17 @@ class SamplingController(TextGenerationController):
         return [[lp] for lp in self._step_log_probs.tolist()], None
 
 
+@functools.lru_cache(maxsize=None)
+def _context_class(token_rounder: int | None) -> type[DynamicInferenceContext]:
+    """DynamicInferenceContext with its class-level token padding (``TOKEN_ROUNDER``) replaced."""
+    if token_rounder is None:
+        return DynamicInferenceContext
+    if token_rounder < 1:
+        raise ValueError(f"EngineSettings.token_rounder must be >= 1 or None, got {token_rounder}")
+    return type(f"DynamicInferenceContextRound{token_rounder}", (DynamicInferenceContext,),
+                {"TOKEN_ROUNDER": token_rounder, "__doc__": DynamicInferenceContext.__doc__})
+
+
 def unwrap_gpt_model(model: Any) -> torch.nn.Module:
     """Strip DDP / Float16Module style wrappers (anything with ``.module``) down to the GPTModel."""
     if isinstance(model, (list, tuple)):
@@ -182,7 +198,7 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     config = get_model_config(gpt)
     num_local_layers = len(gpt.decoder.layers)
     padded_vocab_size = gpt.vocab_size  # the model's (padded) vocabulary: logits have this width
-    context = DynamicInferenceContext(
+    context = _context_class(settings.token_rounder)(
         params_dtype=config.params_dtype,
         num_layers=num_local_layers,
         kv_channels=config.kv_channels,
