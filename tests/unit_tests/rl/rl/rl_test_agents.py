@@ -38,3 +38,13 @@ class NearLimitPrompt(HashReward):
 
     def get_problem(self, index: int, validation: bool) -> dict:
         return {"prompt": "y" * 57 + f"{index % 10}:", "id": f"near{index}"}
+
+
+class HalfConstant(HashReward):
+    """Problems with an odd index get the same reward for every sample (a group without signal)."""
+
+    def get_problem(self, index: int, validation: bool) -> dict:
+        return {"prompt": f"Q{index % 97}:", "id": f"h{index}", "constant": index % 2 == 1}
+
+    def compute_reward(self, problem: dict, completion: str) -> float:
+        return 0.5 if problem["constant"] else super().compute_reward(problem, completion)

@@ -140,10 +140,11 @@ def bad_input_results(tmp_path_factory):
     evalonly.write_text("environments:\n  - {type: arithmetic, weight: 0}\n"
                         "  - {type: arithmetic, weight: 1, evaluation_only: true}\n")
     cases = {"evaluation_only": [*BAD_FLAGS, "--langrl-env-config", str(evalonly)]}
-    for agent in ("EmptyDataset", "NaNReward", "LongPrompt", "NearLimitPrompt"):
+    for agent in ("EmptyDataset", "NaNReward", "LongPrompt", "NearLimitPrompt", "HalfConstant"):
         env = _env(tmp, agent, f"{agent}.yaml")
         cases[agent] = [*BAD_FLAGS, "--langrl-env-config", str(env), "--rl-prompts-per-eval", "0",
                         "--rl-metrics-jsonl", str(tmp / f"{agent}.jsonl")]
+    cases["HalfConstant"] += ["--grpo-filter-groups-with-same-reward", "--train-iters", "2"]
     (tmp / "cases.json").write_text(json.dumps(cases))
     out = tmp / "out.json"
     log = _run([sys.executable, str(CASES_SCRIPT), str(tmp / "cases.json"), str(out)], timeout=500)
@@ -193,6 +194,20 @@ def test_prompt_near_seq_length_truncates_generation(bad_input_results):
     # the 59-token prompt leaves 5 of the 8 requested tokens within --seq-length 64; nothing fails
     assert rec["failed_rollouts"] == 0 and rec["response_length_mean"] <= 5 and rec["num_sequences"] == 16, rec
     assert rec["logprob_gap_max"] < 1e-5 and "rl_loss" in rec
+
+
+def test_filtered_groups_leave_a_smaller_batch_that_still_trains(bad_input_results):
+    results, records, log = bad_input_results
+    assert results["HalfConstant"]["ok"], results["HalfConstant"]
+    recs = records("HalfConstant")
+    assert sorted(recs) == [1, 2]
+    for rec in recs.values():
+        # 4 prompts per iteration, the 2 odd-indexed ones have constant rewards and are filtered
+        assert rec["filtered_groups"] == 2 and rec["num_sequences"] == 8, rec
+        assert rec["optimizer_steps"] == 2 and rec["skipped_steps"] == 0, rec
+        assert rec["grad_norm"] > 0 and abs(rec["rl_loss"]) < 10, rec
+        # the constant-reward rollouts still count in the reward statistics
+        assert rec["reward_std"] > 0
 
 
 # --------------------------------------------------------------------------- interrupted runs (slow)
