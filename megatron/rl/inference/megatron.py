@@ -134,6 +134,7 @@ class MegatronInference(InferenceInterface):
                  max_sequence_length: int | None = None):
         runtime = setup_runtime()
         self._cpu_layer = runtime.cpu_layer_active
+        self._device = runtime.device
         if not dist.is_initialized():
             raise InferenceError("MegatronInference needs torch.distributed and megatron-core parallel_state "
                                  "initialised (call megatron.rl.training.initialize.initialize_megatron first)")
@@ -339,6 +340,8 @@ class MegatronInference(InferenceInterface):
     # ------------------------------------------------------------------ engine thread
 
     def _worker_main(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # the current CUDA device is per thread: use this rank's GPU
         if self._cpu_layer and not self.settings.cpu_fast_steps:
             setup_runtime()  # the CPU layer's device mode is thread-local: enter it for everything this thread runs
         loop = asyncio.new_event_loop()
