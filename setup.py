@@ -31,6 +31,7 @@ setup(
         # checkpoint save hangs (its writer subprocess dies); tqdm is used by inference.
         "psutil",
         "tqdm",
+        "einops",  # megatron-core's dynamic-inference attention calls einops.rearrange (undeclared too)
         "tensorboard",
     ],
     extras_require={
