@@ -1,7 +1,6 @@
 """The training step and pretraining driver in one process (gloo group of size 1)."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
