@@ -255,6 +255,8 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
                     stats.groups, stats.failed_rollouts, stats.dropped_groups_too_few_ok,
                     stats.filtered_same_reward_groups,
                     f"; failures: {stats.failure_reasons}" if stats.failure_reasons else "")
+        # The schedule counts RL iterations, skipped ones included, so resumed and uninterrupted runs agree.
+        ctx.scheduler.step(increment=1)
         metrics.update(skipped_update=1.0, time_total_s=time.perf_counter() - t0)
         return IterationResult(iteration, metrics)
 
