@@ -210,6 +210,10 @@ class Agent(TypeLookupable):
     def make_prompt_stream(self, size: int | None, salt: str = "") -> PromptStream:
         """A :class:`PromptStream` for this agent's seed and DP coordinates (``salt`` separates splits)."""
         seed = self.seed if not salt else int(hashlib.sha256(f"{self.seed}:{salt}".encode()).hexdigest()[:12], 16)
+        if size is not None and size <= 0:
+            split = salt or "prompts"
+            raise AgentError(f"agent {self.name!r} ({type(self).__name__}) has no {split} problems "
+                             f"(dataset_size returned {size}); check its data file / arguments in the env config")
         return PromptStream(size, seed, self._dp_rank, self._dp_world_size)
 
     # -- the API -----------------------------------------------------------------------------------------------

@@ -167,8 +167,9 @@ def test_env_config_with_only_evaluation_entries_is_a_named_error(bad_input_resu
 def test_agent_with_empty_dataset_is_a_named_error(bad_input_results):
     results, _, _ = bad_input_results
     r = results["EmptyDataset"]
-    assert not r["ok"] and r["error_type"] == "ValueError", r
-    assert "non-empty dataset" in r["error"] and "size=0" in r["error"], r
+    assert not r["ok"] and r["error_type"] == "AgentError", r
+    assert "has no train problems" in r["error"] and "returned 0" in r["error"], r
+    assert "EmptyDataset" in r["error"], r  # names the environment, so the config entry can be found
 
 
 def test_nan_reward_is_a_counted_failed_rollout_and_skips_the_update(bad_input_results):
