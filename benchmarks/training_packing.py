@@ -98,13 +98,14 @@ def run(a) -> dict:
         score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
         layouts[name] = (rl, step)
 
-    def one_step(name: str) -> float:
+    def one_step(name: str) -> tuple[float, float]:
+        """One optimizer step of ``name``'s layout, exactly as rl_iteration runs it: (wall s, CPU s)."""
         rl, step = layouts[name]
         fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
                                     grad_scale=float(step.num_microbatches), device=ctx.device, use_thd=False)
         loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
         return C.timed_wall_cpu(lambda: train_step(fwd, iter(loader), ctx.model, ctx.optimizer, ctx.scheduler,
-                                          step.num_microbatches, **_shape_args(ctx)))
+                                                   step.num_microbatches, **_shape_args(ctx)))
 
     times = {"packed": [], "padded": []}  # (wall s, CPU s) per measured step
     # Warm-up, untimed: the first step allocates the optimizer state and takes first-call paths, for
