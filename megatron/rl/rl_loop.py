@@ -65,7 +65,8 @@ def _build_inference(rl: RLConfig, model, tokenizer):
     return build_inference_interface(rl.inference_backend)
 
 
-def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_model) -> tuple[int, dict]:
+def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_model,
+          margs: dict) -> tuple[int, dict]:
     """Resume from --load when it holds a checkpoint, else start from --pretrained-checkpoint."""
     from megatron.rl.training.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint
 
@@ -75,15 +76,15 @@ def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_mo
             raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
                               f"model's weights (the policy you start from).")
         load_checkpoint(c.pretrained_checkpoint, ref_model, None, None, load_optimizer=False, load_rng=False,
-                        model_args=cfg.model_args())
+                        model_args=margs)
     if c.load and latest_checkpoint(c.load) is not None:
         loaded = load_checkpoint(c.load, model, optimizer, scheduler, load_optimizer=not c.no_load_optim,
-                                 load_rng=not c.no_load_rng, model_args=cfg.model_args())
+                                 load_rng=not c.no_load_rng, model_args=margs)
         log.info("resumed from %s at RL iteration %s", loaded.path, loaded.iteration)
         return int(loaded.iteration or 0), dict(loaded.run_state)
     if c.pretrained_checkpoint:
         load_checkpoint(c.pretrained_checkpoint, model, optimizer, scheduler, load_optimizer=False, load_rng=False,
-                        model_args=cfg.model_args())
+                        model_args=margs)
         log.info("starting RL from the pretrained checkpoint %s", c.pretrained_checkpoint)
     elif c.load:
         log.info("--load %s holds no checkpoint yet: starting a new run", c.load)
@@ -101,8 +102,9 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     from megatron.rl.agent.env_config import build_agent_from_config
     from megatron.rl.training.checkpointing import save_checkpoint
     from megatron.rl.training.initialize import initialize_megatron
+    from megatron.rl.training.loop_control import LoopControl
     from megatron.rl.training.metrics import build_metrics_writer
-    from megatron.rl.training.model_provider import build_model
+    from megatron.rl.training.model_provider import build_model, checkpoint_model_args
     from megatron.rl.training.optimizer import build_optimizer
     from megatron.rl.training.tokenizer import build_tokenizer
 
@@ -115,7 +117,8 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     model = build_model(cfg, tokenizer=tokenizer)
     optimizer, scheduler = build_optimizer(cfg, model)
     ref_model = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if rl.loss.needs_ref_logprobs else None
-    iteration, run_state = _load(cfg, rl, model, optimizer, scheduler, ref_model)
+    margs = checkpoint_model_args(cfg, tokenizer)
+    iteration, run_state = _load(cfg, rl, model, optimizer, scheduler, ref_model, margs)
     agent.set_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     if run_state.get("agent"):
         agent.load_state_dict(run_state["agent"])
@@ -149,7 +152,7 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
 
     def save(it: int) -> None:
         save_checkpoint(c.save, it, model, None if c.no_save_optim else optimizer, scheduler,
-                        run_state={"iteration": it, "agent": agent.state_dict()}, model_args=cfg.model_args(),
+                        run_state={"iteration": it, "agent": agent.state_dict()}, model_args=margs,
                         dist_opt_format=c.dist_ckpt_optim_format)
 
     history: list[dict[str, float]] = []
@@ -160,7 +163,7 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
              rl.grpo_iterations * rl.rollouts_per_step // t.global_batch_size, rl.inference_backend)
     if eval_on and iteration == 0:
         run_eval(0)
-    last_saved = iteration if c.load else None
+    control = LoopControl.from_config(cfg, save, last_saved=iteration if c.load else None)
     while iteration < t.train_iters:
         result = rl_iteration(ctx, rl, iteration)
         iteration += 1
@@ -172,14 +175,9 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
         emit(record)
         if eval_on and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
             run_eval(iteration)
-        if c.save and c.save_interval and iteration % c.save_interval == 0:
-            save(iteration)
-            last_saved = iteration
-        if t.exit_interval and iteration % t.exit_interval == 0:
-            log.info("exiting at iteration %d (--exit-interval %d)", iteration, t.exit_interval)
+        if control.after_iteration(iteration):
             break
-    if c.save and last_saved != iteration:
-        save(iteration)
+    control.finish(iteration)
     if writer is not None:
         writer.close()
     close = getattr(inference, "close", None)

@@ -36,7 +36,6 @@ import torch
 
 from tools.checkpoint_conversion.families import ArchSpec, ConversionError, Family, config_dtype, family_for_config
 from tools.checkpoint_conversion.hf_io import HFTensorReader, copy_tokenizer, read_hf_config
-from tools.checkpoint_conversion.llama import rope_scaling_args_provider
 from tools.checkpoint_conversion.mapping import hf_tensor_names, iter_hf_to_megatron
 
 log = logging.getLogger(__name__)
@@ -77,11 +76,11 @@ def torch_dtype(name: str | None, default: torch.dtype = torch.float32) -> torch
 
 
 def parse_megatron_flags(flags: list[str], tp: int = 1, pp: int = 1, extra: list[str] = ()):
-    """Our training parser on ``flags`` (+ rope-scaling flags it may lack) for a world of ``tp*pp`` ranks."""
+    """Our training parser on ``flags`` for a world of ``tp*pp`` ranks."""
     from megatron.rl.training.config import parse_args
 
     argv = [*flags, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
-    return parse_args(argv, extra_args_providers=[rope_scaling_args_provider], world_size=tp * pp)
+    return parse_args(argv, world_size=tp * pp)
 
 
 def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
@@ -250,7 +249,9 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
     target_cfg = parse_megatron_flags(plan.flags, plan.target_tp, plan.target_pp,
                                       extra=["--sequence-parallel"] if plan.spec.num_experts and plan.target_tp > 1
                                       else [])
-    out = save_checkpoint(save, "release", [model], model_args=target_cfg.model_args())
+    # the padded vocab is stored so a run that pads differently is refused on load (not silently mis-sized)
+    out = save_checkpoint(save, "release", [model],
+                          model_args={**target_cfg.model_args(), "padded_vocab_size": plan.padded_vocab})
     write_sidecars(plan, save)
     log.info("converted %s (%s, %.1fM parameters, %s) to %s in %.1f s", plan.hf_dir, plan.family.name,
              sum(p.numel() for p in model.parameters()) / 1e6, plan.dtype, out, time.perf_counter() - t0)

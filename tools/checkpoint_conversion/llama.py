@@ -1,27 +1,10 @@
 """Llama 3.x (``model_type: llama``): GQA, SwiGLU, RMSNorm, RoPE with optional Llama-3 frequency scaling."""
 from __future__ import annotations
 
-import argparse
-
 from tools.checkpoint_conversion.families import Family, register_family
 
 # megatron-core's RotaryEmbedding applies Llama-3 scaling with these constants fixed; only the factor is a flag.
 _MCORE_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-ROPE_SCALING_FLAGS = ("--use-rope-scaling", "--rope-scaling-factor")
-
-
-def rope_scaling_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add Megatron-LM's ``--use-rope-scaling`` / ``--rope-scaling-factor`` when the parser lacks them.
-
-    Our training parser does not define them yet (megatron-core's GPTModel takes ``rope_scaling`` and
-    ``rope_scaling_factor``); this lets the converter and tests parse Llama-3.1 flag sets meanwhile.
-    """
-    if "--use-rope-scaling" not in parser._option_string_actions:  # noqa: SLF001 - argparse has no public query
-        g = parser.add_argument_group("rope scaling (Llama 3.x)")
-        g.add_argument("--use-rope-scaling", action="store_true")
-        g.add_argument("--rope-scaling-factor", type=float, default=8.0)
-    return parser
 
 
 @register_family

@@ -67,12 +67,8 @@ def _checkpoint_vocab_rows(ckpt: Path) -> int:
 
 
 def _rope_scaling_factor(cfg) -> float | None:
-    """--rope-scaling-factor when --use-rope-scaling is on (model section, or extra flags while the training
-    parser lacks them)."""
-    for section in (cfg.model, cfg.extra):
-        if getattr(section, "use_rope_scaling", False):
-            return float(getattr(section, "rope_scaling_factor", 8.0))
-    return None
+    """--rope-scaling-factor when --use-rope-scaling is on, else None."""
+    return float(cfg.model.rope_scaling_factor) if cfg.model.use_rope_scaling else None
 
 
 def _check_config_matches(hf_cfg: dict, flags: list[str], model_args: dict, source: str) -> None:

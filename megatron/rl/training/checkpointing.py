@@ -7,7 +7,8 @@ What a checkpoint holds (see CONTRACTS.md, "Checkpoint format"):
   format that reshards across DP/TP/PP), ``rng_state`` (one ShardedObject entry per rank);
 - common (rank 0's copy): ``iteration``, ``opt_param_scheduler``, ``run_state`` (json-able dict from the
   caller: consumed samples, data position, ...), ``model_args`` (json-able architecture flags checked on
-  load), and ``checkpoint_info`` (format version, contents, parallel layout at save time).
+  load), and ``checkpoint_info`` (format version, contents, parallel layout at save time, whether the
+  optimizer state is the distributed optimizer's).
 
 Because the model and optimizer are stored as global tensors, a checkpoint saved under one
 TP/PP/DP layout loads under another; the RNG state is then dropped (logged), everything else is kept.
@@ -187,17 +188,118 @@ def _restore_zero_steps(optim_state: Any) -> None:
             _restore_zero_steps(v)
 
 
+# model_args keys checked by dedicated code below (not by plain equality): the padded vocab may legitimately
+# come from different --make-vocab-size-divisible-by / TP combinations, and "vocab_padding" only feeds messages.
+_SPECIAL_ARGS = ("padded_vocab_size", "vocab_padding")
+
+
 def check_model_args(saved: dict, current: dict, ckpt_path: Path) -> None:
     """Raise CheckpointError on the first architecture flag whose value differs; log flags only one side has."""
-    for key in sorted(set(saved) & set(current)):
+    for key in sorted((set(saved) & set(current)) - set(_SPECIAL_ARGS)):
         if saved[key] != current[key]:
             raise CheckpointError(
                 f"architecture mismatch loading {ckpt_path}: {key} is {saved[key]!r} in the checkpoint but "
                 f"{current[key]!r} in this run. Use the checkpoint's value for {key} (or a matching checkpoint).")
-    only_saved, only_current = sorted(set(saved) - set(current)), sorted(set(current) - set(saved))
+    only_saved = sorted(set(saved) - set(current) - set(_SPECIAL_ARGS))
+    only_current = sorted(set(current) - set(saved) - set(_SPECIAL_ARGS))
     if (only_saved or only_current) and _rank() == 0:
         logger.warning("model_args not compared (present on one side only): checkpoint-only %s, run-only %s",
                        only_saved, only_current)
+
+
+def divisible_by_for_padded_vocab(vocab_size: int, padded: int, tp: int) -> int | None:
+    """A ``--make-vocab-size-divisible-by`` value that pads ``vocab_size`` to exactly ``padded`` at TP ``tp``
+    (Megatron's rule: round up to a multiple of divisible_by x tp), preferring the largest power of two;
+    None when no value can (``padded`` not a multiple of ``tp``, or smaller than the vocab). Pure."""
+    if padded < vocab_size or padded % tp:
+        return None
+    fits = [d for d in range(1, padded // tp + 1)
+            if (padded // tp) % d == 0 and -(-vocab_size // (d * tp)) * d * tp == padded]
+    if not fits:
+        return None
+    pow2 = [d for d in fits if d & (d - 1) == 0]
+    return max(pow2) if pow2 else max(fits)
+
+
+def _saved_padded_vocab(ckpt: Path, saved_args: dict) -> int | None:
+    """The checkpoint's padded vocab: from its model_args, else from the embedding/output tensor metadata
+    (checkpoints written before the key existed, or by other tools). Reads no tensor data."""
+    if "padded_vocab_size" in saved_args:
+        return int(saved_args["padded_vocab_size"])
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    except _errors():
+        return None
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if key in meta:
+            return int(meta[key].global_shape[0])
+    return None
+
+
+def check_padded_vocab(ckpt: Path, saved_args: dict, current: dict, layout: dict) -> None:
+    """CheckpointError when the checkpoint's padded vocab differs from this run's (``current["padded_vocab_size"]``).
+
+    A smaller saved embedding would otherwise load into a larger one and leave random rows in every softmax.
+    ``current["vocab_padding"]`` ({"vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size"})
+    makes the message name the --make-vocab-size-divisible-by value that matches.
+    """
+    want = current.get("padded_vocab_size")
+    if want is None:
+        return
+    have = _saved_padded_vocab(ckpt, saved_args)
+    if have is None or have == int(want):
+        return
+    saved_tp = (saved_args.get("vocab_padding") or {}).get("tensor_model_parallel_size") or layout.get("tp")
+    msg = (f"vocabulary mismatch loading {ckpt}: the checkpoint was saved with padded vocab {have}"
+           f"{f' (TP={saved_tp})' if saved_tp else ''}; this run pads to {want}")
+    pad = current.get("vocab_padding") or {}
+    vocab, tp = pad.get("vocab_size"), pad.get("tensor_model_parallel_size")
+    div = pad.get("make_vocab_size_divisible_by")
+    saved_vocab = (saved_args.get("vocab_padding") or {}).get("vocab_size")
+    if vocab is not None and tp is not None:
+        msg += f" ({vocab} tokens, --make-vocab-size-divisible-by {div} x TP={tp})"
+        fix = divisible_by_for_padded_vocab(vocab, have, tp)
+        if saved_vocab is not None and saved_vocab != vocab:
+            msg += f". The checkpoint's tokenizer had {saved_vocab} tokens: use the tokenizer it was trained with"
+        elif fix is not None:
+            msg += f": pass --make-vocab-size-divisible-by {fix} to pad to {have} at TP={tp}"
+        else:
+            msg += (f"; no --make-vocab-size-divisible-by gives {have} at TP={tp}: use a TP that divides {have} "
+                    f"(e.g. the saving run's)")
+    raise CheckpointError(msg + ". Loading anyway would leave randomly initialised vocabulary rows.")
+
+
+def uses_distributed_optimizer(optimizer) -> bool:
+    """Whether a megatron optimizer (or any part of a chained one) is a ``DistributedOptimizer``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_differences(info: dict, optimizer) -> list[str]:
+    """What differs between the saving run's optimizer setup and this one (from checkpoint_info)."""
+    out = []
+    saved_dist = info.get("distributed_optimizer")
+    now_dist = uses_distributed_optimizer(optimizer)
+    if saved_dist is not None and bool(saved_dist) != now_dist:
+        out.append(f"the checkpoint's optimizer state is from {'the distributed' if saved_dist else 'a plain'} "
+                   f"optimizer but this run uses {'the distributed' if now_dist else 'a plain'} one: "
+                   f"{'add' if saved_dist else 'drop'} --use-distributed-optimizer to match")
+    layout = parallel_layout()
+    saved_layout = info.get("layout") or {}
+    if saved_layout.get("ep", layout["ep"]) != layout["ep"]:
+        out.append(f"expert-parallel size changed ({saved_layout['ep']} -> {layout['ep']}; "
+                   f"--expert-model-parallel-size)")
+    return out
+
+
+def _optimizer_error(ckpt: Path, detail: str, info: dict, optimizer) -> CheckpointError:
+    diffs = _optimizer_differences(info, optimizer)
+    why = "; ".join(diffs) if diffs else f"the optimizer state does not fit this run ({detail})"
+    return CheckpointError(f"cannot load the optimizer state of {ckpt}: {why}. Pass --no-load-optim to load the "
+                           f"model weights only (the optimizer then starts fresh).")
 
 
 # ------------------------------------------------------------------------------------------------- save
@@ -263,6 +365,8 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
     state["checkpoint_info"] = {"format_version": FORMAT_VERSION, "contents": contents,
                                 "layout": parallel_layout(), "dist_opt_format": dist_opt_format,
                                 "release": iteration == paths.RELEASE}
+    if optimizer is not None:
+        state["checkpoint_info"]["distributed_optimizer"] = uses_distributed_optimizer(optimizer)
     try:
         dist_checkpointing.save(state, str(tmp_dir), content_metadata=opt_meta)
         ok = True
@@ -338,10 +442,12 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     ckpt = paths.resolve_checkpoint_dir(load_dir)
     common = _load_common(ckpt)
     saved_args = common.get("model_args") or {}
-    if model_args:
-        check_model_args(saved_args, _json_roundtrip(model_args, "model_args"), ckpt)
-    contents = _saved_contents(ckpt, common)
     info = common.get("checkpoint_info") or {}
+    if model_args:
+        current_args = _json_roundtrip(model_args, "model_args")
+        check_model_args(saved_args, current_args, ckpt)
+        check_padded_vocab(ckpt, saved_args, current_args, info.get("layout") or {})
+    contents = _saved_contents(ckpt, common)
 
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -351,6 +457,9 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     if want_opt and "optimizer" not in contents:
         raise CheckpointError(f"checkpoint {ckpt} has no optimizer state (a model-only/release checkpoint); "
                               f"load it with load_optimizer=False (--no-load-optim or --finetune)")
+    if want_opt and info.get("distributed_optimizer") is not None and \
+            bool(info["distributed_optimizer"]) != uses_distributed_optimizer(optimizer):
+        raise _optimizer_error(ckpt, "", info, optimizer)  # known before any tensor is read
     if want_opt:
         saved_meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or \
             _optimizer_metadata("fully_reshardable")
@@ -370,6 +479,8 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
         loaded = dist_checkpointing.load(
             state, str(ckpt), strict=StrictHandling.ASSUME_OK_UNEXPECTED if strict else StrictHandling.LOG_ALL)
     except _errors() as e:  # shape/key mismatches and unreadable shards surface here
+        if want_opt and "optimizer" in str(e):
+            raise _optimizer_error(ckpt, _describe(e), info, optimizer) from e
         raise CheckpointError(f"loading {ckpt} failed ({_describe(e)}). If the architecture changed, "
                               f"pass model_args to get the differing flag named") from e
 
@@ -387,7 +498,10 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     loaded_sched = False
     if want_opt:
         _restore_zero_steps(loaded["optimizer"])
-        optimizer.load_state_dict(loaded["optimizer"])
+        try:
+            optimizer.load_state_dict(loaded["optimizer"])
+        except (KeyError, ValueError, RuntimeError, IndexError, AssertionError) as e:
+            raise _optimizer_error(ckpt, _describe(e), info, optimizer) from e
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
             loaded_sched = True

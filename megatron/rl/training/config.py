@@ -44,6 +44,8 @@ class ModelConfig:
     position_embedding_type: str = "learned_absolute"
     rotary_base: int = 10000
     rotary_percent: float = 1.0
+    use_rope_scaling: bool = False             # Llama-3.x RoPE frequency scaling (megatron-core's rope_scaling)
+    rope_scaling_factor: float = 8.0
     untie_embeddings_and_output_weights: bool = False
     add_qkv_bias: bool = False
     disable_bias_linear: bool = False
@@ -133,6 +135,8 @@ class TrainConfig:
     eval_interval: int | None = None
     eval_iters: int = 0
     exit_interval: int | None = None
+    exit_signal_handler: bool = False           # save and exit cleanly on --exit-signal (Slurm preemption)
+    exit_signal: str = "SIGTERM"
     num_microbatches: int = 1                   # derived: global / (micro * DP), per DP rank per iteration
 
 
@@ -194,13 +198,23 @@ class TrainingConfig:
     argv: list[str] = dataclasses.field(default_factory=list)
 
     def model_args(self) -> dict:
-        """JSON-able architecture flags stored with checkpoints and compared on load."""
+        """JSON-able architecture flags stored with checkpoints and compared on load.
+
+        ``max_position_embeddings`` only shapes weights with learned absolute positions (with RoPE it is a
+        generation limit that e.g. Base and Instruct releases set differently), so it is compared only then.
+        The padded vocab size is added by the training loops (it needs the tokenizer; see
+        ``model_provider.checkpoint_model_args``).
+        """
         m = self.model
         keys = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                "kv_channels", "max_position_embeddings", "swiglu", "normalization", "position_embedding_type",
-                "untie_embeddings_and_output_weights", "add_qkv_bias", "disable_bias_linear", "qk_layernorm",
-                "num_experts", "moe_ffn_hidden_size", "moe_router_topk")
+                "kv_channels", "swiglu", "normalization", "position_embedding_type", "rotary_base",
+                "use_rope_scaling", "untie_embeddings_and_output_weights", "add_qkv_bias", "disable_bias_linear",
+                "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_router_topk")
         out = {k: getattr(m, k) for k in keys}
+        if m.position_embedding_type == "learned_absolute":
+            out["max_position_embeddings"] = m.max_position_embeddings
+        if m.use_rope_scaling:
+            out["rope_scaling_factor"] = m.rope_scaling_factor
         out["vocab_size"] = self.tokenizer.vocab_size
         return out
 
@@ -237,6 +251,8 @@ def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.
                    default="learned_absolute")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.x RoPE frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
@@ -285,6 +301,9 @@ def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.
     g.add_argument("--eval-interval", type=int)
     g.add_argument("--eval-iters", type=int, default=0)
     g.add_argument("--exit-interval", type=int)
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal: finish the iteration, save (with --save) and exit 0")
+    g.add_argument("--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
@@ -437,6 +456,9 @@ def _derive_model(m: ModelConfig, cuda: bool) -> None:
     _need(m.position_embedding_type != "learned_absolute" or m.max_position_embeddings >= m.seq_length,
           f"--max-position-embeddings={m.max_position_embeddings} is smaller than --seq-length={m.seq_length}; "
           f"learned absolute positions need one embedding per position.")
+    _need(not m.use_rope_scaling or (m.position_embedding_type == "rope" and m.rope_scaling_factor > 0),
+          f"--use-rope-scaling needs --position-embedding-type rope (got {m.position_embedding_type}) and "
+          f"--rope-scaling-factor > 0 (got {m.rope_scaling_factor}).")
     for flag, v in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
         _need(0.0 <= v < 1.0, f"{flag}={v}: must be in [0, 1).")
     _need(not (m.bf16 and m.fp16), "--bf16 and --fp16 were both given; choose one.")

@@ -248,7 +248,8 @@ def resolve_load_dir(cfg: TrainingConfig) -> str | None:
                           f"latest_checkpointed_iteration.txt); check the path, or drop --load to start from scratch")
 
 
-def _load(cfg: TrainingConfig, load_dir: str | None, model, optimizer, scheduler) -> tuple[int, int]:
+def _load(cfg: TrainingConfig, load_dir: str | None, model, optimizer, scheduler,
+          margs: dict) -> tuple[int, int]:
     """Resume from ``load_dir``, or start from --pretrained-checkpoint (weights only). Returns (iteration, consumed)."""
     from megatron.rl.training.checkpointing import load_checkpoint
 
@@ -256,13 +257,13 @@ def _load(cfg: TrainingConfig, load_dir: str | None, model, optimizer, scheduler
     if load_dir is not None:
         loaded = load_checkpoint(load_dir, model, optimizer, scheduler,
                                  load_optimizer=not (c.no_load_optim or c.finetune),
-                                 load_rng=not (c.no_load_rng or c.finetune), model_args=cfg.model_args())
+                                 load_rng=not (c.no_load_rng or c.finetune), model_args=margs)
         if c.finetune:
             return 0, 0
         return int(loaded.iteration or 0), int(loaded.run_state.get("consumed_samples", 0))
     if c.pretrained_checkpoint:
         load_checkpoint(c.pretrained_checkpoint, model, optimizer, scheduler, load_optimizer=False,
-                        load_rng=False, model_args=cfg.model_args())
+                        load_rng=False, model_args=margs)
     return 0, 0
 
 
@@ -274,8 +275,9 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
     """
     from megatron.rl.training.checkpointing import save_checkpoint
     from megatron.rl.training.initialize import initialize_megatron
+    from megatron.rl.training.loop_control import LoopControl
     from megatron.rl.training.metrics import build_metrics_writer
-    from megatron.rl.training.model_provider import build_model
+    from megatron.rl.training.model_provider import build_model, checkpoint_model_args
     from megatron.rl.training.optimizer import build_optimizer
     from megatron.rl.training.tokenizer import build_tokenizer
 
@@ -292,7 +294,8 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
     initialize_megatron(cfg)
     model = build_model(cfg, tokenizer=tokenizer)
     optimizer, scheduler = build_optimizer(cfg, model)
-    iteration, consumed = _load(cfg, load_dir, model, optimizer, scheduler)
+    margs = checkpoint_model_args(cfg, tokenizer)
+    iteration, consumed = _load(cfg, load_dir, model, optimizer, scheduler, margs)
     train_iter = _data_iterators(cfg, tokenizer, consumed, "train", t.train_iters * t.global_batch_size)
     valid_iter = None
     if t.eval_interval and t.eval_iters > 0:
@@ -302,14 +305,14 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
 
     def save(it: int) -> None:
         save_checkpoint(c.save, it, model, None if c.no_save_optim else optimizer, scheduler,
-                        run_state={"consumed_samples": consumed, "iteration": it}, model_args=cfg.model_args(),
+                        run_state={"consumed_samples": consumed, "iteration": it}, model_args=margs,
                         dist_opt_format=c.dist_ckpt_optim_format)
 
     history: list[IterationStats] = []
     evals: list[tuple[int, dict[str, float]]] = []
     skipped_total = nan_total = 0
     window_start, window_iters = time.perf_counter(), 0
-    last_saved = iteration if load_dir else None
+    control = LoopControl.from_config(cfg, save, last_saved=iteration if load_dir else None)
     log.info("training from iteration %d to %d (global batch %d = %d microbatches x %d x DP %d)", iteration,
              t.train_iters, t.global_batch_size, t.num_microbatches, t.micro_batch_size,
              cfg.parallel.data_parallel_size)
@@ -340,14 +343,9 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
                      " | ".join(f"{k}: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.3f}" for k, v in result.items()))
             if writer is not None:
                 writer.log_scalars({f"validation/{k}": v for k, v in result.items()}, iteration)
-        if c.save and c.save_interval and iteration % c.save_interval == 0:
-            save(iteration)
-            last_saved = iteration
-        if t.exit_interval and iteration % t.exit_interval == 0:
-            log.info("exiting at iteration %d (--exit-interval %d)", iteration, t.exit_interval)
+        if control.after_iteration(iteration):
             break
-    if c.save and last_saved != iteration:
-        save(iteration)
+    control.finish(iteration)
     if writer is not None:
         writer.close()
     return PretrainResult(iteration, consumed, history, evals, model, optimizer, scheduler)

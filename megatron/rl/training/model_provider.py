@@ -132,6 +132,22 @@ def padded_vocab_size(cfg: TrainingConfig, tokenizer=None) -> int:
     return pad(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
 
 
+def checkpoint_model_args(cfg: TrainingConfig, tokenizer=None) -> dict:
+    """``cfg.model_args()`` plus the padded vocab size (checked on load: a checkpoint padded for another
+    TP / --make-vocab-size-divisible-by is refused before any tensor is read) and what it was padded from."""
+    out = cfg.model_args()
+    vocab = cfg.tokenizer.vocab_size
+    if vocab is None:
+        from megatron.rl.training.tokenizer import build_tokenizer
+
+        tokenizer = tokenizer or build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
+        vocab = tokenizer.vocab_size
+    out["padded_vocab_size"] = padded_vocab_size(cfg, tokenizer)
+    out["vocab_padding"] = {"vocab_size": vocab, "make_vocab_size_divisible_by": cfg.model.make_vocab_size_divisible_by,
+                            "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size}
+    return out
+
+
 def build_gpt_chunk(cfg: TrainingConfig, tconfig, vocab_size: int, vp_stage: int | None = None,
                     pre_process: bool | None = None, post_process: bool | None = None):
     """One ``GPTModel`` holding this rank's layers of virtual-pipeline chunk ``vp_stage`` (None: no VPP)."""
@@ -154,6 +170,8 @@ def build_gpt_chunk(cfg: TrainingConfig, tconfig, vocab_size: int, vp_stage: int
         position_embedding_type=m.position_embedding_type,
         rotary_percent=m.rotary_percent,
         rotary_base=m.rotary_base,
+        rope_scaling=m.use_rope_scaling,
+        rope_scaling_factor=m.rope_scaling_factor,
         vp_stage=vp_stage,
     )
 

@@ -68,9 +68,8 @@ def bash_array(name: str, array: str) -> list[str]:
 
 def parse(argv: list[str], world_size: int = 1):
     from megatron.rl.training.config import parse_args
-    from tools.checkpoint_conversion.llama import rope_scaling_args_provider
 
-    return parse_args(argv, extra_args_providers=[rope_scaling_args_provider], world_size=world_size)
+    return parse_args(argv, world_size=world_size)
 
 
 def analytic_counts(m, vocab: int) -> tuple[int, int]:

@@ -90,14 +90,12 @@ def bash_array(config: Path, array: str) -> list[str]:
 def parsed(train_args: list[str], world_size: int):
     """The train_rl.py flags through our parser (RL-only flags ignored; tensorboard dir dropped if not installed)."""
     from megatron.rl.training.config import parse_args
-    from tools.checkpoint_conversion.llama import rope_scaling_args_provider
 
     args = list(train_args)
     if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
         i = args.index("--tensorboard-dir")
         del args[i:i + 2]
-    return parse_args(args, extra_args_providers=[rope_scaling_args_provider], world_size=world_size,
-                      ignore_unknown_args=True)
+    return parse_args(args, world_size=world_size, ignore_unknown_args=True)
 
 
 @pytest.mark.parametrize("script", [SINGLE, MULTI, SLURM_DIR / "rl_launch_lib.sh"], ids=lambda p: p.name)
