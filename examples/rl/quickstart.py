@@ -1,6 +1,6 @@
 """Quickstart: pretrain a tiny GPT on arithmetic, post-train it with GRPO, evaluate, plot the reward curve.
 
-    python examples/rl/quickstart.py                 # CPU: ~10-15 minutes on 2 cores
+    python examples/rl/quickstart.py                 # CPU: a few minutes on 2 cores
     python examples/rl/quickstart.py --out runs/qs --rl-iters 40
 
 1. writes a noisy arithmetic corpus ("Q: 3+5=? A: 8" with a share of wrong answers), so the pretrained
@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 # Task: single-digit addition. 100 distinct problems: a tiny model memorises the format fast.
 TASK = dict(min_operands=2, max_operands=2, min_digits=1, max_digits=1, operators="+")
-NOISE = 0.6  # share of wrong answers in the pretraining corpus
+NOISE = 0.3  # share of wrong answers in the pretraining corpus: the policy starts only partly right
 
 
 def model_flags(gpu: bool) -> list[str]:
@@ -37,7 +37,7 @@ def model_flags(gpu: bool) -> list[str]:
         shape = ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12"]
     else:
         shape = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4"]
-    return shape + ["--seq-length", "128", "--max-position-embeddings", "128", "--swiglu",
+    return shape + ["--seq-length", "64", "--max-position-embeddings", "128", "--swiglu",
                     "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                     "--disable-bias-linear", "--tokenizer-type", "ByteLevelTokenizer", "--seed", "1"]
 
@@ -72,8 +72,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "runs" / "quickstart")
-    p.add_argument("--pretrain-iters", type=int, default=250)
-    p.add_argument("--rl-iters", type=int, default=40)
+    p.add_argument("--pretrain-iters", type=int, default=600)
+    p.add_argument("--rl-iters", type=int, default=60)
     p.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, or 1 on CPU)")
     args = p.parse_args(argv)
 
@@ -87,12 +87,12 @@ def main(argv=None) -> int:
     if not corpus.exists():
         from examples.rl.environments.arithmetic import write_pretraining_corpus
 
-        write_pretraining_corpus(corpus, num_documents=2000, examples_per_document=16, noise=NOISE, seed=7, **TASK)
+        write_pretraining_corpus(corpus, num_documents=4000, examples_per_document=16, noise=NOISE, seed=7, **TASK)
         print(f"wrote the pretraining corpus {corpus}")
 
     if not has_checkpoint(pre_ckpt):
         run(launcher(nproc) + [str(REPO / "pretrain_gpt.py"), *model_flags(gpu),
-             "--micro-batch-size", "16", "--global-batch-size", str(32 * max(nproc, 1)),
+             "--micro-batch-size", "32", "--global-batch-size", str(32 * max(nproc, 1)),
              "--train-iters", str(args.pretrain_iters), "--lr", "3e-3", "--min-lr", "3e-4",
              "--lr-decay-style", "cosine", "--lr-warmup-iters", str(min(20, args.pretrain_iters // 5)), "--weight-decay", "0.01",
              "--clip-grad", "1.0", "--data-path", str(corpus), "--split", "98,2,0", "--log-interval", "25",
@@ -107,8 +107,8 @@ def main(argv=None) -> int:
          "--grpo-prompts-per-step", str(16 * max(nproc, 1)), "--grpo-group-size", "8",
          "--micro-batch-size", "8", "--global-batch-size", str(128 * max(nproc, 1)),
          "--rl-use-sequence-packing", "--rl-max-new-tokens", "8", "--rl-default-temperature", "1.0",
-         "--lr", "1e-4", "--lr-decay-style", "constant", "--clip-grad", "1.0",
-         "--train-iters", str(args.rl_iters), "--eval-interval", "5", "--rl-prompts-per-eval", "100",
+         "--lr", "2e-4", "--lr-decay-style", "constant", "--clip-grad", "1.0",
+         "--train-iters", str(args.rl_iters), "--eval-interval", "10", "--rl-prompts-per-eval", "200",
          "--rl-eval-temperature", "1.0", "--log-interval", "1", "--rl-metrics-jsonl", str(metrics),
          "--tensorboard-dir", str(out / "tensorboard")], out / "logs" / "train_rl.log")
 

@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
+log = logging.getLogger(__name__)
+
 
 def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    # Dropout makes the training forward a different (random) policy from the one that scored the old
+    # log-probs, so every PPO ratio would be noise: RL defaults to none (explicit flags still win).
+    parser.set_defaults(hidden_dropout=0.0, attention_dropout=0.0)
     g = parser.add_argument_group("reinforcement learning (GRPO / PPO)")
     g.add_argument("--perform-rl-step", action="store_true",
                    help="Accepted for Megatron-LM compatibility; train_rl.py always performs RL steps.")
@@ -132,7 +138,11 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
 
 
 def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
-    """Reject flag combinations that cannot work, before any compute."""
+    """Reject flag combinations that cannot work, before any compute; warn about ones that hurt."""
+    if cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0:
+        log.warning("--hidden-dropout=%s / --attention-dropout=%s: with dropout the policy being trained differs "
+                    "from the one that scored the old log-probs, so PPO ratios are noisy (train_rl.py defaults "
+                    "both to 0)", cfg.model.hidden_dropout, cfg.model.attention_dropout)
     dp = cfg.parallel.data_parallel_size
     gbs = cfg.train.global_batch_size
     for flag, value in (("--grpo-prompts-per-step", rl.prompts_per_step), ("--grpo-group-size", rl.group_size),
