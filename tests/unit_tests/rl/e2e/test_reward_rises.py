@@ -45,11 +45,14 @@ def test_reward_rises_in_a_few_grpo_iterations(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_pass_at_1_rises_by_0_3(tmp_path):
-    """The README's main job: held-out pass@1 rises by >= 0.3 absolute (budget: 15 minutes on 2 cores)."""
+    """The README's main job: held-out pass@1 rises by >= 0.3 absolute (budget: 15 minutes on 2 cores; ~4 here)."""
     out = tmp_path / "qs"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "rl" / "quickstart.py"), "--out", str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    evals = [r for r in _records(out / "metrics.jsonl") if "eval/pass@1" in r]
-    assert evals[-1]["eval/pass@1"] - evals[0]["eval/pass@1"] >= 0.3, evals
+    evals = [(r["iteration"], r["eval/pass@1"]) for r in _records(out / "metrics.jsonl") if "eval/pass@1" in r]
+    sys.path.insert(0, str(REPO_ROOT / "examples" / "rl"))
+    from quickstart import final_pass_at_1
+
+    assert final_pass_at_1(evals) - evals[0][1] >= 0.3, evals
     assert (out / "reward_curve.png").stat().st_size > 10_000
