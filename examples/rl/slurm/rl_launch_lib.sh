@@ -76,7 +76,8 @@ rl_train_args() {
     if [[ "${RL_CUDA:-1}" == 1 ]]; then
         TRAIN_ARGS+=("${GPU_ARGS[@]}" --bf16)
     fi
-    TRAIN_ARGS+=(--save "$CKPT_DIR" --save-interval "${SAVE_INTERVAL:-20}")
+    # --exit-signal-handler: on the SIGTERM the requeue path forwards, finish the iteration, save, exit 0.
+    TRAIN_ARGS+=(--save "$CKPT_DIR" --save-interval "${SAVE_INTERVAL:-20}" --exit-signal-handler)
     if [[ -f "$CKPT_DIR/latest_checkpointed_iteration.txt" || -n "${PRETRAINED_CKPT:-}" ]]; then
         TRAIN_ARGS+=(--load "$CKPT_DIR")
     fi

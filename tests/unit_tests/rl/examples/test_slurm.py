@@ -126,6 +126,7 @@ def test_single_node_command_line(fake_slurm, tmp_path):
     cfg = parsed(train, world_size=8)
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.add_qkv_bias) == (896, 24, True)
     assert cfg.checkpoint.load == str(run_dir / "checkpoints") and cfg.model.bf16
+    assert "--exit-signal-handler" in train  # a preempted (SIGTERM) job saves before it is requeued
     for sub in ("checkpoints", "logs", "tensorboard"):
         assert (run_dir / sub).is_dir()
     assert list((run_dir / "logs").glob("train-1234-attempt0.log"))
