@@ -60,7 +60,11 @@ rl_setup() {
 rl_master_addr() {
     local nodelist="${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}"
     [[ -n "$nodelist" ]] || { echo localhost; return; }
-    scontrol show hostnames "$nodelist" | head -n 1
+    # Read all of scontrol's output (no `| head -n 1`): under `set -o pipefail`, head closing the pipe early
+    # kills scontrol with SIGPIPE and fails the job with status 141 on large allocations.
+    local hosts
+    hosts=$(scontrol show hostnames "$nodelist")
+    echo "${hosts%%$'\n'*}"
 }
 
 rl_master_port() {
