@@ -35,7 +35,9 @@ def test_rank0_logs_info_with_rank_prefix(handler_stream, monkeypatch):
 
 
 def test_other_ranks_only_warn_unless_all_ranks(handler_stream, monkeypatch):
-    monkeypatch.setenv("RANK", "3")
+    # Patch the rank itself: an earlier test in this process may have initialised torch.distributed
+    # (rank 0), which current_rank() prefers over $RANK.
+    monkeypatch.setattr(rl_logging, "current_rank", lambda: 3)
     rl_logging.setup_distributed_logging("INFO", stream=handler_stream)
     log = logging.getLogger("megatron.rl.test")
     log.info("quiet")
