@@ -128,10 +128,10 @@ def main(argv=None) -> int:
                title="GRPO on arithmetic (quickstart)")
     evals = sorted(series.get("eval/pass@1", []))
     if evals:
-        start, final = evals[0][1], final_pass_at_1(evals)
-        print(f"held-out pass@1 (sampled at T=1, 200 prompts): {start:.3f} at iteration {evals[0][0]} -> {final:.3f} "
+        first, final = evals[0][1], final_pass_at_1(evals)
+        print(f"held-out pass@1 (sampled at T=1, 200 prompts): {first:.3f} at iteration {evals[0][0]} -> {final:.3f} "
               f"(mean of the last {min(3, len(evals))} evaluations, up to iteration {evals[-1][0]}); "
-              f"change {final - start:+.3f}")
+              f"change {final - first:+.3f}")
     print(f"reward curve: {png}; metrics: {metrics}; total {time.time() - start:.0f}s")
     return 0
 
