@@ -76,7 +76,7 @@ def build_argv(a) -> list[str]:
 def run(a) -> dict:
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_loss import training_forward_step
-    from megatron.rl.rl_utils import StepContext, _shape_args, build_step_batches, score
+    from megatron.rl.rl_utils import StepContext, build_step_batches, schedule_shape, score
     from megatron.rl.sequence_packing_utils import get_microbatch_dataloader
     from megatron.rl.training.loop import train_step
 
@@ -105,7 +105,7 @@ def run(a) -> dict:
                                     grad_scale=float(step.num_microbatches), device=ctx.device, use_thd=False)
         loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
         return C.timed_wall_cpu(lambda: train_step(fwd, iter(loader), ctx.model, ctx.optimizer, ctx.scheduler,
-                                                   step.num_microbatches, **_shape_args(ctx)))
+                                                   step.num_microbatches, **schedule_shape(ctx)))
 
     times = {"packed": [], "padded": []}  # (wall s, CPU s) per measured step
     # Warm-up, untimed: the first step allocates the optimizer state and takes first-call paths, for

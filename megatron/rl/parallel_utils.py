@@ -67,6 +67,25 @@ def broadcast_object(obj, src_global_rank: int = 0, group=None):
     return box[0]
 
 
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's ``obj`` (picklable), in rank order of ``group``; ``[obj]`` without a process group."""
+    if not is_initialized() or get_world_size(group) == 1:
+        return [obj]
+    out = [None] * get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object_from_last_pipeline_stage(obj):
+    """The last pipeline stage's ``obj`` (picklable) on every stage of this rank's pipeline."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    return broadcast_object(obj, ps.get_pipeline_model_parallel_last_rank(),
+                            group=ps.get_pipeline_model_parallel_group())
+
+
 def last_pipeline_stage_rank() -> int:
     """Global rank of the last pipeline stage in this rank's pipeline (megatron-core parallel_state)."""
     from megatron.core import parallel_state as ps

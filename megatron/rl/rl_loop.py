@@ -180,7 +180,5 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     control.finish(iteration)
     if writer is not None:
         writer.close()
-    close = getattr(inference, "close", None)
-    if callable(close):
-        close()
+    inference.close()  # frees the in-process engine's KV cache / the HTTP client
     return RLRunResult(iteration, history, evals)

@@ -27,7 +27,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent, EvaluationRequest, GroupedRolloutRequest
@@ -89,24 +88,6 @@ def _dp():
     return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
 
-def _all_gather_objects(obj: Any, group) -> list[Any]:
-    if not parallel_utils.is_initialized() or parallel_utils.get_world_size(group) == 1:
-        return [obj]
-    out: list[Any] = [None] * parallel_utils.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _from_last_stage(obj: Any) -> Any:
-    """An object computed on the last pipeline stage, on every rank of the pipeline group."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return obj
-    return parallel_utils.broadcast_object(obj, ps.get_pipeline_model_parallel_last_rank(),
-                                           group=ps.get_pipeline_model_parallel_group())
-
-
 # --------------------------------------------------------------------------- 1-2. rollouts
 
 
@@ -126,7 +107,7 @@ def gather_sequences(groups, rl: RLConfig) -> tuple[list[TrainingSequence], Coll
     """Local groups -> global training sequences (same list, same order, on every rank) and global stats."""
     dp_group, _, _ = _dp()
     local_seqs, local_stats = groups_to_sequences(groups, rl.advantage_estimator, rl.filter_same_reward)
-    gathered = _all_gather_objects((local_seqs, local_stats), dp_group)
+    gathered = parallel_utils.all_gather_object((local_seqs, local_stats), dp_group)
     sequences = [s for seqs, _ in gathered for s in seqs]
     stats = CollectionStats()
     for _, st in gathered:
@@ -190,7 +171,8 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
 # --------------------------------------------------------------------------- 4-5. scoring and training
 
 
-def _shape_args(ctx: StepContext) -> dict:
+def schedule_shape(ctx: StepContext) -> dict:
+    """``seq_length`` / ``micro_batch_size`` for megatron's schedule (the p2p activation shape)."""
     if ctx.use_thd:  # rows are flattened into one THD sequence per micro-batch
         return dict(seq_length=ctx.seq_length * ctx.micro_batch_size, micro_batch_size=1)
     return dict(seq_length=ctx.seq_length, micro_batch_size=ctx.micro_batch_size)
@@ -204,7 +186,7 @@ def score(model: list, step: StepBatch, value_name: str, temperature: float, ctx
         with torch.no_grad():
             loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
             train_step(scoring_forward_step(value_name, temperature, ctx.device, ctx.use_thd), iter(loader), model,
-                       None, None, step.num_microbatches, forward_only=True, **_shape_args(ctx))
+                       None, None, step.num_microbatches, forward_only=True, **schedule_shape(ctx))
     finally:
         for chunk in model:
             chunk.train()
@@ -229,7 +211,7 @@ def logprob_gap(steps: list[StepBatch]) -> dict[str, float]:
         parallel_utils.all_reduce_sum(total, dp_group)
         parallel_utils.all_reduce_max(worst, dp_group)
         stats = {"logprob_gap_mean": float(total[0] / total[1].clamp(min=1)), "logprob_gap_max": float(worst)}
-    return _from_last_stage(stats)
+    return parallel_utils.broadcast_object_from_last_pipeline_stage(stats)
 
 
 @dataclasses.dataclass
@@ -285,7 +267,7 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
             loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
             report, grad_norm, was_skipped = train_step(fwd, iter(loader), ctx.model, ctx.optimizer, ctx.scheduler,
                                                         step.num_microbatches, scheduler_increment=int(last),
-                                                        **_shape_args(ctx))
+                                                        **schedule_shape(ctx))
             reports.append(report)
             if grad_norm is not None:
                 grad_norms.append(grad_norm)
@@ -330,7 +312,7 @@ def evaluate(ctx: StepContext, rl: RLConfig, iteration: int) -> dict[str, float]
                                 generation_args=args, inference_interface=ctx.inference)
     with inference_session(ctx.inference):
         response = asyncio.run(ctx.agent.evaluate(request))
-    gathered = _all_gather_objects(response.metrics, dp_group)
+    gathered = parallel_utils.all_gather_object(response.metrics, dp_group)
     out: dict[str, float] = {}
     prompt_keys = [k for k in gathered[0] if k.endswith("num_prompts")]
     for key in gathered[0]:

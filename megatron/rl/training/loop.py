@@ -54,10 +54,7 @@ def reduce_loss_dicts(losses: list[dict]) -> dict[str, float]:
                 mean = torch.cat(vals).double().mean().view(1)
                 parallel_utils.all_reduce_mean(mean, dp_group)
                 out[key] = float(mean)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        out = parallel_utils.broadcast_object(out, ps.get_pipeline_model_parallel_last_rank(),
-                                              group=ps.get_pipeline_model_parallel_group())
-    return out
+    return parallel_utils.broadcast_object_from_last_pipeline_stage(out)
 
 
 # --------------------------------------------------------------------------- one step
