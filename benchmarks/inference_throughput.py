@@ -125,11 +125,16 @@ def run_backend(backend, work) -> int:
     return sum(len(r.generated_token_ids) for r in out)
 
 
-def timed(run, work) -> tuple[float, float]:
-    """tokens per wall second and per CPU second of this process (all threads)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    tokens = run(work)
-    return tokens / (time.perf_counter() - wall), tokens / (time.process_time() - cpu)
+def timed(runner, work) -> tuple[float, float]:
+    """tokens per wall second and per CPU second of this process (all threads); setup/teardown untimed."""
+    run, setup, teardown = runner
+    setup()
+    try:
+        wall, cpu = time.perf_counter(), time.process_time()
+        tokens = run(work)
+        return tokens / (time.perf_counter() - wall), tokens / (time.process_time() - cpu)
+    finally:
+        teardown()
 
 
 @torch.inference_mode()
@@ -203,33 +208,38 @@ def main():
         if value is not None:
             setattr(settings, field, value)
     params = sum(p.numel() for p in mcore_model.parameters())
-    runners = {}
+    nothing = lambda: None  # noqa: E731
+    runners = {}  # name -> (run, setup, teardown)
     if "megatron" in args.backends:
         mega = MegatronInference(mcore_model, tok, settings=settings, max_sequence_length=args.max_seq)
-        runners["megatron"] = lambda work: run_backend(mega, work)
+        # The engine (KV cache, engine thread) starts before and stops after each timed run, as around an RL
+        # rollout phase. Left running, its idle thread would keep an OpenMP pool that slows the backends
+        # timed after it (see megatron/rl/runtime/openmp.py).
+        runners["megatron"] = (lambda work: run_backend(mega, work), mega.enter_inference_mode,
+                               mega.exit_inference_mode)
     if "huggingface" in args.backends:
         hf_model = build_hf(args, cuda)
         hf = HuggingFaceInference(model=hf_model, tokenizer=tok, max_batch_size=args.static_batch,
                                   max_seq_len=args.max_seq)
-        runners["huggingface"] = lambda work: run_backend(hf, work)
+        runners["huggingface"] = (lambda work: run_backend(hf, work), nothing, nothing)
         hf_params = sum(p.numel() for p in hf_model.parameters())
     if "static" in args.backends:
-        runners["static"] = lambda work: static_loop(mcore_model, work, tok, args.static_batch)
+        runners["static"] = (lambda work: static_loop(mcore_model, work, tok, args.static_batch), nothing, nothing)
     mcore_model.eval()
 
     print(f"device: {'cuda' if cuda else 'cpu'} ({torch.get_num_threads()} threads); model: hidden {args.hidden}, "
           f"{args.layers} layers, {args.heads} heads, vocab {VOCAB}: {params / 1e6:.2f}M params (megatron)"
           + (f", {hf_params / 1e6:.2f}M (HF)" if "huggingface" in runners else ""))
     print(f"megatron engine: {settings}")
-    for name, run in runners.items():  # warm-up: first calls pay one-time costs
-        run(workload(4, seed=99))
+    for runner in runners.values():  # warm-up: first calls pay one-time costs
+        timed(runner, workload(4, seed=99))
     rows = []
     for n in args.concurrency:
         work = workload(n)
         result = {name: (0.0, 0.0) for name in runners}
         for _ in range(args.rounds):  # interleaved rounds, best of: a shared machine's noise hits all alike
-            for name, run in runners.items():
-                wall, cpu = timed(run, work)
+            for name, runner in runners.items():
+                wall, cpu = timed(runner, work)
                 result[name] = (max(result[name][0], wall), max(result[name][1], cpu))
         rows.append((n, sum(o for _, o in work), result))
         print(f"  done: {n} requests: " + ", ".join(f"{k} {v[0]:.0f} tok/s ({v[1]:.0f} tok/CPU-s)"
@@ -248,8 +258,6 @@ def main():
                 line += "".join(f" | {result['megatron'][metric] / result[k][metric]:.2f}x"
                                 for k in names if k != "megatron")
             print(line + " |")
-    if "megatron" in runners:
-        mega.exit_inference_mode()
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch
 from megatron.rl.inference.api import (GenerationArgs, InferenceError, InferenceInterface, InferenceRequest,
                                        InferenceResponse, expand_requests, logprob_temperature)
 from megatron.rl.inference.chat_template import render_chat
+from megatron.rl.runtime.openmp import release_thread_pool
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +231,8 @@ class HuggingFaceInference(InferenceInterface):
 
     async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
         # decoding runs on a worker thread so the event loop (e.g. the inference server) stays responsive
+        if self.device.type == "cpu":
+            release_thread_pool()  # this thread now only waits: let the worker's OpenMP pool spin
         return await asyncio.to_thread(self._generate_sync, expand_requests(requests))
 
     @torch.inference_mode()

@@ -71,6 +71,7 @@ from megatron.rl.inference.megatron_engine import (
     unwrap_gpt_model,
 )
 from megatron.rl.runtime import setup_runtime
+from megatron.rl.runtime.openmp import release_thread_pool
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +254,8 @@ class MegatronInference(InferenceInterface):
             await asyncio.to_thread(self.exit_inference_mode)
         if not self.active:
             await asyncio.to_thread(self.enter_inference_mode)
+        if self._device.type == "cpu":
+            release_thread_pool()  # this thread now only waits: let the engine thread's OpenMP pool spin
         loop = asyncio.get_running_loop()
         flat = expand_requests(requests)
         responses: list[InferenceResponse | None] = [None] * len(flat)

@@ -131,3 +131,20 @@ def test_top_p_tiny_equals_greedy_tokens(hf_backend):
     g = hf_backend.generate("Hello world", temperature=0, max_tokens=8)[0]
     p = hf_backend.generate("Hello world", temperature=0.9, top_p=1e-6, max_tokens=8, seed=3)[0]
     assert p.token_ids == g.token_ids
+
+
+def test_caller_releases_its_openmp_pool_before_the_worker_decodes(hf_backend, monkeypatch):
+    """The calling thread frees its OpenMP pool (megatron/rl/runtime/openmp.py) so the decoding thread's is not
+    throttled; decoding itself happens on another thread."""
+    import threading
+
+    import megatron.rl.inference.huggingface as hf_module
+
+    calls, decoders = [], []
+    monkeypatch.setattr(hf_module, "release_thread_pool", lambda: calls.append(threading.get_ident()) or True)
+    decode = hf_backend._decode_batch
+    monkeypatch.setattr(hf_backend, "_decode_batch", lambda rows: decoders.append(threading.get_ident()) or decode(rows))
+    out = asyncio.run(hf_backend.agenerate([InferenceRequest(prompt="Hi", generation_args=GenerationArgs(max_tokens=2))]))
+    assert out[0].finish_reason in ("stop", "length")
+    assert calls == [threading.get_ident()]
+    assert decoders and decoders[0] != threading.get_ident()

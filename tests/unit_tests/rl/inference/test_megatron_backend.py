@@ -215,3 +215,19 @@ def test_enter_exit_twice_frees_kv_cache_and_training_still_works(setup):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     model.zero_grad(set_to_none=True)
+
+
+def test_caller_releases_its_openmp_pool_while_the_engine_thread_works(setup, monkeypatch):
+    """agenerate frees the calling thread's OpenMP pool (megatron/rl/runtime/openmp.py): the engine thread's
+    pool must be the only one, or libgomp throttles its spin-waits and every op pays a futex wake-up."""
+    import threading
+
+    import megatron.rl.inference.megatron as mega_module
+
+    _, backend = setup
+    calls = []
+    monkeypatch.setattr(mega_module, "release_thread_pool", lambda: calls.append(threading.get_ident()) or True)
+    out = asyncio.run(backend.agenerate([_req("1+1=", max_tokens=2)]))
+    assert out[0].finish_reason in ("stop", "length"), out[0].error
+    assert calls == [threading.get_ident()]
+    assert backend._thread is not None and backend._thread.ident != threading.get_ident()

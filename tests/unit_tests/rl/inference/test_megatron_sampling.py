@@ -74,3 +74,24 @@ def test_greedy_rows_and_seeded_rows():
     assert a[1] == b[1]  # its own generator: unaffected by the shared seed and the other rows
     draws = torch.stack([draw(s, logits[2])[3] for s in range(20)])
     assert len(set(draws.tolist())) > 1  # unseeded rows do vary with the shared generator
+
+
+def test_seeded_rows_and_mixed_batches_follow_the_distribution():
+    """Per-row generators (every row seeded) and a batch with greedy rows sample the same distribution."""
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5])
+    rows = 4000
+    expected = torch.softmax(logits, -1)
+    temperature = torch.ones(rows)
+    temperature[::4] = 0.0  # greedy rows force the gather path
+    lp = tempered_log_probs(logits.expand(rows, -1), temperature)
+    k, p = torch.zeros(rows, dtype=torch.long), torch.ones(rows)
+    for gens in ([torch.Generator().manual_seed(i) for i in range(rows)], [None] * rows):
+        tokens = sample_tokens(lp, temperature, k, p, gens, torch.Generator().manual_seed(5))
+        assert (tokens[::4] == 0).all()
+        sampled = temperature > 0
+        freq = torch.bincount(tokens[sampled], minlength=4).float() / int(sampled.sum())
+        torch.testing.assert_close(freq, expected, atol=0.025, rtol=0)
+    all_seeded = sample_tokens(tempered_log_probs(logits.expand(rows, -1), torch.ones(rows)), torch.ones(rows), k, p,
+                               [torch.Generator().manual_seed(i) for i in range(rows)], torch.Generator())
+    freq = torch.bincount(all_seeded, minlength=4).float() / rows
+    torch.testing.assert_close(freq, expected, atol=0.025, rtol=0)
