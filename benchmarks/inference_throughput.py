@@ -11,6 +11,8 @@ interleaved, ``--rounds`` times, best kept, so machine noise hits all of them al
 - megatron: ``MegatronInference`` (megatron-core DynamicInferenceEngine: paged KV cache, continuous
   batching; a finished request frees its slot for the next step).
 - huggingface: ``HuggingFaceInference`` (left-padded static batches with the transformers KV cache).
+- megatron-throttled (only when asked for): the Megatron backend with the calling thread's OpenMP pool
+  left in place, as before megatron/rl/runtime/openmp.py, to show what that costs side by side.
 - static loop: megatron-core ``StaticInferenceContext`` + ``GPTModel.forward`` in one padded batch:
   prefill up to the shortest prompt, then one token per step for everyone, feeding prompt tokens to
   rows whose prompt is longer (classic Megatron static batching), until the longest request is done.
@@ -181,7 +183,7 @@ def main():
     parser.add_argument("--max-seq", type=int, default=256)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--backends", nargs="+", default=["megatron", "huggingface", "static"],
-                        choices=["megatron", "huggingface", "static"])
+                        choices=["megatron", "huggingface", "static", "megatron-throttled"])
     parser.add_argument("--buffer-gb", type=float, default=None, help="Megatron KV buffer (default: EngineSettings)")
     parser.add_argument("--block-size", type=int, default=None, help="Megatron KV block tokens")
     parser.add_argument("--max-tokens", type=int, default=None, help="Megatron tokens per step")
@@ -199,6 +201,7 @@ def main():
     init(cuda)
     from megatron.rl.inference.huggingface import HuggingFaceInference
     from megatron.rl.inference.megatron import EngineSettings, MegatronInference
+    from megatron.rl.runtime.openmp import release_thread_pool
 
     tok = BenchTokenizer()
     mcore_model = build_megatron(args, cuda)
@@ -217,6 +220,23 @@ def main():
         # timed after it (see megatron/rl/runtime/openmp.py).
         runners["megatron"] = (lambda work: run_backend(mega, work), mega.enter_inference_mode,
                                mega.exit_inference_mode)
+    if "megatron-throttled" in args.backends:
+        # The same backend with the caller's OpenMP pool left in place: what it cost before
+        # megatron/rl/runtime/openmp.py (libgomp then throttles the engine thread's pool).
+        import megatron.rl.inference.megatron as mega_module
+
+        slow = MegatronInference(mcore_model, tok, settings=settings, max_sequence_length=args.max_seq)
+
+        def throttled_setup():
+            mega_module.release_thread_pool = lambda: False
+            torch.ones(1 << 20).add_(1)  # a parallel op on this thread (as training would run): it gets a pool
+            slow.enter_inference_mode()
+
+        def throttled_teardown():
+            slow.exit_inference_mode()
+            mega_module.release_thread_pool = release_thread_pool
+
+        runners["megatron-throttled"] = (lambda work: run_backend(slow, work), throttled_setup, throttled_teardown)
     if "huggingface" in args.backends:
         hf_model = build_hf(args, cuda)
         hf = HuggingFaceInference(model=hf_model, tokenizer=tok, max_batch_size=args.static_batch,
