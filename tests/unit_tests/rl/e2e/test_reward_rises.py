@@ -23,7 +23,9 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_reward_rises_in_a_few_grpo_iterations(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_reward_rises_in_a_few_grpo_iterations(tmp_path, precision):
+    """fp32, and --bf16 (bf16 weights for generation and training, fp32 optimizer state) on the same run."""
     env = tmp_path / "env.yaml"
     env.write_text("imports: [digit_agents]\nenvironments:\n  - type: digits_please\n    weight: 1\n")
     metrics = tmp_path / "metrics.jsonl"
@@ -34,11 +36,16 @@ def test_reward_rises_in_a_few_grpo_iterations(tmp_path):
            "--seed", "3", "--langrl-env-config", str(env), "--langrl-allow-imports",
            "--grpo-prompts-per-step", "8", "--grpo-group-size", "8", "--rl-max-new-tokens", "6",
            "--rl-use-sequence-packing", "--log-interval", "1", "--rl-metrics-jsonl", str(metrics)]
+    cmd += ["--bf16"] if precision == "bf16" else []
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}{os.pathsep}{REPO_ROOT}"}
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    rewards = [r["reward_mean"] for r in _records(metrics) if "reward_mean" in r]
+    records = [r for r in _records(metrics) if "reward_mean" in r]
+    rewards = [r["reward_mean"] for r in records]
     assert len(rewards) == 12
+    # the engine's log-probs vs the trainer's recomputation: fp32 agrees to rounding; bf16 to its ~3 digits
+    gap = max(r["logprob_gap_max"] for r in records)
+    assert gap < (1e-4 if precision == "fp32" else 0.2), gap
     first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
     assert last > first + 0.2 and last > 2 * first, f"reward did not rise: {rewards}"
 
