@@ -7,6 +7,8 @@ flash-attn does when query and key lengths differ) and run anywhere.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -60,6 +62,31 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     return out
 
 
+_BUFFERS = threading.local()
+
+
+def _gather_buffers(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """Two reusable tensors of ``shape`` for the gathered K and V blocks, grown on demand, one pair per thread.
+
+    The gathered cache is tens of MB per layer and step at moderate sizes; allocated afresh, glibc hands
+    such blocks back to the OS on free and every step pays the page faults again (2-5x the cost of the copy
+    itself). A layer's gather is consumed before the next layer's starts, so one pair serves all layers.
+    """
+    numel = 1
+    for n in shape:
+        numel *= n
+    key = (dtype, device)
+    pairs = getattr(_BUFFERS, "pairs", None)
+    if pairs is None:
+        pairs = _BUFFERS.pairs = {}
+    pair = pairs.get(key)
+    if pair is None or pair[0].numel() < numel:
+        grown = max(numel, 2 * pair[0].numel()) if pair is not None else numel
+        pair = pairs[key] = (torch.empty(grown, dtype=dtype, device=device),
+                             torch.empty(grown, dtype=dtype, device=device))
+    return pair[0][:numel].view(shape), pair[1][:numel].view(shape)
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, block_table=None,
                             softmax_scale=None, **_unused):
     """Decode-step attention against a (paged) KV cache, vectorised over the batch.
@@ -80,8 +107,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=Fals
         block_size = k_cache.shape[1]
         num_blocks = (max_len + block_size - 1) // block_size
         ids = block_table[:, :num_blocks].long().clamp(min=0).reshape(-1)  # -1 marks unused blocks
-        kb = k_cache.index_select(0, ids).view(batch, num_blocks * block_size, kv_heads, dim)
-        vb = v_cache.index_select(0, ids).view(batch, num_blocks * block_size, kv_heads, dim)
+        shape = (ids.numel(), *k_cache.shape[1:])
+        kbuf, vbuf = _gather_buffers(shape, k_cache.dtype, k_cache.device)
+        kb = torch.index_select(k_cache, 0, ids, out=kbuf).view(batch, num_blocks * block_size, kv_heads, dim)
+        vb = torch.index_select(v_cache, 0, ids, out=vbuf).view(batch, num_blocks * block_size, kv_heads, dim)
     else:
         kb, vb = k_cache[:, :max_len], v_cache[:, :max_len]
     key_pos = torch.arange(kb.shape[1], device=q.device)
