@@ -95,6 +95,13 @@ def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_mo
     return 0, {}
 
 
+
+def metrics_json_line(record: dict) -> str:
+    """One ``--rl-metrics-jsonl`` line: strict JSON, a non-finite number (e.g. the mean reward of an
+    iteration whose rollouts all failed) written as ``null`` rather than Python's ``NaN``."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
 def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     """Run ``--train-iters`` RL iterations (all ranks). Initialises megatron; returns the metrics."""
     from megatron.core import parallel_state as ps
@@ -139,7 +146,7 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
             writer.log_scalars({k: v for k, v in record.items() if k != "iteration"}, record["iteration"])
         if jsonl is not None:
             with jsonl.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(metrics_json_line(record))
 
     def run_eval(it: int) -> None:
         start = time.perf_counter()
