@@ -33,3 +33,18 @@ def run_torchrun(script, args=(), nproc=2, env=None, timeout=600, cwd=None) -> s
 @pytest.fixture
 def torchrun():
     return run_torchrun
+
+
+def rerun_in_fresh_process(request, timeout: int = 300) -> None:
+    """Run the calling test again in a new pytest process and fail if it fails there.
+
+    For tests of single-process behaviour without a process group: when an earlier test in this pytest
+    process has already initialised torch.distributed, the test reruns where none exists instead of skipping.
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{request.node.nodeid} failed in a fresh process:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+    assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -13,6 +13,7 @@ from megatron.rl.runtime import RuntimeInfo
 from megatron.rl.runtime.cpu_patches import UnsupportedMegatronCoreVersion
 from megatron.rl.training.config import ConfigError, parse_args
 from megatron.rl.training.initialize import check_megatron_core_version, destroy_megatron, initialize_megatron
+from tests.conftest import rerun_in_fresh_process
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--train-iters", "1",
          "--lr", "1e-3", "--seed", "42"]
@@ -32,14 +33,14 @@ def test_version_policy(caplog, monkeypatch):
     assert "has not been tested" in caplog.text
 
 
-def test_single_process_init_without_torchrun_env(monkeypatch):
+def test_single_process_init_without_torchrun_env(monkeypatch, request):
     from megatron.core import parallel_state as ps
     import torch.distributed as dist
 
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this pytest process")
+    if dist.is_initialized():  # an earlier test made a process group in this pytest process
+        return rerun_in_fresh_process(request)
     cfg = parse_args(FLAGS, world_size=1)
     try:
         info = initialize_megatron(cfg)
