@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import logging
 import threading
 from typing import Any, Iterator, Sequence
@@ -228,7 +227,6 @@ class MegatronInference(InferenceInterface):
             _resolve(waiter, InferenceResponse.failed("inference mode was exited before this request finished",
                                                       waiter.job.prompt_text))
         self._live.clear()
-        gc.collect()  # the engine <-> controller callback cycle holds the context until collected
         self._restore_train_mode()
 
     @contextlib.contextmanager
@@ -397,6 +395,7 @@ class MegatronInference(InferenceInterface):
         finally:
             context.deallocate_all_tensors()  # frees the KV cache even if something still holds the context
             self._live.clear()
+            _drop_engine_objects(engine, controller, context)
             del engine, context, controller
 
     def _device_mode(self):
@@ -508,6 +507,21 @@ class MegatronInference(InferenceInterface):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _drop_engine_objects(*objects: Any) -> None:
+    """Empty the attribute dicts of a stopped engine's objects (engine, controller, context, model wrapper).
+
+    megatron-core's engine and controller reference each other (bound-method callbacks, closures), so
+    without this they and everything they hold (the context, sampling buffers, the wrapper) live until the
+    cyclic garbage collector runs; a full ``gc.collect()`` here cost ~0.2 s per rollout phase. Emptying the
+    dicts breaks every cycle through them at once. The objects are never used again.
+    """
+    wrapper = getattr(objects[1], "inference_wrapped_model", None) if len(objects) > 1 else None
+    for obj in (*objects, wrapper):
+        state = getattr(obj, "__dict__", None)
+        if isinstance(state, dict) and not isinstance(obj, torch.nn.Module):
+            state.clear()
 
 
 def _set_training(model: Any, training: bool) -> None:

@@ -190,22 +190,30 @@ def test_chat_messages_use_the_template(setup):
     assert r.token_ids[:r.prompt_length] == backend.tokenizer.tokenize(r.prompt_text)
 
 
-def test_enter_exit_twice_frees_kv_cache_and_training_still_works(setup):
+def test_enter_exit_twice_frees_kv_cache_and_training_still_works(setup, monkeypatch):
     model, backend = setup
+    # exit must free the cache and the engine's objects by itself: no cyclic collection (a full collection
+    # costs ~0.2 s per rollout phase in a real process)
+    monkeypatch.setattr(gc, "collect", lambda *args: 0)
     backend.exit_inference_mode()
     model.train()
     for _ in range(2):
-        with backend.inference_mode():
-            assert not model.training
-            context = backend.context
-            buffer_ref = weakref.ref(context.memory_buffer)
-            context_ref = weakref.ref(context)
-            assert context.memory_buffer.numel() > 0
-            del context
-            r = backend.generate([_req(PROMPTS[0], temperature=0, max_tokens=5)])[0]
-            assert r.finish_reason == "length"
-        gc.collect()
-        assert buffer_ref() is None and context_ref() is None, "KV cache still referenced after exit"
+        gc.disable()
+        try:
+            with backend.inference_mode():
+                assert not model.training
+                context = backend.context
+                buffer_ref = weakref.ref(context.memory_buffer)
+                context_ref = weakref.ref(context)
+                engine_ref = weakref.ref(backend._live["engine"])
+                assert context.memory_buffer.numel() > 0
+                del context
+                r = backend.generate([_req(PROMPTS[0], temperature=0, max_tokens=5)])[0]
+                assert r.finish_reason == "length"
+            assert buffer_ref() is None and context_ref() is None, "KV cache still referenced after exit"
+            assert engine_ref() is None, "the stopped engine is kept alive by a reference cycle"
+        finally:
+            gc.enable()
         assert backend.context is None and model.training
     # a training forward/backward works and produces gradients after inference
     tokens = torch.tensor([backend.tokenizer.tokenize("training works")])
