@@ -23,7 +23,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 from pydantic import Field
@@ -92,52 +92,63 @@ class RemoteAgent(Agent):
         return False, RemoteAgentError(f"environment server {self.url} dropped the connection during {what} "
                                        f"({type(exc).__name__}: {exc}); did the server crash or restart?")
 
-    async def _post(self, path: str, payload: dict[str, Any], what: str) -> Any:
+    def _retry_delays(self) -> Iterator[float]:
+        """Seconds to wait before each attempt: 0 for the first, then exponential backoff."""
         delay = self.retry_backoff_s
-        last: RemoteAgentError | None = None
+        yield 0.0
+        for _ in range(self.max_retries):
+            yield delay
+            delay *= 2
+
+    def _judge(self, what: str, resp: httpx.Response | None, exc: Exception | None) -> tuple[bool, Any]:
+        """One attempt's outcome: (True, json body) when done, (False, error) to retry; raises when final."""
+        if exc is not None:
+            retryable, error = self._classify(exc, what)
+            if not retryable:
+                raise error from exc
+            return False, error
+        if resp.status_code in _RETRY_STATUS:
+            return False, self._error_from_response(resp, what)
+        if resp.status_code != 200:
+            raise self._error_from_response(resp, what)
+        return True, resp.json()
+
+    def _gave_up(self, last: RemoteAgentError | None) -> RemoteAgentError:
+        return RemoteAgentError(f"{last} (gave up after {self.max_retries + 1} attempts)")
+
+    async def _post(self, path: str, payload: dict[str, Any], what: str) -> Any:
+        last = None
         async with httpx.AsyncClient(base_url=self.url, timeout=self._timeout()) as client:
-            for attempt in range(self.max_retries + 1):
+            for attempt, delay in enumerate(self._retry_delays()):
                 if attempt:
                     logger.warning("%s (attempt %d/%d); retrying in %.1fs", last, attempt, self.max_retries, delay)
                     await asyncio.sleep(delay)
-                    delay *= 2
+                resp, exc = None, None
                 try:
                     resp = await client.post(path, json=payload, headers=self._headers())
                 except httpx.HTTPError as e:
-                    retryable, last = self._classify(e, what)
-                    if retryable:
-                        continue
-                    raise last from e
-                if resp.status_code in _RETRY_STATUS:
-                    last = self._error_from_response(resp, what)
-                    continue
-                if resp.status_code != 200:
-                    raise self._error_from_response(resp, what)
-                return resp.json()
-        raise RemoteAgentError(f"{last} (gave up after {self.max_retries + 1} attempts)")
+                    exc = e
+                done, last = self._judge(what, resp, exc)
+                if done:
+                    return last
+        raise self._gave_up(last)
 
     def _sync(self, method: str, path: str, what: str, payload: Any = None) -> Any:
-        delay = self.retry_backoff_s
-        last: RemoteAgentError | None = None
+        last = None
         with httpx.Client(base_url=self.url, timeout=self._timeout()) as client:
-            for attempt in range(self.max_retries + 1):
+            for attempt, delay in enumerate(self._retry_delays()):
                 if attempt:
+                    logger.warning("%s (attempt %d/%d); retrying in %.1fs", last, attempt, self.max_retries, delay)
                     time.sleep(delay)
-                    delay *= 2
+                resp, exc = None, None
                 try:
                     resp = client.request(method, path, json=payload, headers=self._headers())
                 except httpx.HTTPError as e:
-                    retryable, last = self._classify(e, what)
-                    if retryable:
-                        continue
-                    raise last from e
-                if resp.status_code in _RETRY_STATUS:
-                    last = self._error_from_response(resp, what)
-                    continue
-                if resp.status_code != 200:
-                    raise self._error_from_response(resp, what)
-                return resp.json()
-        raise RemoteAgentError(f"{last} (gave up after {self.max_retries + 1} attempts)")
+                    exc = e
+                done, last = self._judge(what, resp, exc)
+                if done:
+                    return last
+        raise self._gave_up(last)
 
     async def request(self, request: AgentRequest) -> AgentResponse:
         """Send any request; returns the server's response as its concrete type."""

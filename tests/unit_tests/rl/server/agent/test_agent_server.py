@@ -112,6 +112,8 @@ def test_unreachable_server_fails_after_retries():
     agent = RemoteAgent(url=f"http://127.0.0.1:{free_port()}", max_retries=2, retry_backoff_s=0.05)
     with pytest.raises(RemoteAgentError, match=r"cannot connect .*gave up after 3 attempts"):
         asyncio.run(agent.generate_grouped_rollouts(_req()))
+    with pytest.raises(RemoteAgentError, match=r"cannot connect .*gave up after 3 attempts"):
+        agent.health()  # the synchronous path retries the same way
 
 
 def test_slow_server_times_out_and_killed_server_is_a_clear_error():
