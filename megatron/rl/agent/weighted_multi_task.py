@@ -1,7 +1,8 @@
 """WeightedMultiTaskAgent: several environments behind one agent, mixed by weight.
 
 Each training step's ``num_groups`` prompt groups are split across the weighted environments with
-:func:`allocate_groups` (largest remainder, at least one group each); evaluation-only environments get no
+:func:`allocate_groups` (largest remainder, at least one group each, the rounding carried over to the next
+step so the mix follows the weights over time); evaluation-only environments get no
 training groups but take part in :meth:`WeightedMultiTaskAgent.evaluate`. Usually built from a YAML file by
 :func:`megatron.rl.agent.env_config.build_agent_from_config`.
 """
@@ -12,19 +13,20 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SerializeAsAny, model_validator
 
 from megatron.rl.agent.api import (Agent, EvaluationRequest, EvaluationResponse, GroupedRolloutRequest,
                                    GroupedRolloutResponse)
 from megatron.rl.inference.api import InferenceInterface
 
-__all__ = ["WeightedMultiTaskAgent", "TaskEntry", "allocate_groups"]
+__all__ = ["WeightedMultiTaskAgent", "TaskEntry", "allocate_groups", "next_carry"]
 
 
-def allocate_groups(total: int, weights: list[float]) -> list[int]:
+def allocate_groups(total: int, weights: list[float], carry: list[Fraction] | None = None) -> list[int]:
     """Split ``total`` groups by ``weights`` (largest remainder), giving each positive weight at least one.
 
-    Quotas are ``total * w_i / sum(w)``; each entry gets its floor, leftovers go to the largest fractional
+    Quotas are ``total * w_i / sum(w)`` plus ``carry[i]`` (what earlier steps owe entry i: see
+    :func:`next_carry`); each entry gets its floor (never below 0), leftovers go to the largest fractional
     parts (ties: lower index). An entry with positive weight left at 0 then takes one group from the entry
     that is furthest above its quota (among those with more than one). Zero weights get 0.
     Raises ValueError on negative / non-finite weights, a zero sum, or ``total`` smaller than the number
@@ -39,20 +41,40 @@ def allocate_groups(total: int, weights: list[float]) -> list[int]:
     if total < len(positive):
         raise ValueError(f"{total} groups per step cannot give each of the {len(positive)} weighted environments "
                          "at least one group; raise the number of prompts per step or set some weights to 0")
-    # Exact rationals: float rounding must not decide ties between equal remainders.
-    exact = [Fraction(w) for w in weights]
-    quotas = [total * w / sum(exact) for w in exact]
-    alloc = [math.floor(q) for q in quotas]
-    leftover = total - sum(alloc)
-    order = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - alloc[i]), i))
-    for i in order[:leftover]:
-        alloc[i] += 1
+    quotas = _quotas(total, weights, carry)
+    alloc = [max(math.floor(q), 0) for q in quotas]
+    while sum(alloc) > total:  # only with carry: negative quotas clamped to 0 left too little for the rest
+        over = max((j for j in positive if alloc[j] > 0), key=lambda j: (alloc[j] - quotas[j], -j))
+        alloc[over] -= 1
+    order = sorted(positive, key=lambda i: (-(quotas[i] - alloc[i]), i))
+    for k in range(total - sum(alloc)):
+        alloc[order[k % len(order)]] += 1
     for i in positive:
         if alloc[i] == 0:
             donor = max((j for j in range(len(alloc)) if alloc[j] > 1), key=lambda j: (alloc[j] - quotas[j], -j))
             alloc[donor] -= 1
             alloc[i] += 1
     return alloc
+
+
+def next_carry(total: int, weights: list[float], carry: list[Fraction] | None, alloc: list[int]) -> list[Fraction]:
+    """What each entry is owed after a step allocated ``alloc``: its quota minus what it got, kept within (-1, 1).
+
+    Carrying the rounding over to the next step makes the groups each environment receives over many steps
+    follow the weights (1:1:1 with 16 groups per step: 6/5/5, 5/6/5, 5/5/6, ... instead of 6/5/5 forever).
+    The bound forgets what the at-least-one rule gives a tiny weight, so that debt cannot grow without end.
+    """
+    quotas = _quotas(total, weights, carry)
+    return [min(max(q - a, Fraction(-1)), Fraction(1)) if w > 0 else Fraction(0)
+            for q, a, w in zip(quotas, alloc, weights)]
+
+
+def _quotas(total: int, weights: list[float], carry: list[Fraction] | None) -> list[Fraction]:
+    # Exact rationals: float rounding must not decide ties between equal remainders.
+    exact = [Fraction(w) for w in weights]
+    wsum = sum(exact)
+    carry = carry or [Fraction(0)] * len(weights)
+    return [total * w / wsum + c if w > 0 else Fraction(0) for w, c in zip(exact, carry)]
 
 
 class TaskEntry(BaseModel):
@@ -71,6 +93,7 @@ class WeightedMultiTaskAgent(Agent):
     """Mix of environments; rollouts keep their environment's ``env_id`` (the entry name)."""
 
     entries: list[TaskEntry]
+    _carry: dict[str, Fraction] = PrivateAttr(default_factory=dict)  # rounding owed per environment (next_carry)
 
     @model_validator(mode="after")
     def _check_entries(self) -> "WeightedMultiTaskAgent":
@@ -93,9 +116,18 @@ class WeightedMultiTaskAgent(Agent):
         return [e for e in self.entries if not e.evaluation_only and e.weight > 0]
 
     def allocation(self, num_groups: int) -> dict[str, int]:
-        """Groups per training environment for a step of ``num_groups`` groups."""
+        """Groups per training environment for the next step of ``num_groups`` groups (does not advance it)."""
         train = self.training_entries
-        return dict(zip([e.name for e in train], allocate_groups(num_groups, [e.weight for e in train])))
+        alloc = allocate_groups(num_groups, [e.weight for e in train], self._carry_of(train))
+        return dict(zip([e.name for e in train], alloc))
+
+    def _carry_of(self, train: list[TaskEntry]) -> list[Fraction]:
+        return [self._carry.get(e.name, Fraction(0)) for e in train]
+
+    def _advance(self, num_groups: int, alloc: dict[str, int]) -> None:
+        train = self.training_entries
+        carry = next_carry(num_groups, [e.weight for e in train], self._carry_of(train), [alloc[e.name] for e in train])
+        self._carry = dict(zip([e.name for e in train], carry))
 
     def set_data_parallel(self, rank: int, world_size: int) -> None:
         super().set_data_parallel(rank, world_size)
@@ -109,6 +141,7 @@ class WeightedMultiTaskAgent(Agent):
 
     async def generate_grouped_rollouts(self, request: GroupedRolloutRequest) -> GroupedRolloutResponse:
         alloc = self.allocation(request.num_groups)
+        self._advance(request.num_groups, alloc)
         jobs = [(e, alloc[e.name]) for e in self.training_entries if alloc[e.name] > 0]
         responses = await asyncio.gather(*[
             e.agent.generate_grouped_rollouts(request.model_copy(update={"num_groups": n})) for e, n in jobs])
@@ -122,7 +155,8 @@ class WeightedMultiTaskAgent(Agent):
                                   metrics=metrics)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"agents": {e.name: e.agent.state_dict() for e in self.entries}}
+        return {"agents": {e.name: e.agent.state_dict() for e in self.entries},
+                "allocation_carry": {name: str(c) for name, c in self._carry.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("agents", {})
@@ -131,3 +165,5 @@ class WeightedMultiTaskAgent(Agent):
             raise ValueError(f"agent state has no entry for environment(s) {missing}; saved: {sorted(saved)}")
         for e in self.entries:
             e.agent.load_state_dict(saved[e.name])
+        # older checkpoints have no carry: start from none
+        self._carry = {name: Fraction(c) for name, c in state.get("allocation_carry", {}).items()}

@@ -11,7 +11,7 @@ import pytest
 
 from megatron.rl.agent.api import GroupedRolloutRequest
 from megatron.rl.agent.env_config import EnvConfigError, build_agent_from_config, load_env_config
-from megatron.rl.agent.weighted_multi_task import WeightedMultiTaskAgent, allocate_groups
+from megatron.rl.agent.weighted_multi_task import WeightedMultiTaskAgent, allocate_groups, next_carry
 from megatron.rl.inference.api import GenerationArgs
 from megatron.rl.inference.fake import FakeInference
 from tests.conftest import REPO_ROOT
@@ -68,6 +68,58 @@ def test_allocation_properties_against_reference():
 def test_allocation_errors(total, weights, match):
     with pytest.raises(ValueError, match=match):
         allocate_groups(total, weights)
+
+
+def _run_steps(total, weights, steps):
+    carry, history = None, []
+    for _ in range(steps):
+        alloc = allocate_groups(total, weights, carry)
+        carry = next_carry(total, weights, carry, alloc)
+        history.append(alloc)
+    return history
+
+
+def test_carried_rounding_makes_the_mix_follow_the_weights_over_steps():
+    assert _run_steps(16, [1, 1, 1], 3) == [[6, 5, 5], [5, 6, 5], [5, 5, 6]]  # not [6, 5, 5] three times
+    rng = random.Random(1)
+    for _ in range(200):
+        weights = [rng.choice([0, 0.5, 1, 2, 3, 7.5]) for _ in range(rng.randint(1, 5))]
+        if sum(weights) == 0:
+            continue
+        positive = sum(w > 0 for w in weights)
+        total, steps = rng.randint(max(positive, 1), 40), rng.randint(1, 30)
+        history = _run_steps(total, weights, steps)
+        for alloc in history:
+            assert sum(alloc) == total
+            assert all((a >= 1) if w > 0 else a == 0 for a, w in zip(alloc, weights))
+        got = [sum(col) for col in zip(*history)]
+        quota = [Fraction(total * steps) * Fraction(w) / sum(map(Fraction, weights)) for w in weights]
+        if all(q / steps >= 1 for q, w in zip(quota, weights) if w > 0):  # the at-least-one rule never binds
+            assert all(abs(g - q) < 1 for g, q in zip(got, quota)), (weights, total, steps, got, quota)
+
+
+def test_tiny_weights_keep_one_group_and_the_carry_stays_bounded():
+    history = _run_steps(4, [100, 1], 50)
+    assert all(a == [3, 1] for a in history)
+    carry = None
+    for alloc in history:
+        carry = next_carry(4, [100, 1], carry, alloc)
+        assert all(-1 <= c <= 1 for c in carry)
+
+
+def test_multi_task_agent_carries_its_allocation_across_steps_and_checkpoints():
+    agent = build_agent_from_config(CONFIGS / "multi_task.yaml", seed=5)  # arithmetic 3 : countdown 1
+    request = GroupedRolloutRequest(num_groups=6, rollouts_per_group=1, inference_interface=FakeInference(),
+                                    generation_args=GenerationArgs(max_tokens=2, seed=1))
+
+    def step(a):
+        out = asyncio.run(a.generate_grouped_rollouts(request))
+        return sum(g.env_id == "countdown" for g in out.groups)
+
+    assert [step(agent) for _ in range(3)] == [1, 2, 1]  # quota 1.5 countdown groups a step (ties: first entry)
+    fresh = build_agent_from_config(CONFIGS / "multi_task.yaml", seed=5)
+    fresh.load_state_dict(json.loads(json.dumps(agent.state_dict())))  # the carry survives a checkpoint
+    assert [step(fresh) for _ in range(2)] == [step(agent) for _ in range(2)] == [2, 1]  # a fresh carry: [1, 2]
 
 
 # -- parsing -------------------------------------------------------------------------------------------------
