@@ -86,10 +86,11 @@ def _write_corpus(path, n_docs=200):
             f.write(json.dumps({"text": text}) + "\n")
 
 
-def test_pretrain_loss_falls_and_resume_is_exact(tmp_path, megatron_cleanup):
+@pytest.mark.parametrize("extra", [[], ["--bf16", "--use-distributed-optimizer"]], ids=["fp32", "bf16-distopt"])
+def test_pretrain_loss_falls_and_resume_is_exact(tmp_path, megatron_cleanup, extra):
     corpus = tmp_path / "corpus.jsonl"
     _write_corpus(corpus)
-    flags = [*TINY, "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "30", "--lr", "3e-3",
+    flags = [*TINY, *extra, "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "30", "--lr", "3e-3",
              "--lr-warmup-iters", "3", "--data-path", str(corpus), "--split", "100,0,0",
              "--data-cache-path", str(tmp_path / "cache"), "--swiglu", "--normalization", "RMSNorm",
              "--position-embedding-type", "rope", "--save", str(tmp_path / "ckpt"), "--save-interval", "25",
