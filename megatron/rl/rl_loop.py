@@ -95,12 +95,12 @@ def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_mo
     return 0, {}
 
 
-
 def metrics_json_line(record: dict) -> str:
     """One ``--rl-metrics-jsonl`` line: strict JSON, a non-finite number (e.g. the mean reward of an
     iteration whose rollouts all failed) written as ``null`` rather than Python's ``NaN``."""
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
     return json.dumps(clean, allow_nan=False) + "\n"
+
 
 def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     """Run ``--train-iters`` RL iterations (all ranks). Initialises megatron; returns the metrics."""

@@ -126,7 +126,8 @@ class WeightedMultiTaskAgent(Agent):
 
     def _advance(self, num_groups: int, alloc: dict[str, int]) -> None:
         train = self.training_entries
-        carry = next_carry(num_groups, [e.weight for e in train], self._carry_of(train), [alloc[e.name] for e in train])
+        carry = next_carry(num_groups, [e.weight for e in train], self._carry_of(train),
+                           [alloc[e.name] for e in train])
         self._carry = dict(zip([e.name for e in train], carry))
 
     def set_data_parallel(self, rank: int, world_size: int) -> None:

@@ -509,7 +509,7 @@ class MegatronInference(InferenceInterface):
 # ---------------------------------------------------------------------- helpers
 
 
-def _drop_engine_objects(*objects: Any) -> None:
+def _drop_engine_objects(engine: Any, controller: Any, context: Any) -> None:
     """Empty the attribute dicts of a stopped engine's objects (engine, controller, context, model wrapper).
 
     megatron-core's engine and controller reference each other (bound-method callbacks, closures), so
@@ -517,8 +517,8 @@ def _drop_engine_objects(*objects: Any) -> None:
     cyclic garbage collector runs; a full ``gc.collect()`` here cost ~0.2 s per rollout phase. Emptying the
     dicts breaks every cycle through them at once. The objects are never used again.
     """
-    wrapper = getattr(objects[1], "inference_wrapped_model", None) if len(objects) > 1 else None
-    for obj in (*objects, wrapper):
+    wrapper = getattr(controller, "inference_wrapped_model", None)
+    for obj in (engine, controller, context, wrapper):
         state = getattr(obj, "__dict__", None)
         if isinstance(state, dict) and not isinstance(obj, torch.nn.Module):
             state.clear()

@@ -66,7 +66,7 @@ def sample_tokens(log_probs: torch.Tensor, temperature: torch.Tensor, top_k: tor
     if not sampled_rows:
         return log_probs.argmax(dim=-1)
     every_row = len(sampled_rows) == batch  # the common case: skip the row gathers and the greedy argmax
-    rows = torch.tensor(sampled_rows, dtype=torch.long, device=log_probs.device)
+    rows = None if every_row else torch.tensor(sampled_rows, dtype=torch.long, device=log_probs.device)
     lp = log_probs if every_row else log_probs[rows]
     probs = lp.exp()
     k, p = (top_k, top_p) if every_row else (top_k[rows], top_p[rows])

@@ -7,6 +7,7 @@ flash-attn does when query and key lengths differ) and run anywhere.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -72,9 +73,7 @@ def _gather_buffers(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     such blocks back to the OS on free and every step pays the page faults again (2-5x the cost of the copy
     itself). A layer's gather is consumed before the next layer's starts, so one pair serves all layers.
     """
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     key = (dtype, device)
     pairs = getattr(_BUFFERS, "pairs", None)
     if pairs is None:
