@@ -1,7 +1,8 @@
 """Device/backend choice and the CPU compatibility layer for megatron-core.
 
 Call :func:`setup_runtime` once, before building megatron-core models. On a machine with CUDA it
-only reports CUDA + NCCL; on a CPU-only machine it installs the patches in
+reports CUDA + NCCL and, when flash-attn is missing, points megatron-core's paged inference attention at
+the pure-torch kernels (:mod:`megatron.rl.runtime.cuda_fallbacks`); on a CPU-only machine it installs the patches in
 :mod:`megatron.rl.runtime.cpu_patches` (idempotent) and reports CPU + gloo.
 """
 from __future__ import annotations
@@ -20,6 +21,10 @@ def setup_runtime() -> RuntimeInfo:
             from megatron.rl.runtime import cpu_patches
 
             cpu_patches.install()
+        else:
+            from megatron.rl.runtime import cuda_fallbacks
+
+            cuda_fallbacks.install_paged_attention_fallback()
         _INFO = RuntimeInfo(device=choose_device(), backend=choose_backend(), cpu_layer_active=cpu)
     elif _INFO.cpu_layer_active:
         from megatron.rl.runtime import cpu_patches
