@@ -72,6 +72,11 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Let the env config name agents by 'module:Class' import path (runs user code).")
     g.add_argument("--rl-metrics-jsonl", type=str, default=None,
                    help="Append one JSON line of metrics per iteration to this file (rank 0).")
+    # A broken backend or environment (e.g. a missing kernel) fails every rollout; without a limit the run
+    # would go on skipping every update until --train-iters.
+    g.add_argument("--rl-max-all-failed-iterations", type=int, default=3,
+                   help="Stop the run after this many consecutive iterations in which every rollout failed "
+                        "(0: never stop).")
     return parser
 
 
@@ -100,6 +105,7 @@ class RLConfig:
     inference_server_url: str | None
     allow_import_paths: bool
     metrics_jsonl: str | None
+    max_all_failed_iterations: int = 3
 
     @property
     def rollouts_per_step(self) -> int:
@@ -132,7 +138,7 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
         max_new_tokens=a.rl_max_new_tokens, prompts_per_eval=a.rl_prompts_per_eval,
         eval_temperature=a.rl_eval_temperature, inference_backend=a.inference_backend,
         inference_server_url=a.inference_server_url, allow_import_paths=a.langrl_allow_imports,
-        metrics_jsonl=a.rl_metrics_jsonl)
+        metrics_jsonl=a.rl_metrics_jsonl, max_all_failed_iterations=a.rl_max_all_failed_iterations)
     validate_rl_config(rl, cfg)
     return rl
 
@@ -168,6 +174,8 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
     _need(rl.max_new_tokens < cfg.model.seq_length,
           f"--rl-max-new-tokens={rl.max_new_tokens} leaves no room for a prompt within --seq-length="
           f"{cfg.model.seq_length}.")
+    _need(rl.max_all_failed_iterations >= 0,
+          f"--rl-max-all-failed-iterations={rl.max_all_failed_iterations}: must be >= 0 (0 never stops).")
     _need(rl.prompts_per_eval >= 0, f"--rl-prompts-per-eval={rl.prompts_per_eval}: must be >= 0.")
     _need(rl.inference_backend != "openai" or rl.inference_server_url,
           "--inference-backend openai needs --inference-server-url (the OpenAI-compatible server's base URL).")

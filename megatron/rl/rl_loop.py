@@ -102,6 +102,15 @@ def metrics_json_line(record: dict) -> str:
     return json.dumps(clean, allow_nan=False) + "\n"
 
 
+class AllRolloutsFailedError(RuntimeError):
+    """Every rollout failed for ``--rl-max-all-failed-iterations`` iterations in a row."""
+
+
+def count_all_failed(previous: int, metrics: dict[str, float], rollouts_per_step: int) -> int:
+    """Consecutive iterations whose every rollout failed, after one more iteration with ``metrics``."""
+    return previous + 1 if metrics.get("failed_rollouts", 0.0) >= rollouts_per_step else 0
+
+
 def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     """Run ``--train-iters`` RL iterations (all ranks). Initialises megatron; returns the metrics."""
     from megatron.core import parallel_state as ps
@@ -171,6 +180,7 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     if eval_on and iteration == 0:
         run_eval(0)
     control = LoopControl.from_config(cfg, save, last_saved=iteration if c.load else None)
+    all_failed = 0
     while iteration < t.train_iters:
         result = rl_iteration(ctx, rl, iteration)
         iteration += 1
@@ -180,6 +190,12 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
         if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
             log.info(format_rl_line(iteration, t.train_iters, result.metrics, float(optimizer.param_groups[0]["lr"])))
         emit(record)
+        all_failed = count_all_failed(all_failed, result.metrics, rl.rollouts_per_step)
+        if rl.max_all_failed_iterations and all_failed >= rl.max_all_failed_iterations:
+            raise AllRolloutsFailedError(
+                f"every rollout failed in {all_failed} consecutive iterations (up to iteration {iteration}); the "
+                f"warnings above give each failure's reason (backend or environment errors). Fix the cause, or "
+                f"raise --rl-max-all-failed-iterations (0 never stops).")
         if eval_on and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
             run_eval(iteration)
         if control.after_iteration(iteration):

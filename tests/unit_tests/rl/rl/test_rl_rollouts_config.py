@@ -185,3 +185,13 @@ def test_openai_with_url_is_valid(env_yaml):
 def test_dp2_divisible_is_valid(env_yaml):
     rl = _rl(env_yaml, "--micro-batch-size", "2", world_size=2)
     assert rl.prompts_per_step % 2 == 0 and not math.isnan(rl.temperature)
+
+
+def test_count_all_failed_resets_on_any_success():
+    from megatron.rl.rl_loop import count_all_failed
+
+    n = 0
+    for failed, expected in ((16, 1), (16, 2), (15, 0), (16, 1)):
+        n = count_all_failed(n, {"failed_rollouts": float(failed)}, 16)
+        assert n == expected
+    assert count_all_failed(5, {}, 16) == 0  # an iteration without the metric is not a failure

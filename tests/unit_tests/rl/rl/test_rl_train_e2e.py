@@ -151,6 +151,8 @@ def bad_input_results(tmp_path_factory):
         cases[agent] = [*BAD_FLAGS, "--langrl-env-config", str(env), "--rl-prompts-per-eval", "0",
                         "--rl-metrics-jsonl", str(tmp / f"{agent}.jsonl")]
     cases["HalfConstant"] += ["--grpo-filter-groups-with-same-reward", "--train-iters", "2"]
+    cases["AllFailed"] = [*cases["NaNReward"], "--train-iters", "4", "--rl-max-all-failed-iterations", "2",
+                          "--rl-metrics-jsonl", str(tmp / "AllFailed.jsonl")]
     (tmp / "cases.json").write_text(json.dumps(cases))
     out = tmp / "out.json"
     log = _run([sys.executable, str(CASES_SCRIPT), str(tmp / "cases.json"), str(out)], timeout=500)
@@ -184,6 +186,14 @@ def test_nan_reward_is_a_counted_failed_rollout_and_skips_the_update(bad_input_r
     rec = records("NaNReward")[1]
     assert rec["failed_rollouts"] == 16 and rec["skipped_update"] == 1.0 and "rl_loss" not in rec, rec
     assert "reward must be a finite float" in log and "failed rollouts: 16 | update skipped" in log
+
+
+def test_run_stops_when_every_rollout_keeps_failing(bad_input_results):
+    results, records, _ = bad_input_results
+    r = results["AllFailed"]
+    assert not r["ok"] and r["error_type"] == "AllRolloutsFailedError", r
+    assert "2 consecutive iterations" in r["error"] and "--rl-max-all-failed-iterations" in r["error"], r
+    assert sorted(records("AllFailed")) == [1, 2]  # stopped after the second, not at --train-iters 4
 
 
 def test_prompt_longer_than_seq_length_is_a_logged_failed_rollout(bad_input_results):
