@@ -101,14 +101,19 @@ def _flags_of(ckpt: Path, dirs: list[Path]) -> list[str]:
     from megatron.rl.training.checkpoint_args import flags_to_argv, read_checkpoint_flags
     from megatron.rl.training.config import build_parser
 
-    stored = read_checkpoint_flags(ckpt)
+    from megatron.rl.training.checkpoint_paths import CheckpointError
+
+    try:
+        stored, why = read_checkpoint_flags(ckpt), "saved before checkpoints carried them"
+    except CheckpointError as e:
+        stored, why = None, str(e)
     if stored is not None:
         return flags_to_argv(stored, build_parser())
     args_file = _find(dirs, ARGS_TXT)
     if args_file is None:
-        raise ConversionError(f"{ckpt} stores no model flags (saved before checkpoints carried them) and has no "
-                              f"{ARGS_TXT} next to it: pass the model flags with --megatron-args FILE (e.g. the "
-                              f"converted checkpoint's {ARGS_TXT}) or after '--'")
+        raise ConversionError(f"{ckpt} stores no model flags ({why}) and has no {ARGS_TXT} next to it: pass the "
+                              f"model flags with --megatron-args FILE (e.g. the converted checkpoint's {ARGS_TXT}) "
+                              f"or after '--'")
     return read_flags_file(args_file)
 
 
