@@ -19,7 +19,12 @@ When requests run
 Layouts
     Served from global rank 0's engine. Data parallelism is fine (every DP rank's environment server may
     call it). Tensor/pipeline/expert parallelism is not supported yet (a model-parallel engine needs every
-    rank of its lockstep group to admit the same requests): :class:`PolicyServingError` names it.
+    rank of its lockstep group to admit the same requests): :class:`PolicyServingError` names it. The way to
+    add it: the source rank submits HTTP requests as "external" jobs in the plan it already broadcasts before
+    every engine step (``MegatronInference._next_plan``), with ids from a separate range; the other ranks of
+    the group run them and drop the results instead of matching them to their own calls. Remote
+    environments would additionally need only one rank per model-parallel group to call the environment
+    server (today every rank of the group runs the same agents).
 
 Authentication: ``$MEGATRON_RL_INFERENCE_API_KEY`` when set makes ``/v1/*`` require ``Authorization: Bearer``
 (as for ``python -m megatron.rl.server.inference``); binding beyond loopback without one logs a warning.

@@ -3,6 +3,7 @@ an environment server process generating through the trainer's served policy whi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -70,6 +71,47 @@ def test_a_request_that_never_sees_a_phase_fails_with_the_flag_named():
     served = _GatedBackend(_Recorder(), PolicyGate(wait_s=0.1))
     with pytest.raises(PolicyServingError, match="--rl-serve-inference-wait-s"):
         asyncio.run(served.agenerate([InferenceRequest(prompt="hi")]))
+
+
+class _ModalRecorder(_Recorder):
+    """A backend with an inference mode, as the in-process engine has."""
+
+    @contextlib.contextmanager
+    def inference_mode(self):
+        self.stable = True
+        try:
+            yield self
+        finally:
+            self.stable = False
+
+
+def test_served_policy_over_http_between_and_inside_phases():
+    import httpx
+
+    from megatron.rl.server.policy_server import serve_policy
+
+    backend = _ModalRecorder()
+    served = serve_policy(backend, str(free_port()), wait_s=30)
+    try:
+        assert served.url.startswith("http://127.0.0.1:") and httpx.get(served.url + "/health").json()["status"] == "ok"
+        answers = []
+        client = threading.Thread(target=lambda: answers.append(httpx.post(
+            served.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)))
+        client.start()
+        time.sleep(0.3)
+        assert not answers and backend.calls == []  # no phase yet: the request waits
+        with served.inference_mode():  # what rl_utils.inference_session does around a rollout phase
+            deadline = time.monotonic() + 10
+            while not backend.calls and time.monotonic() < deadline:
+                time.sleep(0.01)
+        client.join(timeout=10)
+        assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["text"] == "x"
+        assert backend.calls == [True, True]  # ran entirely inside the phase
+        # the address is taken now: a second server names the flag
+        with pytest.raises(PolicyServingError, match="--rl-serve-inference: .*could not listen"):
+            serve_policy(_ModalRecorder(), served.url.rsplit(":", 1)[1])
+    finally:
+        served.close()
 
 
 @pytest.mark.parametrize("extra,needle", [
