@@ -77,6 +77,19 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rl-max-all-failed-iterations", type=int, default=3,
                    help="Stop the run after this many consecutive iterations in which every rollout failed "
                         "(0: never stop).")
+    # policy serving and off-policy servers (megatron/rl/server/policy_server.py, megatron/rl/inference/policy_gap.py)
+    g.add_argument("--rl-serve-inference", type=str, default=None, metavar="[HOST:]PORT",
+                   help="Serve the policy being trained (the in-process engine) as an OpenAI-compatible server on "
+                        "rank 0 during rollout phases, for remote environment servers and other clients "
+                        "(host default 127.0.0.1).")
+    g.add_argument("--rl-serve-inference-wait-s", type=float, default=600.0,
+                   help="How long a request to --rl-serve-inference waits for a rollout phase before failing.")
+    g.add_argument("--rl-off-policy-server", action="store_true",
+                   help="The inference server is not the trainer's policy (e.g. --inference-backend openai: its "
+                        "weights never change) and that is intended: skip the log-prob gap check.")
+    g.add_argument("--rl-max-policy-logprob-gap", type=float, default=0.1,
+                   help="Mean |trainer - inference| log-prob per generated token above which the run stops: the "
+                        "server is not serving the trainer's policy (unless --rl-off-policy-server).")
     return parser
 
 
@@ -106,6 +119,10 @@ class RLConfig:
     allow_import_paths: bool
     metrics_jsonl: str | None
     max_all_failed_iterations: int = 3
+    serve_inference: str | None = None  # [HOST:]PORT
+    serve_inference_wait_s: float = 600.0
+    off_policy_server: bool = False
+    max_policy_logprob_gap: float = 0.1
 
     @property
     def rollouts_per_step(self) -> int:
@@ -138,7 +155,10 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
         max_new_tokens=a.rl_max_new_tokens, prompts_per_eval=a.rl_prompts_per_eval,
         eval_temperature=a.rl_eval_temperature, inference_backend=a.inference_backend,
         inference_server_url=a.inference_server_url, allow_import_paths=a.langrl_allow_imports,
-        metrics_jsonl=a.rl_metrics_jsonl, max_all_failed_iterations=a.rl_max_all_failed_iterations)
+        max_all_failed_iterations=a.rl_max_all_failed_iterations,
+        metrics_jsonl=a.rl_metrics_jsonl, serve_inference=a.rl_serve_inference,
+        serve_inference_wait_s=a.rl_serve_inference_wait_s, off_policy_server=a.rl_off_policy_server,
+        max_policy_logprob_gap=a.rl_max_policy_logprob_gap)
     validate_rl_config(rl, cfg)
     return rl
 
@@ -179,6 +199,31 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
     _need(rl.prompts_per_eval >= 0, f"--rl-prompts-per-eval={rl.prompts_per_eval}: must be >= 0.")
     _need(rl.inference_backend != "openai" or rl.inference_server_url,
           "--inference-backend openai needs --inference-server-url (the OpenAI-compatible server's base URL).")
+    _validate_serving(rl, cfg)
     _need(cfg.parallel.virtual_pipeline_model_parallel_size is None,
           "train_rl.py does not support the interleaved pipeline schedule yet; drop "
           "--num-layers-per-virtual-pipeline-stage.")
+
+
+def _validate_serving(rl: RLConfig, cfg: TrainingConfig) -> None:
+    """--rl-serve-inference / --rl-max-policy-logprob-gap (see megatron/rl/server/policy_server.py)."""
+    _need(rl.max_policy_logprob_gap > 0, f"--rl-max-policy-logprob-gap={rl.max_policy_logprob_gap}: must be > 0.")
+    if rl.serve_inference is None:
+        return
+    from megatron.rl.server.policy_server import parse_address
+
+    try:
+        parse_address(rl.serve_inference)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    _need(rl.inference_backend == "megatron",
+          f"--rl-serve-inference serves the in-process engine, but --inference-backend={rl.inference_backend}; "
+          f"use --inference-backend megatron (an external server already serves itself).")
+    _need(rl.serve_inference_wait_s > 0, f"--rl-serve-inference-wait-s={rl.serve_inference_wait_s}: must be > 0.")
+    p = cfg.parallel
+    _need(p.tensor_model_parallel_size == 1 and p.pipeline_model_parallel_size == 1
+          and p.expert_model_parallel_size == 1,
+          f"--rl-serve-inference supports TP=PP=EP=1 (any data-parallel size) for now; this run has "
+          f"--tensor-model-parallel-size={p.tensor_model_parallel_size} --pipeline-model-parallel-size="
+          f"{p.pipeline_model_parallel_size} --expert-model-parallel-size={p.expert_model_parallel_size} (a "
+          f"model-parallel engine needs all its ranks to admit the same requests; not implemented yet).")

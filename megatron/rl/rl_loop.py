@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from megatron.rl import parallel_utils
+from megatron.rl.inference.policy_gap import check_policy_gap
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_utils import StepContext, evaluate, finite_or_raise, rl_iteration
 from megatron.rl.training.config import ConfigError, TrainingConfig
@@ -139,6 +140,10 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     if run_state.get("agent"):
         agent.load_state_dict(run_state["agent"])
     inference = _build_inference(rl, model, tokenizer)
+    if rl.serve_inference:  # remote environments (and any OpenAI client) generate with the trained policy
+        from megatron.rl.server.policy_server import serve_policy
+
+        inference = serve_policy(inference, rl.serve_inference, rl.serve_inference_wait_s)
     agent.bind_inference(inference)
     ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=agent, inference=inference,
                       pad_token_id=tokenizer.pad, seq_length=cfg.model.seq_length,
@@ -196,6 +201,8 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
                 f"every rollout failed in {all_failed} consecutive iterations (up to iteration {iteration}); the "
                 f"warnings above give each failure's reason (backend or environment errors). Fix the cause, or "
                 f"raise --rl-max-all-failed-iterations (0 never stops).")
+        check_policy_gap(result.metrics, iteration, rl.max_policy_logprob_gap, rl.off_policy_server,
+                         rl.inference_backend, first=len(history) == 1)
         if eval_on and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
             run_eval(iteration)
         if control.after_iteration(iteration):

@@ -249,9 +249,16 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
     target_cfg = parse_megatron_flags(plan.flags, plan.target_tp, plan.target_pp,
                                       extra=["--sequence-parallel"] if plan.spec.num_experts and plan.target_tp > 1
                                       else [])
-    # the padded vocab is stored so a run that pads differently is refused on load (not silently mis-sized)
-    out = save_checkpoint(save, "release", [model],
-                          model_args={**target_cfg.model_args(), "padded_vocab_size": plan.padded_vocab})
+    # the padded vocab is stored so a run that pads differently is refused on load (not silently mis-sized);
+    # the model flags (with the tokenizer copied next to it) let --use-checkpoint-args work on the checkpoint alone
+    from megatron.rl.training.checkpoint_args import checkpoint_flags
+    from tools.checkpoint_conversion.hf_io import tokenizer_files
+
+    flags = checkpoint_flags(target_cfg, plan.spec.vocab_size)
+    if tokenizer_files(plan.hf_dir):
+        flags.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str((save / TOKENIZER_DIR).resolve()))
+    out = save_checkpoint(save, "release", [model], model_args={
+        **target_cfg.model_args(), "padded_vocab_size": plan.padded_vocab, "flags": flags})
     write_sidecars(plan, save)
     log.info("converted %s (%s, %.1fM parameters, %s) to %s in %.1f s", plan.hf_dir, plan.family.name,
              sum(p.numel() for p in model.parameters()) / 1e6, plan.dtype, out, time.perf_counter() - t0)

@@ -5,7 +5,9 @@ any TP/PP they were saved with: the model is loaded resharded into a TP=1 model 
 needs besides the weights, looked up next to the checkpoint (the directory given and its parent) unless
 passed explicitly:
 
-- the Megatron model flags: ``megatron_args.txt`` (``--megatron-args FILE``, or flags after ``--``);
+- the Megatron model flags: stored in the checkpoint by this version's training and conversion (see
+  :mod:`megatron.rl.training.checkpoint_args`), else ``megatron_args.txt`` (``--megatron-args FILE``, or flags
+  after ``--``, used instead of the stored ones);
 - the Hugging Face config: ``hf_config/config.json`` (``--hf-config DIR``); without one a minimal config is
   written for the family (``--model-type``, else guessed: qk-layernorm -> qwen3, qkv bias -> qwen2, else llama);
 - the tokenizer: ``tokenizer/`` (``--tokenizer-dir DIR``), copied into the output when found.
@@ -81,13 +83,48 @@ def _check_config_matches(hf_cfg: dict, flags: list[str], model_args: dict, sour
                               + ", ".join(f"{k}: config {a!r} vs model {b!r}" for k, (a, b) in sorted(diff.items())))
 
 
+def _special_token_ids(cfg) -> dict[str, int]:
+    """eos/bos/pad ids of a built-in tokenizer (e.g. ByteLevelTokenizer), so Hugging Face ``generate`` stops where
+    our engine does; a Hugging Face tokenizer's own files (copied with it) already say them."""
+    if cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":
+        return {}
+    from megatron.rl.training.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
+    ids = {"eos_token_id": getattr(tok, "eod", None), "bos_token_id": getattr(tok, "bos", None),
+           "pad_token_id": getattr(tok, "pad", None)}
+    return {k: int(v) for k, v in ids.items() if v is not None}
+
+
+def _flags_of(ckpt: Path, dirs: list[Path]) -> list[str]:
+    """The model flags stored in the checkpoint itself, else those of a ``megatron_args.txt`` next to it."""
+    from megatron.rl.training.checkpoint_args import flags_to_argv, read_checkpoint_flags
+    from megatron.rl.training.config import build_parser
+
+    from megatron.rl.training.checkpoint_paths import CheckpointError
+
+    try:
+        stored, why = read_checkpoint_flags(ckpt), "saved before checkpoints carried them"
+    except CheckpointError as e:
+        stored, why = None, str(e)
+    if stored is not None:
+        return flags_to_argv(stored, build_parser())
+    args_file = _find(dirs, ARGS_TXT)
+    if args_file is None:
+        raise ConversionError(f"{ckpt} stores no model flags ({why}) and has no {ARGS_TXT} next to it: pass the "
+                              f"model flags with --megatron-args FILE (e.g. the converted checkpoint's {ARGS_TXT}) "
+                              f"or after '--'")
+    return read_flags_file(args_file)
+
+
 def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, megatron_args: list[str] | None = None,
                            hf_config_dir: str | os.PathLike | None = None,
                            tokenizer_dir: str | os.PathLike | None = None,
                            dtype: str | None = None, model_type: str | None = None) -> Path:
     """Write the Hugging Face form of the Megatron checkpoint ``load`` into ``save``; returns ``save``.
 
-    ``megatron_args``: the model flags (default: ``megatron_args.txt`` next to the checkpoint).
+    ``megatron_args``: the model flags (default: those stored in the checkpoint, else ``megatron_args.txt``
+    next to it).
     Raises ConversionError when the checkpoint, its flags or a config that matches them cannot be found.
     """
     t0 = time.perf_counter()
@@ -102,11 +139,7 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
         raise ConversionError(f"--load={load}: {e}") from e
     dirs = _search_dirs(load, ckpt)
     if megatron_args is None:
-        args_file = _find(dirs, ARGS_TXT)
-        if args_file is None:
-            raise ConversionError(f"no {ARGS_TXT} next to {ckpt}: pass the model flags with --megatron-args FILE "
-                                  f"(e.g. the converted checkpoint's {ARGS_TXT}) or after '--'")
-        megatron_args = read_flags_file(args_file)
+        megatron_args = _flags_of(ckpt, dirs)
     cfg = parse_megatron_flags(list(megatron_args))
     model_args = cfg.model_args()
 
@@ -121,6 +154,7 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
         if vocab is None:
             raise ConversionError("the model flags lack --vocab-size, needed to drop Megatron's vocab padding")
         hf_cfg = family.hf_config(cfg.model, vocab, dtype or "float32", _rope_scaling_factor(cfg))
+        hf_cfg.update(_special_token_ids(cfg))
         _check_config_matches(hf_cfg, list(megatron_args), model_args, f"synthesised for {family.name}")
         log.warning("no Hugging Face config found next to %s; writing a minimal %s config", ckpt, family.name)
     out_dtype = torch_dtype(dtype or config_dtype(hf_cfg) or "float32")
@@ -160,7 +194,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     "Model flags may follow '--'.", allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint save dir (tracker) or a checkpoint directory")
     p.add_argument("--save", required=True, help="output Hugging Face directory")
-    p.add_argument("--megatron-args", help=f"file with the model flags (default: {ARGS_TXT} next to the checkpoint)")
+    p.add_argument("--megatron-args", help=f"file with the model flags (default: the flags stored in the checkpoint, "
+                                           f"else {ARGS_TXT} next to it)")
     p.add_argument("--hf-config", help=f"directory with the original config.json (default: {HF_CONFIG_DIR}/ next "
                                        f"to the checkpoint)")
     p.add_argument("--tokenizer-dir",

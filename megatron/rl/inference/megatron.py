@@ -167,6 +167,13 @@ class MegatronInference(InferenceInterface):
         self._live: dict[str, Any] = {}  # engine, context, controller while in inference mode
         self.engine_steps = 0  # engine steps run since construction (a batching diagnostic)
 
+    @classmethod
+    def from_cli(cls, argv: list[str]) -> "MegatronInference":
+        """Serve a checkpoint: ``argv`` are training flags with ``--load`` (see :mod:`.megatron_checkpoint`)."""
+        from megatron.rl.inference.megatron_checkpoint import megatron_backend_from_cli
+
+        return megatron_backend_from_cli(argv)
+
     # ------------------------------------------------------------------ inference mode
 
     @property

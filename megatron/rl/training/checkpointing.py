@@ -189,13 +189,19 @@ def _restore_zero_steps(optim_state: Any) -> None:
 
 
 # model_args keys checked by dedicated code below (not by plain equality): the padded vocab may legitimately
-# come from different --make-vocab-size-divisible-by / TP combinations, and "vocab_padding" only feeds messages.
-_SPECIAL_ARGS = ("padded_vocab_size", "vocab_padding")
+# come from different --make-vocab-size-divisible-by / TP combinations, "vocab_padding" only feeds messages,
+# and "flags" (the model flags, read by --use-checkpoint-args; see checkpoint_args.py) holds run lengths too.
+_SPECIAL_ARGS = ("padded_vocab_size", "vocab_padding", "flags")
 
 
 def check_model_args(saved: dict, current: dict, ckpt_path: Path) -> None:
-    """Raise CheckpointError on the first architecture flag whose value differs; log flags only one side has."""
+    """Raise CheckpointError on the first architecture flag whose value differs; log flags only one side has.
+
+    ``vocab_size`` None on either side means "the tokenizer's" (older checkpoints, runs without --vocab-size):
+    not compared here; the padded vocab check covers the shapes."""
     for key in sorted((set(saved) & set(current)) - set(_SPECIAL_ARGS)):
+        if key == "vocab_size" and None in (saved[key], current[key]):
+            continue
         if saved[key] != current[key]:
             raise CheckpointError(
                 f"architecture mismatch loading {ckpt_path}: {key} is {saved[key]!r} in the checkpoint but "

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import sys
 from typing import Callable, Iterable, Sequence
 
 
@@ -153,6 +154,7 @@ class CheckpointConfig:
     no_save_rng: bool = False
     ckpt_format: str = "torch_dist"
     dist_ckpt_optim_format: str = "fully_reshardable"
+    use_checkpoint_args: bool = False           # model flags filled from the checkpoint (checkpoint_args.py)
 
 
 @dataclasses.dataclass
@@ -348,6 +350,10 @@ def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.
     g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
     g.add_argument("--dist-ckpt-optim-format", choices=["fully_reshardable", "dp_reshardable"],
                    default="fully_reshardable")
+    # --use-checkpoint-args (megatron/rl/training/checkpoint_args.py)
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model flags (architecture, tokenizer, vocab, lengths) stored in the checkpoint "
+                        "of --load (else --pretrained-checkpoint); an explicit conflicting flag is an error")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
@@ -394,10 +400,18 @@ def parse_args(argv: Sequence[str] | None = None, extra_args_providers: Iterable
     settings; argparse itself exits on unknown flags unless ``ignore_unknown_args``.
     """
     parser = build_parser(extra_args_providers)
+    given = list(sys.argv[1:] if argv is None else argv)
+    from_ckpt = None
+    if "--use-checkpoint-args" in given:
+        from megatron.rl.training.checkpoint_args import check_explicit_flags, merge_checkpoint_args
+
+        given, *from_ckpt = merge_checkpoint_args(given, parser)
     if ignore_unknown_args:
-        ns, _ = parser.parse_known_args(argv)
+        ns, _ = parser.parse_known_args(given)
     else:
-        ns = parser.parse_args(argv)
+        ns = parser.parse_args(given)
+    if from_ckpt:
+        check_explicit_flags(ns, *from_ckpt, parser)
     used: set[str] = set()
     sections = {name: _section(cls, ns, used) for name, cls in _SECTIONS.items()}
     extra = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k not in used})

@@ -134,7 +134,10 @@ def padded_vocab_size(cfg: TrainingConfig, tokenizer=None) -> int:
 
 def checkpoint_model_args(cfg: TrainingConfig, tokenizer=None) -> dict:
     """``cfg.model_args()`` plus the padded vocab size (checked on load: a checkpoint padded for another
-    TP / --make-vocab-size-divisible-by is refused before any tensor is read) and what it was padded from."""
+    TP / --make-vocab-size-divisible-by is refused before any tensor is read), what it was padded from, and
+    the model-defining flags (``"flags"``, see :mod:`megatron.rl.training.checkpoint_args`)."""
+    from megatron.rl.training.checkpoint_args import checkpoint_flags
+
     out = cfg.model_args()
     vocab = cfg.tokenizer.vocab_size
     if vocab is None:
@@ -145,6 +148,8 @@ def checkpoint_model_args(cfg: TrainingConfig, tokenizer=None) -> dict:
     out["padded_vocab_size"] = padded_vocab_size(cfg, tokenizer)
     out["vocab_padding"] = {"vocab_size": vocab, "make_vocab_size_divisible_by": cfg.model.make_vocab_size_divisible_by,
                             "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size}
+    out["vocab_size"] = vocab  # what the model was built for, so the checkpoint alone says it (not None)
+    out["flags"] = checkpoint_flags(cfg, vocab)  # for --use-checkpoint-args and loading from the checkpoint alone
     return out
 
 

@@ -5,8 +5,9 @@ Examples::
     python -m megatron.rl.server.inference --backend fake --port 8000
     python -m megatron.rl.server.inference --backend huggingface --backend-arg model_path=/models/tiny
     # a backend with its own flags (e.g. the Megatron backend on a checkpoint) gets everything after "--"
-    # through its ``from_cli(argv)`` classmethod:
-    python -m megatron.rl.server.inference --backend megatron --port 8000 -- --load /ckpts/run1 <model flags>
+    # through its ``from_cli(argv)`` classmethod; a checkpoint saved by this version carries its model flags:
+    python -m megatron.rl.server.inference --backend megatron --port 8000 -- --load /ckpts/run1
+    # (older checkpoints: add their model flags after --load)
 
 Binds 127.0.0.1 by default. ``--api-key`` (or env ``MEGATRON_RL_INFERENCE_API_KEY``) makes ``/v1/*`` require
 ``Authorization: Bearer <key>``; ``/health`` stays open for probes.
@@ -63,6 +64,9 @@ def build_backend(name: str, backend_args: dict, extra_argv: list[str]) -> Infer
         if backend_args:
             raise SystemExit("--backend-arg and backend flags after '--' cannot be combined; use one or the other")
         return backend_class(name).from_cli(extra_argv)
+    if name == "megatron" and not backend_args:  # its constructor takes a live model: say how to name a checkpoint
+        raise InferenceError("the megatron backend serves a checkpoint: add `-- --load CKPT_DIR` after the server "
+                             "flags (older checkpoints also need their model flags there)")
     return build_inference_interface(name, **backend_args)
 
 

@@ -1,0 +1,62 @@
+"""The Megatron inference backend on a saved checkpoint: what ``python -m megatron.rl.server.inference
+--backend megatron -- --load CKPT`` builds.
+
+The flags after ``--`` are ``pretrain_gpt.py`` / ``train_rl.py`` flags. Without model flags
+(``--num-layers`` ...) they are read from the checkpoint (``--use-checkpoint-args`` is implied; see
+:mod:`megatron.rl.training.checkpoint_args`), so a checkpoint saved by this version serves from its
+directory alone; older checkpoints need their model flags. Only the model weights are loaded.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+from megatron.rl.inference.api import InferenceError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["megatron_backend_from_cli"]
+
+
+def megatron_backend_from_cli(argv: Sequence[str]):
+    """A :class:`~megatron.rl.inference.megatron.MegatronInference` serving the checkpoint named by ``argv``.
+
+    Initialises torch.distributed / megatron-core for one process (the server's). Raises
+    :class:`InferenceError` for flags that cannot serve (no checkpoint, several processes) with what to do.
+    """
+    from megatron.rl.training.checkpoint_args import FLAG, has_model_flags
+    from megatron.rl.training.checkpointing import CheckpointError, load_checkpoint
+    from megatron.rl.training.config import ConfigError, parse_args
+    from megatron.rl.training.initialize import initialize_megatron
+    from megatron.rl.training.model_provider import build_model, checkpoint_model_args
+    from megatron.rl.training.tokenizer import build_tokenizer
+
+    from megatron.rl.inference.megatron import MegatronInference
+
+    argv = list(argv)
+    if not any(a.split("=", 1)[0] in ("--load", "--pretrained-checkpoint") for a in argv):
+        raise InferenceError("the megatron backend serves a checkpoint: pass `-- --load CKPT_DIR` (model flags are "
+                             "read from the checkpoint; older checkpoints also need their model flags)")
+    if not has_model_flags(argv) and FLAG not in argv:
+        argv.append(FLAG)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise InferenceError(f"the megatron backend serves from one process (WORLD_SIZE={world}): start the "
+                             "server without torchrun; for model-parallel serving use train_rl.py's "
+                             "--rl-serve-inference or convert the checkpoint to Hugging Face and use vLLM")
+    try:
+        cfg = parse_args(argv, world_size=1)
+    except ConfigError as e:
+        raise InferenceError(str(e)) from e
+    initialize_megatron(cfg)
+    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
+    model = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer)
+    path = cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint
+    try:
+        loaded = load_checkpoint(path, model, None, None, load_optimizer=False, load_rng=False,
+                                 model_args=checkpoint_model_args(cfg, tokenizer))
+    except CheckpointError as e:
+        raise InferenceError(f"cannot serve {path}: {e}") from e
+    log.info("serving %s (iteration %s)", loaded.path, loaded.iteration)
+    return MegatronInference(model[0], tokenizer)

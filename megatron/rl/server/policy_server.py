@@ -1,0 +1,243 @@
+"""``train_rl.py --rl-serve-inference [HOST:]PORT``: the trainer serves its current policy over HTTP.
+
+The in-process engine (:class:`~megatron.rl.inference.megatron.MegatronInference`, the training model's own
+weights) is exposed through the OpenAI-compatible app of :mod:`megatron.rl.server.inference` on a
+background thread of global rank 0, so remote environment servers (``type: remote`` agents) and any
+OpenAI client generate with the policy being trained::
+
+    python -m megatron.rl.server.agent --env-config ENV.yaml --port 8100 \\
+        --inference-backend openai --inference-kwargs '{"base_url": "http://TRAINER:8000/v1"}'
+    python train_rl.py <flags> --langrl-env-config remote.yaml --rl-serve-inference 0.0.0.0:8000
+
+When requests run
+    Only inside the trainer's rollout phases (collection and evaluation), when the engine holds the latest
+    weights and no update is under way. A request arriving between phases waits (up to
+    ``--rl-serve-inference-wait-s``, then HTTP 500 naming the wait) for the next phase; a phase ends only
+    after every data-parallel rank has finished collecting (a barrier) and every request admitted has been
+    answered, so a phase never closes under a request another rank's rollouts still wait for.
+
+Layouts
+    Served from global rank 0's engine. Data parallelism is fine (every DP rank's environment server may
+    call it). Tensor/pipeline/expert parallelism is not supported yet (a model-parallel engine needs every
+    rank of its lockstep group to admit the same requests): :class:`PolicyServingError` names it. The way to
+    add it: the source rank submits HTTP requests as "external" jobs in the plan it already broadcasts before
+    every engine step (``MegatronInference._next_plan``), with ids from a separate range; the other ranks of
+    the group run them and drop the results instead of matching them to their own calls. Remote
+    environments would additionally need only one rank per model-parallel group to call the environment
+    server (today every rank of the group runs the same agents).
+
+Authentication: ``$MEGATRON_RL_INFERENCE_API_KEY`` when set makes ``/v1/*`` require ``Authorization: Bearer``
+(as for ``python -m megatron.rl.server.inference``); binding beyond loopback without one logs a warning.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+from megatron.rl.inference.api import InferenceError, InferenceInterface, InferenceRequest, InferenceResponse
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PolicyGate", "ServedPolicy", "PolicyServingError", "parse_address", "serve_policy"]
+
+API_KEY_ENV = "MEGATRON_RL_INFERENCE_API_KEY"
+_FLAG = "--rl-serve-inference"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class PolicyServingError(InferenceError):
+    """The policy cannot be served as asked (layout, address); the message names the flag."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``"PORT"`` or ``"HOST:PORT"`` -> (host, port); host defaults to 127.0.0.1. Raises ValueError."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{_FLAG}={text!r}: expected PORT or HOST:PORT with a port in 1..65535")
+    return host, int(port)
+
+
+class PolicyGate:
+    """Admits HTTP requests only while a rollout phase is open; ``close`` waits for the admitted ones."""
+
+    def __init__(self, wait_s: float):
+        self.wait_s = wait_s
+        self._cond = threading.Condition()
+        self._open = False
+        self._in_flight = 0
+        self.phases = 0  # rollout phases opened so far (a diagnostic)
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self.phases += 1
+
+    def close(self) -> None:
+        """Stop admitting; return once every admitted request has left."""
+        with self._cond:
+            self._open = False
+            self._cond.wait_for(lambda: self._in_flight == 0)
+
+    async def enter(self) -> None:
+        """Wait (polling: no thread is held while waiting) until open, then count this request in."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            with self._cond:
+                if self._open:
+                    self._in_flight += 1
+                    return
+            if time.monotonic() > deadline:
+                raise PolicyServingError(
+                    f"the trainer ran no rollout phase for {self.wait_s:.0f}s (it serves its policy only while it "
+                    f"collects rollouts or evaluates); retry later or raise --rl-serve-inference-wait-s")
+            await asyncio.sleep(0.02)
+
+    def leave(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+
+class _GatedBackend(InferenceInterface):
+    """What the HTTP app sees: the trainer's engine, reachable only through the gate."""
+
+    name = "megatron"
+    continuous_batching = True  # the dynamic engine batches concurrent requests itself
+
+    def __init__(self, backend: InferenceInterface, gate: PolicyGate):
+        self.backend = backend
+        self.gate = gate
+
+    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        await self.gate.enter()
+        try:
+            return await self.backend.agenerate(requests)
+        finally:
+            self.gate.leave()
+
+    async def aclose(self) -> None:
+        """The trainer owns the engine: stopping the server must not touch it."""
+
+
+class ServedPolicy(InferenceInterface):
+    """The trainer's backend, with its rollout phases opening and closing the HTTP server's gate.
+
+    Everything but :meth:`inference_mode` and :meth:`close` goes to the wrapped backend. Every rank wraps
+    its backend (the phase-end barrier is collective); only the rank given a ``server`` serves.
+    """
+
+    continuous_batching = True
+
+    def __init__(self, backend: InferenceInterface, gate: PolicyGate, server: "_ServerThread | None",
+                 barrier_group: Any = None):
+        self.backend = backend
+        self.gate = gate
+        self.server = server
+        self._barrier_group = barrier_group
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.backend.name
+
+    def __getattr__(self, item: str) -> Any:  # engine_steps, model, settings, ...
+        return getattr(self.backend, item)
+
+    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        return await self.backend.agenerate(requests)
+
+    @contextlib.contextmanager
+    def inference_mode(self) -> Iterator["ServedPolicy"]:
+        with self.backend.inference_mode():
+            self.gate.open()
+            try:
+                yield self
+            finally:
+                if self._barrier_group is not None:  # other DP ranks' rollouts may still call this server
+                    import torch.distributed as dist
+
+                    dist.barrier(group=self._barrier_group)
+                self.gate.close()
+
+    @property
+    def url(self) -> str | None:
+        return self.server.url if self.server is not None else None
+
+    async def aclose(self) -> None:
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+        await self.backend.aclose()
+
+
+class _ServerThread:
+    """uvicorn on a daemon thread (the trainer's main thread keeps training)."""
+
+    def __init__(self, app: Any, host: str, port: int):
+        import uvicorn
+
+        self.url = f"http://{host}:{port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                     timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self._server.run, name="policy-server", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise PolicyServingError(f"{_FLAG}: the policy server could not listen on {self.url} (port in use "
+                                         f"or address not available on this host?)")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+
+def serve_policy(backend: InferenceInterface, address: str, wait_s: float = 600.0,
+                 model_name: str = "megatron-rl") -> ServedPolicy:
+    """Wrap the trainer's in-process ``backend`` and, on global rank 0, serve it at ``address``. Collective.
+
+    Raises :class:`PolicyServingError` for a model-parallel layout or an address that cannot be bound.
+    """
+    import torch.distributed as dist
+
+    from megatron.rl.server.inference.app import ServerConfig, create_app
+
+    host, port = parse_address(address)
+    if getattr(backend, "_group_size", 1) != 1:
+        raise PolicyServingError(
+            f"{_FLAG} serves from one rank's engine, but this engine runs in lockstep over "
+            f"{backend._group_size} tensor/pipeline/expert-parallel ranks, which is not supported yet: train with "
+            f"TP=PP=EP=1 (any data-parallel size), or serve a saved checkpoint with python -m "
+            f"megatron.rl.server.inference --backend megatron -- --load CKPT")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    group = dist.new_group(backend="gloo") if world > 1 else None  # collective: every rank creates it
+    gate = PolicyGate(wait_s)
+    server, status = None, [None]
+    if group is None or dist.get_rank() == 0:
+        api_key = os.environ.get(API_KEY_ENV) or None
+        if host not in _LOOPBACK and api_key is None:
+            log.warning("%s=%s without $%s: anyone who can reach this port can generate with the policy", _FLAG,
+                        address, API_KEY_ENV)
+        app = create_app(_GatedBackend(backend, gate), ServerConfig(model_name=model_name, api_key=api_key))
+        server = _ServerThread(app, host, port)
+        try:
+            server.start()
+            log.info("serving the policy at %s/v1 (model %r) during rollout phases", server.url, model_name)
+        except PolicyServingError as e:
+            status = [str(e)]
+    if group is not None:  # every rank fails together rather than waiting for rank 0 in a collective
+        dist.broadcast_object_list(status, src=0, group=group)
+    if status[0] is not None:
+        raise PolicyServingError(status[0])
+    return ServedPolicy(backend, gate, server, group)
