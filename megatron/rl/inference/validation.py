@@ -19,12 +19,12 @@ import math
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
 __all__ = [
     "SEED_MAX", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_N", "MAX_TOKENS", "CHAT_ROLES",
     "ChatRole", "Text", "Temperature", "TopP", "TopK", "Seed", "NumSamples", "MaxTokens", "StopString",
-    "check_unicode", "RequestLimits", "limited_types", "request_error", "sample_count", "describe_validation_error",
+    "check_unicode", "RequestLimits", "limited_types", "generation_limits_model", "request_error", "sample_count", "describe_validation_error",
 ]
 
 #: seeds are signed 64-bit integers without the sign: what numpy, torch and megatron-core all accept
@@ -122,6 +122,14 @@ def limited_types(limits: RequestLimits) -> dict[str, Any]:
         "logprobs": Annotated[int, Field(ge=0, le=limits.max_logprobs)],
         "top_logprobs": Annotated[int, Field(ge=0, le=limits.max_top_logprobs)],
     }
+
+
+def generation_limits_model(limits: RequestLimits) -> type[BaseModel]:
+    """A model checking a ``GenerationArgs`` dump against ``limits`` (n, max_tokens, stop strings) only."""
+    lim = limited_types(limits)
+    return create_model("GenerationLimits", __config__=ConfigDict(extra="ignore"),
+                        n=(lim["n"], 1), max_tokens=(lim["max_tokens"], 1),
+                        stop=(Annotated[list[lim["stop"]], Field(max_length=lim["stops_max"])], []))
 
 
 def describe_validation_error(err: Exception, max_errors: int = 3) -> tuple[str, str | None]:
