@@ -139,13 +139,17 @@ def describe_validation_error(err: Exception, max_errors: int = 3) -> tuple[str,
     """
     if not callable(getattr(err, "errors", None)):  # a plain exception: its first line, bounded
         return (str(err).splitlines() or [type(err).__name__])[0][:300], None
-    errors = list(err.errors())
+    errors = [dict(e, loc=_clean_loc(e.get("loc", ()))) for e in err.errors()]
+    # a union (`str | list[str]`) reports one error per member: keep the informative ones (a limit broken
+    # by the list member) over "should be a valid string" from the members the value is not
+    specific = {e["loc"][:1] for e in errors if not str(e.get("type", "")).endswith("_type")}
+    errors = [e for e in errors if e["loc"][:1] not in specific or not str(e.get("type", "")).endswith("_type")]
     parts, param = [], None
     for e in errors[:max_errors]:
         if e.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', 'decode error')})")
             continue
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("generation_args", "body"))
+        loc = ".".join(str(x) for x in e["loc"])
         msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
         shown = _short_repr(e.get("input"))
         if loc:
@@ -155,6 +159,12 @@ def describe_validation_error(err: Exception, max_errors: int = 3) -> tuple[str,
             parts.append(msg)
     more = len(errors) - max_errors
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else ""), param
+
+
+def _clean_loc(loc: Any) -> tuple:
+    """Field path without the wrappers' names and pydantic's union-member tags (``function-after[...]``)."""
+    return tuple(x for x in loc if x not in ("generation_args", "body")
+                 and not (isinstance(x, str) and ("[" in x or "-" in x or x in ("str", "int", "float", "list"))))
 
 
 def _short_repr(value: Any, limit: int = 40) -> str | None:
