@@ -20,9 +20,16 @@ from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-__all__ = ["bearer_token", "authorized", "BodySizeLimit", "install_docs", "LRUCache", "LOOPBACK_HOSTS"]
+__all__ = ["bearer_token", "authorized", "BodySizeLimit", "install_docs", "LRUCache", "LOOPBACK_HOSTS",
+           "safe_message"]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def safe_message(text: str, limit: int = 500) -> str:
+    """An error message fit to send: bounded, and encodable even when it quotes a client's lone surrogate."""
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bearer_token(header: str | None) -> str | None:

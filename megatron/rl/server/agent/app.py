@@ -42,7 +42,7 @@ from megatron.rl.agent.api import (Agent, AgentRequest, EvaluationRequest, Group
                                    RolloutRequest)
 from megatron.rl.inference.api import InferenceInterface, backend_class
 from megatron.rl.inference.validation import RequestLimits, describe_validation_error, generation_limits_model
-from megatron.rl.server.guard import BodySizeLimit, LRUCache, authorized, install_docs
+from megatron.rl.server.guard import BodySizeLimit, LRUCache, authorized, install_docs, safe_message
 from megatron.rl.server.agent.schema import request_body_schema
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class EnvServerConfig:
       requests never choose the backend. Specs with ``trust_remote_code`` are refused here.
     limits: body size and generation-args limits (shared with the inference server).
     max_rollouts: rollouts of one request (num_groups x rollouts_per_group, num_rollouts,
-      num_prompts x (num_samples + greedy)). max_ks: entries of an evaluation's ``ks``.
+      num_prompts x (num_samples + greedy); without num_prompts, the agent's validation ``dataset_size``
+      counts, and one that has none must give num_prompts). max_ks: entries of ``ks``.
     max_dp_world_size: largest ``X-DP-World-Size``. max_agents: agent instances kept (one per rank, world).
     """
 
@@ -92,7 +93,16 @@ def _spec_key(spec: InferenceSpec) -> str:
     return json.dumps(spec.model_dump(mode="json"), sort_keys=True)
 
 
-def check_request_limits(req: AgentRequest, cfg: EnvServerConfig, gen_limits: type) -> None:
+def _validation_size(agent: Agent) -> int | None:
+    size = getattr(agent, "dataset_size", None)
+    try:
+        n = size(True) if callable(size) else None
+    except Exception:  # noqa: BLE001 - unknown size: the caller asks for num_prompts instead
+        return None
+    return n if isinstance(n, int) and n >= 0 else None
+
+
+def check_request_limits(req: AgentRequest, cfg: EnvServerConfig, gen_limits: type, agent: Agent) -> None:
     """Raise :class:`ClientError` (422) when ``req`` asks for more work than ``cfg`` allows."""
     try:
         gen_limits.model_validate(req.generation_args.model_dump())
@@ -107,8 +117,11 @@ def check_request_limits(req: AgentRequest, cfg: EnvServerConfig, gen_limits: ty
     elif isinstance(req, EvaluationRequest):
         if len(req.ks or []) > cfg.max_ks:
             raise ClientError(422, f"ks has {len(req.ks)} entries; at most {cfg.max_ks}", "ValidationError")
-        per_prompt = req.num_samples + int(req.greedy)
-        rollouts, what = (req.num_prompts or 1) * per_prompt, "num_prompts x (num_samples + greedy)"
+        prompts = req.num_prompts if req.num_prompts is not None else _validation_size(agent)
+        if prompts is None:  # "the whole split" of a task whose size the server cannot tell
+            raise ClientError(422, "num_prompts is required for this environment (it bounds the work per request)",
+                              "ValidationError")
+        rollouts, what = prompts * (req.num_samples + int(req.greedy)), "num_prompts x (num_samples + greedy)"
     else:
         return
     if rollouts > cfg.max_rollouts:
@@ -220,12 +233,12 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
         data = await json_body(request)
         try:
             req = AgentRequest.model_validate(data)
-        except ValidationError as e:
+        except (ValidationError, ValueError) as e:
             raise ClientError(422, describe_validation_error(e)[0], "ValidationError") from None
         if type(req) is AgentRequest:
             raise ClientError(422, f"request needs a type_name, one of {sorted(AgentRequest.registered_types())}",
                               "ValidationError")
-        check_request_limits(req, cfg, gen_limits)
+        check_request_limits(req, cfg, gen_limits, agent)
         target = agent_for(request)
         if req.inference is not None:
             req = req.model_copy(update={"inference_interface": client_backend(req.inference), "inference": None})
@@ -276,4 +289,4 @@ def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": kind, "detail": message})
+    return JSONResponse(status_code=status, content={"error": kind, "detail": safe_message(message)})

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 
 from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.inference.validation import RequestLimits, describe_validation_error
-from megatron.rl.server.guard import BodySizeLimit, authorized, install_docs
+from megatron.rl.server.guard import BodySizeLimit, authorized, install_docs, safe_message
 from megatron.rl.server.inference.schemas import ErrorBody, body_models, chat_request, completion_requests
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,9 @@ class RequestBatcher:
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": status}})
+                        content={"error": {"message": safe_message(message), "type": kind,
+                                           "param": None if param is None else safe_message(param, 100),
+                                           "code": status}})
 
 
 async def _wait_unless_disconnected(request: Request, coro: Any) -> Any:
