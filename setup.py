@@ -42,7 +42,7 @@ setup(
         "math": ["sympy"],
         "data": ["datasets"],  # Parquet / Arrow / JSON files for HuggingFaceDatasetAgent (JSONL needs nothing)
         "plot": ["matplotlib"],
-        "dev": ["pytest>=7", "transformers>=4.40", "tokenizers", "safetensors", "sympy", "datasets",
+        "dev": ["pytest>=7", "hypothesis", "transformers>=4.40", "tokenizers", "safetensors", "sympy", "datasets",
                 "matplotlib", "jinja2"],
     },
 )

@@ -16,6 +16,8 @@ from typing import Any
 
 __all__ = ["PromptStream"]
 
+_MAX_CONSUMED = 2**53  # exact in float64 JSON readers; far beyond any real run
+
 
 class PromptStream:
     """Yields dataset indices for one DP rank (see the module docstring).
@@ -69,5 +71,10 @@ class PromptStream:
             raise ValueError(f"prompt stream state was saved with seed={state.get('seed')}, size={state.get('size')} "
                              f"but this agent has seed={self.seed}, size={self.size}; resume with the same seed "
                              "and dataset")
+        consumed = state.get("consumed_global")
+        # a state can come over HTTP (environment server): a negative or absurd position is refused, not used
+        if not isinstance(consumed, int) or isinstance(consumed, bool) or not 0 <= consumed <= _MAX_CONSUMED:
+            raise ValueError(f"prompt stream state: consumed_global must be an integer in 0..{_MAX_CONSUMED}, "
+                             f"got {str(consumed)[:40]}")
         # ceil: never repeat a prompt another rank might already have drawn before the checkpoint.
-        self.position = -(-int(state["consumed_global"]) // self.world_size)
+        self.position = -(-consumed // self.world_size)

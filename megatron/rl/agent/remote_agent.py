@@ -10,7 +10,8 @@ YAML::
           inference: {backend: openai, kwargs: {base_url: "http://trainer-host:8000/v1"}}
 
 The in-process inference object cannot travel over HTTP: the server generates with the request's
-``inference`` spec, else this agent's ``inference`` spec, else the server's own default backend.
+``inference`` spec, else this agent's ``inference`` spec, else the server's own default backend. The server
+accepts a spec only when its operator allowlisted exactly that spec (``--allow-client-inference``).
 
 Failure behaviour: connection failures before the request reached the server (refused, connect timeout)
 and HTTP 502/503/504 are retried ``max_retries`` times with exponential backoff; a request the server

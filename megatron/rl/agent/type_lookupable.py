@@ -129,6 +129,8 @@ class TypeLookupable(BaseModel):
         _IN_INIT.set(False)  # nested fields validated below are not part of the __init__ call
         if isinstance(data, dict):
             name = data.get("type_name")
+            if name is not None and not isinstance(name, str):  # JSON from a client can be anything
+                raise ValueError(f"type_name must be a string, got a {type(name).__name__}")
             own = cls.registered_name()
             if name is not None and name != own:
                 if in_init:

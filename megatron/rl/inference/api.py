@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # One rule for every backend and the trainer: greedy (T = 0) log-probs are reported under T = 1.
 from megatron.rl.algorithms.logprobs import logprob_temperature
+from megatron.rl.inference.validation import (SEED_MAX, ChatRole, MaxTokens, NumSamples, Seed, StopString,
+                                              Temperature, Text, TopK, TopP, request_error, sample_count)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ __all__ = [
     "backend_class",
     "registered_backends",
     "expand_requests",
+    "expand_checked",
+    "run_isolated",
     "logprob_temperature",
 ]
 
@@ -48,22 +52,23 @@ class InferenceError(RuntimeError):
 class GenerationArgs(BaseModel):
     """Sampling parameters of one request. Invalid values raise ``pydantic.ValidationError`` naming the field.
 
-    temperature: >= 0; 0 means greedy (argmax). top_p: in (0, 1]. top_k: 0 disables top-k.
-    max_tokens: maximum number of generated tokens (>= 1). stop: generation ends *before* the first
+    temperature: 0 means greedy (argmax), else in [1e-3, 100] (finite). top_p: in (0, 1]. top_k: 0 disables
+    top-k. max_tokens: maximum number of generated tokens (>= 1). stop: generation ends *before* the first
     occurrence of any of these strings in the generated text (the stop string is not returned).
-    seed: makes sampling reproducible per request (backends derive per-sample seeds for ``n > 1``).
-    n: number of independent samples for this request (each becomes its own response).
+    seed: in [0, 2**63 - 1]; makes sampling reproducible per request (backends derive per-sample seeds for
+    ``n > 1``). n: number of independent samples for this request (each becomes its own response).
+    The rules live in :mod:`megatron.rl.inference.validation`.
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    max_tokens: int = Field(256, ge=1)
-    stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
-    n: int = Field(1, ge=1)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    max_tokens: MaxTokens = 256
+    stop: list[StopString] = Field(default_factory=list)
+    seed: Seed | None = None
+    n: NumSamples = 1
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -75,19 +80,13 @@ class GenerationArgs(BaseModel):
             return [v]
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_non_empty(cls, v: list[str]) -> list[str]:
-        if any(s == "" for s in v):
-            raise ValueError("stop strings must be non-empty (an empty stop string would end generation at once)")
-        return v
 
 
 class ChatMessage(BaseModel):
-    """One chat turn: ``role`` is usually "system", "user" or "assistant"."""
+    """One chat turn: ``role`` is one of ``validation.CHAT_ROLES`` (system, developer, user, assistant, tool)."""
 
-    role: str
-    content: str
+    role: ChatRole
+    content: Text
 
 
 class InferenceRequest(BaseModel):
@@ -97,7 +96,7 @@ class InferenceRequest(BaseModel):
     :mod:`megatron.rl.inference.chat_template`); an agent never handles tokenizers itself.
     """
 
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
 
@@ -183,6 +182,17 @@ class InferenceInterface(abc.ABC):
         """
         raise NotImplementedError(f"inference backend {cls.name!r} takes no command-line flags; pass constructor "
                                   "arguments with --backend-arg KEY=VALUE instead")
+
+    @classmethod
+    def for_untrusted_spec(cls, **kwargs: Any) -> "InferenceInterface":
+        """Build the backend from arguments a remote client sent (an environment server's allowlisted spec).
+
+        The default refuses ``trust_remote_code`` and otherwise calls the constructor; a backend that would
+        fall back on the server's own credentials (environment variables) overrides this to not do so.
+        """
+        if kwargs.get("trust_remote_code"):
+            raise ValueError("trust_remote_code is never honoured from a request")
+        return cls(**kwargs)
 
     @classmethod
     def register(cls, name: str) -> Callable[[_T], _T]:
@@ -297,7 +307,8 @@ def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:
 def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceRequest]:
     """Flatten ``n > 1`` into ``n`` single-sample requests, in response order.
 
-    Sample ``i`` of a seeded request gets seed ``seed + i`` so the samples differ but stay reproducible.
+    Sample ``i`` of a seeded request gets seed ``seed + i`` (wrapping within [0, 2**63 - 1]) so the samples
+    differ but stay reproducible.
     """
     out: list[InferenceRequest] = []
     for req in requests:
@@ -306,8 +317,57 @@ def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceReque
             out.append(req)
             continue
         for i in range(ga.n):
-            seed = None if ga.seed is None else ga.seed + i
+            seed = None if ga.seed is None else (ga.seed + i) % (SEED_MAX + 1)
             out.append(req.model_copy(update={"generation_args": ga.model_copy(update={"n": 1, "seed": seed})}))
     return out
 
 
+
+
+def expand_checked(requests: Sequence[InferenceRequest]) -> list[InferenceRequest | InferenceResponse]:
+    """:func:`expand_requests` after checking each request with :func:`validation.request_error`.
+
+    An invalid request becomes its failed responses (one per sample it owes) in place of its samples, so a
+    backend can batch the rest: one bad request never fails the others.
+    """
+    out: list[InferenceRequest | InferenceResponse] = []
+    for req in requests:
+        problem = request_error(req)
+        if problem is None:
+            out.extend(expand_requests([req]))
+        else:
+            out.extend(InferenceResponse.failed(f"invalid request: {problem}") for _ in range(sample_count(req)))
+    return out
+
+
+def run_isolated(requests: Sequence[InferenceRequest],
+                 run: Callable[[list[InferenceRequest]], list[InferenceResponse]]) -> list[InferenceResponse]:
+    """Serve ``requests`` with ``run`` (a synchronous batch call on single-sample requests), isolating failures.
+
+    Invalid requests fail alone (:func:`expand_checked`); if ``run`` raises on a batch, the batch is split in
+    halves and retried until the requests that make it raise are alone, and only those fail.
+    """
+    checked = expand_checked(requests)
+    todo = [(i, r) for i, r in enumerate(checked) if isinstance(r, InferenceRequest)]
+    results = _run_bisecting([r for _, r in todo], run)
+    out: list[Any] = list(checked)
+    for (i, _), resp in zip(todo, results):
+        out[i] = resp
+    return out
+
+
+def _run_bisecting(reqs: list[InferenceRequest],
+                   run: Callable[[list[InferenceRequest]], list[InferenceResponse]]) -> list[InferenceResponse]:
+    if not reqs:
+        return []
+    try:
+        out = run(reqs)
+        if len(out) != len(reqs):
+            raise RuntimeError(f"backend returned {len(out)} responses for {len(reqs)} requests")
+        return out
+    except Exception as e:  # noqa: BLE001 - narrowed down below; the culprit gets a failed response
+        if len(reqs) == 1:
+            logger.exception("inference backend failed on one request")
+            return [InferenceResponse.failed(f"the backend failed on this request ({type(e).__name__})")]
+        mid = len(reqs) // 2
+        return _run_bisecting(reqs[:mid], run) + _run_bisecting(reqs[mid:], run)

@@ -13,6 +13,8 @@ against it with exact expectations and no weights or downloads:
 Constructor knobs: ``max_seq_len`` (prompt + generation limit; longer prompts get a per-request
 error), ``delay_s`` (awaited once per ``agenerate`` call, to simulate a forward pass), ``eos_bias``.
 Counters ``num_batches``, ``num_requests`` and ``max_batch_size`` show how requests were batched.
+Generation runs on a worker thread (the event loop, e.g. the inference server's, stays responsive), and
+each request is checked and generated on its own: an invalid or failing request fails alone.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from typing import Sequence
 import numpy as np
 
 from megatron.rl.inference.api import (GenerationArgs, InferenceInterface, InferenceRequest, InferenceResponse,
-                                       expand_requests, logprob_temperature)
+                                       logprob_temperature, run_isolated)
+from megatron.rl.inference.validation import sample_count
 from megatron.rl.inference.chat_template import builtin_chat_template
 
 __all__ = ["FakeInference", "sample_token"]
@@ -132,11 +135,14 @@ class FakeInference(InferenceInterface):
         return InferenceResponse(text=text, token_ids=ids, prompt_length=len(prompt_ids), logprobs=logprobs,
                                  finish_reason=finish, prompt_text=prompt_text)
 
+    def _generate_batch(self, flat: list[InferenceRequest]) -> list[InferenceResponse]:
+        return [self._generate_one(r, i) for i, r in enumerate(flat)]
+
     async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
-        flat = expand_requests(requests)
+        samples = sum(sample_count(r) for r in requests)
         self.num_batches += 1
-        self.num_requests += len(flat)
-        self.max_batch_size = max(self.max_batch_size, len(flat))
+        self.num_requests += samples
+        self.max_batch_size = max(self.max_batch_size, samples)
         if self.delay_s > 0:
             await asyncio.sleep(self.delay_s)
-        return [self._generate_one(r, i) for i, r in enumerate(flat)]
+        return await asyncio.to_thread(run_isolated, requests, self._generate_batch)

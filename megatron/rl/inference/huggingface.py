@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from megatron.rl.inference.api import (GenerationArgs, InferenceError, InferenceInterface, InferenceRequest,
-                                       InferenceResponse, expand_requests, logprob_temperature)
+                                       InferenceResponse, logprob_temperature, run_isolated)
 from megatron.rl.inference.chat_template import render_chat
 from megatron.rl.runtime.openmp import release_thread_pool
 
@@ -230,10 +230,11 @@ class HuggingFaceInference(InferenceInterface):
         return out
 
     async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
-        # decoding runs on a worker thread so the event loop (e.g. the inference server) stays responsive
+        # decoding runs on a worker thread so the event loop (e.g. the inference server) stays responsive;
+        # run_isolated fails invalid requests alone and retries a failing batch in halves
         if self.device.type == "cpu":
             release_thread_pool()  # this thread now only waits: let the worker's OpenMP pool spin
-        return await asyncio.to_thread(self._generate_sync, expand_requests(requests))
+        return await asyncio.to_thread(run_isolated, requests, self._generate_sync)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], prompt_length: int, temperature: float = 1.0) -> list[float]:

@@ -59,7 +59,7 @@ from megatron.rl.inference.api import (
     InferenceInterface,
     InferenceRequest,
     InferenceResponse,
-    expand_requests,
+    expand_checked,
 )
 from megatron.rl.inference.chat_template import render_chat
 from megatron.rl.inference.megatron_engine import (
@@ -262,10 +262,13 @@ class MegatronInference(InferenceInterface):
         if self._device.type == "cpu":
             release_thread_pool()  # this thread now only waits: let the engine thread's OpenMP pool spin
         loop = asyncio.get_running_loop()
-        flat = expand_requests(requests)
+        flat = expand_checked(requests)  # an invalid request fails alone, before it reaches the engine
         responses: list[InferenceResponse | None] = [None] * len(flat)
         pending: list[tuple[int, asyncio.Future]] = []
         for i, request in enumerate(flat):
+            if isinstance(request, InferenceResponse):
+                responses[i] = request
+                continue
             try:
                 job = self._prepare(request)
             except _RequestError as e:

@@ -31,6 +31,7 @@ import threading
 from typing import Any
 
 from megatron.rl.inference.api import (InferenceError, InferenceInterface, InferenceRequest, InferenceResponse)
+from megatron.rl.inference.validation import request_error, sample_count
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class OpenAIInference(InferenceInterface):
         base_url: e.g. "http://127.0.0.1:8000/v1".
         model: model id to request; default: the first id listed by ``GET /v1/models``.
         api_key: bearer token; default ``$OPENAI_API_KEY`` or "EMPTY" (servers without auth ignore it).
+            :meth:`for_untrusted_spec` never reads the environment: a client-chosen URL gets no credential.
         timeout: seconds per HTTP attempt. max_retries: retries on connection errors / 429 / 5xx.
         max_concurrency: most HTTP requests in flight at once.
         request_token_ids: send ``return_token_ids=true`` (vLLM); set False for servers that reject
@@ -78,6 +80,12 @@ class OpenAIInference(InferenceInterface):
         self._io_thread: threading.Thread | None = None
         self._client: Any = None
         self._semaphore: asyncio.Semaphore | None = None
+
+    @classmethod
+    def for_untrusted_spec(cls, **kwargs: Any) -> "OpenAIInference":
+        """Built for a spec a remote client sent: only an ``api_key`` given in the spec is used, never ours."""
+        kwargs.setdefault("api_key", "EMPTY")
+        return super().for_untrusted_spec(**kwargs)
 
     def _io(self) -> asyncio.AbstractEventLoop:
         with self._io_lock:
@@ -136,6 +144,9 @@ class OpenAIInference(InferenceInterface):
     async def _one(self, req: InferenceRequest) -> list[InferenceResponse]:
         import openai
 
+        problem = request_error(req)
+        if problem is not None:  # never sent: fails alone, like on the in-process backends
+            return [InferenceResponse.failed(f"invalid request: {problem}") for _ in range(sample_count(req))]
         client, sem = self._state()
         model = await self._model_name(client)
         params = self._common_params(req)

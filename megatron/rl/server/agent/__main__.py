@@ -9,6 +9,12 @@ Examples::
     # one agent type with arguments; a token read from an environment variable
     MEGATRON_RL_AGENT_TOKEN=secret python -m megatron.rl.server.agent --agent-type countdown \\
         --agent-args '{"num_numbers": 4}' --port 8100
+
+    # let trainers name their own inference server, but only this one (exact backend + kwargs)
+    python -m megatron.rl.server.agent --env-config X.yaml --allow-client-inference \\
+        '[{"backend": "openai", "kwargs": {"base_url": "http://trainer-host:8000/v1"}}]'
+
+Requests never choose the inference backend unless its spec is allowlisted; see megatron.rl.server.agent.app.
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ import json
 import logging
 import os
 import sys
+
+from megatron.rl.server.guard import LOOPBACK_HOSTS, add_limit_flag, limits_from_flags
 
 logger = logging.getLogger("megatron.rl.server.agent")
 
@@ -38,6 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inference-kwargs", default="{}", help="JSON keyword arguments of the inference backend")
     p.add_argument("--seed", type=int, default=None, help="override the environments' seeds")
     p.add_argument("--log-level", default="info")
+    # hostile inputs: client-chosen inference and per-request limits
+    p.add_argument("--allow-client-inference", default="[]", metavar="JSON",
+                   help="JSON list of {backend, kwargs} specs a request's `inference` may name (exact match); "
+                        "default none: requests always use the server's own backend")
+    p.add_argument("--max-rollouts", type=int, default=8192, help="most rollouts one request may ask for")
+    p.add_argument("--max-dp-world-size", type=int, default=1024, help="largest X-DP-World-Size accepted")
+    p.add_argument("--max-agents", type=int, default=256,
+                   help="agent instances kept, one per (X-DP-Rank, X-DP-World-Size) (least recently used dropped)")
+    add_limit_flag(p)
     return p
 
 
@@ -62,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from megatron.rl.agent.env_config import EnvConfigError, build_agent_from_config, resolve_agent_type
     from megatron.rl.inference.api import build_inference_interface
-    from megatron.rl.server.agent.app import create_app
+    from megatron.rl.server.agent.app import EnvServerConfig, create_app
 
     modules = [m for m in args.imports.split(",") if m]
     if modules and not args.allow_imports:
@@ -84,11 +101,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.inference_backend:
         inference = build_inference_interface(args.inference_backend,
                                               **_json_arg(parser, "--inference-kwargs", args.inference_kwargs))
+    try:
+        allowed = json.loads(args.allow_client_inference)
+        if not isinstance(allowed, list):
+            raise ValueError("expected a JSON list of {backend, kwargs} objects")
+        cfg = EnvServerConfig(allowed_inference=allowed, limits=limits_from_flags(args.limit, parser),
+                              max_rollouts=args.max_rollouts, max_dp_world_size=args.max_dp_world_size,
+                              max_agents=args.max_agents)
+    except ValueError as e:  # JSON and pydantic errors are ValueErrors
+        parser.error(f"--allow-client-inference / --max-*: {e}")
     token = os.environ.get(args.token_env) or None
-    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if token is None and args.host not in LOOPBACK_HOSTS:
         logger.warning("serving on %s without a token: anyone who can reach it can use it (set $%s)",
                        args.host, args.token_env)
-    app = create_app(agent, token=token, inference=inference)
+    app = create_app(agent, token=token, inference=inference, config=cfg)
     logger.info("serving agent %r (%s) on http://%s:%d", agent.name, agent.type_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
 

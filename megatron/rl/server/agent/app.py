@@ -7,99 +7,286 @@ Routes (JSON bodies are the polymorphic pydantic types of :mod:`megatron.rl.agen
 * ``GET  /agent``   -> the agent's configuration (``agent.model_dump()``)
 * ``POST /request`` -> an :class:`AgentRequest` (grouped rollouts, rollouts, evaluation) in, the matching
   :class:`AgentResponse` out
-* ``GET  /state``   -> the agent's ``state_dict()``; ``POST /state`` loads one
+* ``GET  /state``   -> the agent's ``state_dict()``; ``POST /state`` loads one (all or nothing)
 
 Each client's data-parallel coordinates travel in the ``X-DP-Rank`` / ``X-DP-World-Size`` headers; the
 server keeps one agent instance (with its own prompt stream) per coordinate pair, so ranks sharing a server
-still draw disjoint prompts. With a token configured every route but ``/health`` needs
-``Authorization: Bearer <token>``. Agent errors come back as HTTP 500 with ``{"error", "detail"}``.
+still draw disjoint prompts. At most ``max_agents`` instances are kept (least recently used evicted, with a
+warning: a rank that comes back starts its prompt stream again) and ``X-DP-World-Size`` is capped.
+
+Hostile inputs (see :class:`EnvServerConfig`):
+
+* Inference: requests generate with the server's own backend. A request's ``inference`` spec is refused
+  (403) unless it equals, backend and arguments, one the operator allowlisted
+  (``--allow-client-inference``); an allowlisted spec is built with ``for_untrusted_spec`` (never the
+  server's own credentials, never ``trust_remote_code``) and cached.
+* Limits: rollouts per request, the generation args' ``n`` / ``max_tokens`` / stop strings, body size.
+* Errors: client mistakes are 4xx with a short message (``{"error", "detail"}``); anything else is a 500
+  whose detail names an error id to look up in the server log, never the exception text.
+* Authorization: with a token, every route but ``/health`` (``/docs`` and ``/openapi.json`` included)
+  needs ``Authorization: Bearer <token>`` (:mod:`megatron.rl.server.guard`).
 """
 from __future__ import annotations
 
-import hmac
+import json
 import logging
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from megatron.rl.agent.api import Agent, AgentRequest
-from megatron.rl.inference.api import InferenceInterface
+from megatron.rl.agent.api import (Agent, AgentRequest, EvaluationRequest, GroupedRolloutRequest, InferenceSpec,
+                                   RolloutRequest)
+from megatron.rl.inference.api import InferenceInterface, backend_class
+from megatron.rl.inference.validation import RequestLimits, describe_validation_error, generation_limits_model
+from megatron.rl.server.guard import BodySizeLimit, LRUCache, authorized, install_docs, safe_message
+from megatron.rl.server.agent.schema import request_body_schema
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "EnvServerConfig", "ClientError"]
 
 
-def create_app(agent: Agent, token: str | None = None, inference: InferenceInterface | None = None) -> FastAPI:
+@dataclass
+class EnvServerConfig:
+    """Limits and policy of an environment server (``python -m megatron.rl.server.agent`` flags).
+
+    allowed_inference: the inference specs a request may name (exact match on backend and kwargs); empty:
+      requests never choose the backend. Specs with ``trust_remote_code`` are refused here.
+    limits: body size and generation-args limits (shared with the inference server).
+    max_rollouts: rollouts of one request (num_groups x rollouts_per_group, num_rollouts,
+      num_prompts x (num_samples + greedy); without num_prompts, the agent's validation ``dataset_size``
+      counts, and one that has none must give num_prompts). max_ks: entries of ``ks``.
+    max_dp_world_size: largest ``X-DP-World-Size``. max_agents: agent instances kept (one per rank, world).
+    """
+
+    allowed_inference: list[InferenceSpec] = field(default_factory=list)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_rollouts: int = 8192
+    max_ks: int = 64
+    max_dp_world_size: int = 1024
+    max_agents: int = 256
+
+    def __post_init__(self) -> None:
+        self.allowed_inference = [InferenceSpec.model_validate(s) for s in self.allowed_inference]
+        for spec in self.allowed_inference:
+            if spec.kwargs.get("trust_remote_code"):
+                raise ValueError(f"allowed inference spec {spec.backend!r}: trust_remote_code is never allowed "
+                                 "for a client-chosen backend")
+        for name in ("max_rollouts", "max_ks", "max_dp_world_size", "max_agents"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EnvServerConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class ClientError(Exception):
+    """A client mistake: answered ``status`` with ``{"error": kind, "detail": message}``."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequest"):
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def _spec_key(spec: InferenceSpec) -> str:
+    return json.dumps(spec.model_dump(mode="json"), sort_keys=True)
+
+
+def _validation_size(agent: Agent) -> int | None:
+    size = getattr(agent, "dataset_size", None)
+    try:
+        n = size(True) if callable(size) else None
+    except Exception:  # noqa: BLE001 - unknown size: the caller asks for num_prompts instead
+        return None
+    return n if isinstance(n, int) and n >= 0 else None
+
+
+def check_request_limits(req: AgentRequest, cfg: EnvServerConfig, gen_limits: type, agent: Agent) -> None:
+    """Raise :class:`ClientError` (422) when ``req`` asks for more work than ``cfg`` allows."""
+    try:
+        gen_limits.model_validate(req.generation_args.model_dump())
+    except ValidationError as e:
+        raise ClientError(422, f"generation_args: {describe_validation_error(e)[0]}", "ValidationError") from None
+    if isinstance(req, GroupedRolloutRequest):
+        if req.num_groups < 1:
+            raise ClientError(422, "num_groups must be >= 1", "ValidationError")
+        rollouts, what = req.num_groups * req.rollouts_per_group, "num_groups x rollouts_per_group"
+    elif isinstance(req, RolloutRequest):
+        rollouts, what = req.num_rollouts, "num_rollouts"
+    elif isinstance(req, EvaluationRequest):
+        if len(req.ks or []) > cfg.max_ks:
+            raise ClientError(422, f"ks has {len(req.ks)} entries; at most {cfg.max_ks}", "ValidationError")
+        prompts = req.num_prompts if req.num_prompts is not None else _validation_size(agent)
+        if prompts is None:  # "the whole split" of a task whose size the server cannot tell
+            raise ClientError(422, "num_prompts is required for this environment (it bounds the work per request)",
+                              "ValidationError")
+        rollouts, what = prompts * (req.num_samples + int(req.greedy)), "num_prompts x (num_samples + greedy)"
+    else:
+        return
+    if rollouts > cfg.max_rollouts:
+        raise ClientError(422, f"{what} = {rollouts} is more than this server's {cfg.max_rollouts} rollouts per "
+                               "request (--max-rollouts); split the request", "ValidationError")
+
+
+def create_app(agent: Agent, token: str | None = None, inference: InferenceInterface | None = None,
+               config: EnvServerConfig | None = None) -> FastAPI:
     """An app serving ``agent`` (see the module docstring).
 
     token: required bearer token (None: no authentication; only bind to loopback then).
-    inference: default backend for requests that name none.
+    inference: the server's own backend, for requests that name none.
+    config: limits and the inference allowlist (default: no client-chosen backends, default limits).
     """
-    app = FastAPI(title="megatron-rl environment server")
-    config = agent.model_dump()
-    agents: dict[tuple[int, int], Agent] = {}
+    cfg = config or EnvServerConfig()
+    gen_limits = generation_limits_model(cfg.limits)
+    app = FastAPI(title="megatron-rl environment server", openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.limits.max_body_bytes,
+                       reject=lambda status, message: _error(status, message, "RequestTooLarge"
+                                                             if status == 413 else "BadRequest"))
+    config_dump = agent.model_dump()
+    allowed = {_spec_key(s): s for s in cfg.allowed_inference}
+    # bounded by the allowlist; built lazily, kept for the server's life (a backend may hold a loaded model)
+    backends: LRUCache[str, InferenceInterface] = LRUCache(max(1, len(allowed)))
 
-    def agent_for(rank: int, world: int) -> Agent:
+    def evicted(key: tuple[int, int], _: Agent) -> None:
+        logger.warning("dropping the agent of X-DP-Rank=%d X-DP-World-Size=%d (more than --max-agents=%d pairs); "
+                       "if that rank comes back its prompt stream starts again", key[0], key[1], cfg.max_agents)
+
+    agents: LRUCache[tuple[int, int], Agent] = LRUCache(cfg.max_agents, on_evict=evicted)
+
+    def fresh_agent(rank: int, world: int) -> Agent:
+        inst = type(agent).model_validate(config_dump)
+        inst.bind_inference(inference)
+        inst.set_data_parallel(rank, world)
+        return inst
+
+    def coordinates(request: Request) -> tuple[int, int]:
+        try:
+            rank = int(request.headers.get("x-dp-rank", "0"))
+            world = int(request.headers.get("x-dp-world-size", "1"))
+        except ValueError:
+            raise ClientError(400, "X-DP-Rank and X-DP-World-Size must be integers") from None
+        if not 1 <= world <= cfg.max_dp_world_size:
+            raise ClientError(400, f"X-DP-World-Size={world} is outside 1..{cfg.max_dp_world_size} "
+                                   "(--max-dp-world-size)")
         if not 0 <= rank < world:
-            raise HTTPException(400, f"X-DP-Rank={rank} is outside X-DP-World-Size={world}")
-        key = (rank, world)
-        if key not in agents:
-            # A fresh instance per data-parallel rank: same configuration, independent prompt stream.
-            inst = type(agent).model_validate(config)
-            inst.bind_inference(inference)
-            inst.set_data_parallel(rank, world)
-            agents[key] = inst
-        return agents[key]
+            raise ClientError(400, f"X-DP-Rank={rank} is outside 0..X-DP-World-Size-1={world - 1}")
+        return rank, world
 
-    def check_token(authorization: str | None) -> None:
-        if token is None:
-            return
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+    def agent_for(request: Request) -> Agent:
+        key = coordinates(request)
+        inst = agents.get(key)
+        if inst is None:
+            # A fresh instance per data-parallel rank: same configuration, independent prompt stream.
+            inst = fresh_agent(*key)
+            agents.put(key, inst)
+        return inst
+
+    def client_backend(spec: InferenceSpec) -> InferenceInterface:
+        key = _spec_key(spec)
+        if key not in allowed:
+            hint = ("it matches none of the specs allowlisted with --allow-client-inference" if allowed else
+                    "this server does not accept client-chosen inference backends")
+            raise ClientError(403, f"request.inference refused: {hint}; omit it to generate with the server's "
+                                   "own backend", "Forbidden")
+        built = backends.get(key)
+        if built is None:
+            built = backend_class(spec.backend).for_untrusted_spec(**spec.kwargs)
+            backends.put(key, built)
+        return built
+
+    def check_token(request: Request) -> None:
+        if not authorized(request.headers.get("authorization"), token):
+            raise ClientError(401, "missing or wrong bearer token (Authorization: Bearer <token>)", "Unauthorized")
+
+    @app.exception_handler(ClientError)
+    async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.kind)
 
     @app.exception_handler(Exception)
-    async def _agent_error(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - trivial
-        logger.exception("agent error on %s", request.url.path)
-        return JSONResponse(status_code=500, content={"error": type(exc).__name__, "detail": str(exc)})
+    async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
+        return _error(500, f"the environment failed on this request (error id {error_id}; see the server log)",
+                      "InternalError")
+
+    install_docs(app, check_token, app.title)
+
+    async def json_body(request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
+            raise ClientError(422, "the body is not valid JSON", "ValidationError") from None
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "agent": agent.type_name, "env_id": agent.name}
 
-    @app.get("/agent")
-    async def get_agent(authorization: str | None = Header(None)) -> dict[str, Any]:
-        check_token(authorization)
-        return config
+    @app.get("/agent", dependencies=[Depends(check_token)], responses=_responses(401))
+    async def get_agent() -> dict[str, Any]:
+        return config_dump
 
-    @app.post("/request")
-    async def handle(request: Request, authorization: str | None = Header(None),
-                     x_dp_rank: int = Header(0), x_dp_world_size: int = Header(1)) -> JSONResponse:
-        check_token(authorization)
+    @app.post("/request", dependencies=[Depends(check_token)], responses=_responses(400, 401, 403, 413, 422),
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": request_body_schema(cfg)}}}})
+    async def handle(request: Request) -> JSONResponse:
+        data = await json_body(request)
         try:
-            req = AgentRequest.model_validate(await request.json())
-        except (ValidationError, ValueError) as e:  # ValueError: the body is not JSON
-            return JSONResponse(status_code=422, content={"error": "ValidationError", "detail": str(e)})
+            req = AgentRequest.model_validate(data)
+        except (ValidationError, ValueError) as e:
+            raise ClientError(422, describe_validation_error(e)[0], "ValidationError") from None
         if type(req) is AgentRequest:
-            return JSONResponse(status_code=422, content={"error": "ValidationError", "detail":
-                                f"request needs a type_name, one of {sorted(AgentRequest.registered_types())}"})
-        response = await agent_for(x_dp_rank, x_dp_world_size).handle(req)
+            raise ClientError(422, f"request needs a type_name, one of {sorted(AgentRequest.registered_types())}",
+                              "ValidationError")
+        check_request_limits(req, cfg, gen_limits, agent)
+        target = agent_for(request)
+        if req.inference is not None:
+            req = req.model_copy(update={"inference_interface": client_backend(req.inference), "inference": None})
+        elif inference is None:
+            raise ClientError(400, "this server has no inference backend of its own (--inference-backend); send "
+                                   "request.inference with a spec it allowlists")
+        try:
+            response = await target.handle(req)
+        except NotImplementedError:
+            raise ClientError(400, f"this environment does not support {type(req).__name__}") from None
         return JSONResponse(content=response.model_dump(mode="json"))
 
-    @app.get("/state")
-    async def get_state(authorization: str | None = Header(None), x_dp_rank: int = Header(0),
-                        x_dp_world_size: int = Header(1)) -> dict[str, Any]:
-        check_token(authorization)
-        return agent_for(x_dp_rank, x_dp_world_size).state_dict()
+    @app.get("/state", dependencies=[Depends(check_token)], responses=_responses(400, 401))
+    async def get_state(request: Request) -> dict[str, Any]:
+        return agent_for(request).state_dict()
 
-    @app.post("/state")
-    async def set_state(state: dict[str, Any], authorization: str | None = Header(None), x_dp_rank: int = Header(0),
-                        x_dp_world_size: int = Header(1)) -> dict[str, str]:
-        check_token(authorization)
-        agent_for(x_dp_rank, x_dp_world_size).load_state_dict(state)
+    @app.post("/state", dependencies=[Depends(check_token)], responses=_responses(400, 401, 413, 422),
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"type": "object", "description": "a state_dict from GET /state"}}}}})
+    async def set_state(request: Request) -> dict[str, str]:
+        key = coordinates(request)
+        state = await json_body(request)
+        if not isinstance(state, dict):
+            raise ClientError(422, "the state must be a JSON object (as GET /state returns)", "ValidationError")
+        inst = fresh_agent(*key)  # loaded aside and swapped in: a bad state leaves the current one untouched
+        try:
+            inst.load_state_dict(state)
+        except ValueError as e:
+            raise ClientError(400, f"invalid agent state: {describe_validation_error(e)[0]}") from None
+        except (TypeError, KeyError, AttributeError, ArithmeticError):
+            raise ClientError(400, "invalid agent state (wrong keys or types; GET /state shows the expected "
+                                   "shape)") from None
+        agents.put(key, inst)
         return {"status": "ok"}
 
     return app
+
+
+_STATUS_TEXT = {400: "client mistake (bad header, state, unsupported request)", 401: "missing or wrong token",
+                403: "request.inference not allowlisted", 413: "request body too large",
+                422: "body does not match the schema or exceeds a limit", 500: "environment failure (see log)"}
+
+
+def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    schema = {"type": "object", "properties": {"error": {"type": "string"}, "detail": {"type": "string"}}}
+    return {c: {"description": _STATUS_TEXT[c], "content": {"application/json": {"schema": schema}}}
+            for c in (*codes, 500)}
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": kind, "detail": safe_message(message)})

@@ -9,8 +9,9 @@ Examples::
     python -m megatron.rl.server.inference --backend megatron --port 8000 -- --load /ckpts/run1
     # (older checkpoints: add their model flags after --load)
 
-Binds 127.0.0.1 by default. ``--api-key`` (or env ``MEGATRON_RL_INFERENCE_API_KEY``) makes ``/v1/*`` require
-``Authorization: Bearer <key>``; ``/health`` stays open for probes.
+Binds 127.0.0.1 by default. ``--api-key`` (or env ``MEGATRON_RL_INFERENCE_API_KEY``) makes every route but
+``/health`` (open for probes) require ``Authorization: Bearer <key>``. ``--limit KEY=VALUE`` bounds the work of
+one request (see :class:`megatron.rl.inference.validation.RequestLimits`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import sys
 
 from megatron.rl.inference.api import (InferenceError, InferenceInterface, backend_class,
                                        build_inference_interface)
+from megatron.rl.server.guard import LOOPBACK_HOSTS, add_limit_flag, limits_from_flags
 from megatron.rl.server.inference.app import ServerConfig, create_app
 
 logger = logging.getLogger("megatron.rl.server.inference")
@@ -56,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-requests", type=int, default=256, help="most requests per backend call")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # hostile inputs: per-request limits
+    add_limit_flag(p)
     return p
 
 
@@ -78,16 +82,22 @@ def main(argv: list[str] | None = None) -> None:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    limits = limits_from_flags(args.limit, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.host not in LOOPBACK_HOSTS and not args.api_key:
         logger.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
     try:
         backend = build_backend(args.backend, dict(args.backend_arg), extra)
     except (InferenceError, TypeError, ValueError) as e:  # bad name or constructor args: say so, no traceback
         build_parser().error(f"--backend {args.backend}: {e}")
-    cfg = ServerConfig(model_name=args.model_name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
-                       max_batch_requests=args.max_batch_requests, default_max_tokens=args.default_max_tokens)
+    try:
+            cfg = ServerConfig(model_name=args.model_name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
+                           max_batch_requests=args.max_batch_requests, default_max_tokens=args.default_max_tokens,
+                           limits=limits)
+    except ValueError as e:
+        parser.error(f"--default-max-tokens: {e}")
     logger.info("serving backend %r as model %r on http://%s:%d", args.backend, args.model_name, args.host, args.port)
     uvicorn.run(create_app(backend, cfg), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)

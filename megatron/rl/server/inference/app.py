@@ -10,31 +10,36 @@ static-batching backend (Hugging Face, the fake) sees big batches under load, an
 requests becomes a handful of calls. A backend that batches concurrent calls itself
 (``continuous_batching = True``, e.g. a dynamic engine) gets each request forwarded immediately.
 
-Failure isolation: a bad request is answered 400 (generation args) or 422 (malformed JSON / wrong types)
-before it reaches the backend; a per-request backend error (``finish_reason="error"``, e.g. a prompt
-longer than the model) answers that HTTP request 400; an exception from the backend fails only the
-requests of that batch (500) and the server keeps serving. A client that disconnects mid-request is
-dropped from the queue if its batch has not started; otherwise its results are discarded when they
-arrive, so the backend is never left waiting on a dead connection.
-"""
-from __future__ import annotations
+Failure isolation: a body that breaks the schema (wrong type, out of range, over a limit of
+:class:`RequestLimits`) is answered 422 and a body over ``max_body_bytes`` 413, before it reaches the batcher;
+an empty prompt or an unsupported option 400; a per-request backend error (``finish_reason="error"``, e.g.
+a prompt longer than the model) answers that HTTP request 400. If the backend raises on a batch, the batch
+is retried in halves until the requests that make it raise are alone: only those get a 500 (with a short
+message; the exception is in the server log), the others their answers. A client that disconnects
+mid-request is dropped from the queue if its batch has not started; otherwise its results are discarded
+when they arrive, so the backend is never left waiting on a dead connection.
 
+Authorization (when ``api_key`` is set): every route but ``/health`` (``/docs`` and ``/openapi.json``
+included) needs ``Authorization: Bearer <key>``, see :mod:`megatron.rl.server.guard`.
+"""
+# no `from __future__ import annotations`: the routes are typed with body classes built in create_app()
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
-from megatron.rl.server.inference.schemas import (ChatCompletionBody, CompletionBody, chat_request,
-                                                  completion_requests, describe_validation_error)
+from megatron.rl.inference.validation import RequestLimits, describe_validation_error
+from megatron.rl.server.guard import BodySizeLimit, authorized, install_docs, safe_message
+from megatron.rl.server.inference.schemas import ErrorBody, body_models, chat_request, completion_requests
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +48,22 @@ __all__ = ["create_app", "RequestBatcher", "ServerConfig"]
 
 @dataclass
 class ServerConfig:
-    """Server settings. ``api_key``: when set, ``/v1/*`` require ``Authorization: Bearer <api_key>``."""
+    """Server settings. ``api_key``: when set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
+
+    limits: how much one HTTP request may ask for (see :class:`RequestLimits`); ``default_max_tokens`` must
+    be within ``limits.max_tokens``.
+    """
     model_name: str = "megatron-rl"
     api_key: str | None = None
     batch_window_s: float = 0.005
     max_batch_requests: int = 256
     default_max_tokens: int = 256
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.default_max_tokens <= self.limits.max_tokens:
+            raise ValueError(f"default_max_tokens={self.default_max_tokens} must be within 1..max_tokens limit "
+                             f"{self.limits.max_tokens}")
 
 
 class BackendFailure(RuntimeError):
@@ -118,11 +133,12 @@ class RequestBatcher:
         except Exception as e:  # noqa: BLE001 - reported to the callers of this batch, the server carries on
             self.stats.backend_errors += 1
             logger.exception("inference backend failed on a batch of %d requests", len(requests))
-            raise BackendFailure(f"{type(e).__name__}: {e}") from e
+            raise BackendFailure(f"the inference backend failed ({type(e).__name__}; see the server log)") from e
         expected = sum(r.generation_args.n for r in requests)
         if len(out) != expected:
             self.stats.backend_errors += 1
-            raise BackendFailure(f"backend returned {len(out)} responses for {expected} samples")
+            logger.error("backend returned %d responses for %d samples", len(out), expected)
+            raise BackendFailure(f"the inference backend returned {len(out)} responses for {expected} samples")
         return out
 
     async def _collect(self) -> list[_Pending]:
@@ -147,25 +163,34 @@ class RequestBatcher:
             self.stats.dropped_disconnected += len(batch) - len(live)
             if not live:
                 continue
-            flat = [r for p in live for r in p.requests]
             self._count_batch(sum(p.num_samples for p in live))
-            try:
-                out = await self._call_backend(flat)
-            except BackendFailure as e:
-                for p in live:
-                    if not p.future.done():
-                        p.future.set_exception(e)
-                continue
-            start = 0
-            for p in live:
-                if not p.future.done():
-                    p.future.set_result(out[start:start + p.num_samples])
-                start += p.num_samples
+            await self._serve(live)
+
+    async def _serve(self, live: list[_Pending]) -> None:
+        """One backend call for ``live``; if it raises, retry in halves so only the culprits fail."""
+        try:
+            out = await self._call_backend([r for p in live for r in p.requests])
+        except BackendFailure as e:
+            if len(live) == 1:
+                if not live[0].future.done():
+                    live[0].future.set_exception(e)
+                return
+            mid = len(live) // 2
+            await self._serve(live[:mid])
+            await self._serve(live[mid:])
+            return
+        start = 0
+        for p in live:
+            if not p.future.done():
+                p.future.set_result(out[start:start + p.num_samples])
+            start += p.num_samples
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": status}})
+                        content={"error": {"message": safe_message(message), "type": kind,
+                                           "param": None if param is None else safe_message(param, 100),
+                                           "code": status}})
 
 
 async def _wait_unless_disconnected(request: Request, coro: Any) -> Any:
@@ -206,10 +231,18 @@ def _usage(responses: list[InferenceResponse]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+_STATUS_TEXT = {400: "invalid value or unsupported option", 401: "missing or wrong API key",
+                404: "model not served here", 413: "request body too large",
+                422: "body does not match the schema (type, range or limit)", 500: "inference backend failure"}
+_RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody, "description": text}
+                                               for code, text in _STATUS_TEXT.items()}
+
+
 def create_app(backend: InferenceInterface, config: ServerConfig | None = None) -> FastAPI:
     """Build the FastAPI app serving ``backend``. Run it with uvicorn (see ``python -m megatron.rl.server.inference``)."""
     cfg = config or ServerConfig()
     batcher = RequestBatcher(backend, cfg.batch_window_s, cfg.max_batch_requests)
+    CompletionBody, ChatCompletionBody = body_models(cfg.limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -220,16 +253,15 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
             await batcher.stop()
             await backend.aclose()
 
-    app = FastAPI(title="megatron-rl inference server", lifespan=lifespan)
+    app = FastAPI(title="megatron-rl inference server", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)
     app.state.batcher = batcher
     app.state.backend = backend
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.limits.max_body_bytes,
+                       reject=lambda status, message: _error(status, message))
 
     async def check_auth(request: Request) -> None:
-        if cfg.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), cfg.api_key.encode()):
+        if not authorized(request.headers.get("authorization"), cfg.api_key):
             raise _AuthError()
 
     @app.exception_handler(_AuthError)
@@ -237,9 +269,16 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
         return _error(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
                       kind="authentication_error")
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = describe_validation_error(exc)
+        return _error(422, msg, param=param)
+
+    install_docs(app, check_auth, app.title)
+
     def check_model(model: str | None) -> JSONResponse | None:
         if model is not None and model != cfg.model_name:
-            return _error(404, f"model {model!r} is not served here; this server serves {cfg.model_name!r} "
+            return _error(404, f"model {model[:64]!r} is not served here; this server serves {cfg.model_name!r} "
                                "(see GET /v1/models)", param="model", kind="not_found_error")
         return None
 
@@ -247,7 +286,7 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
         try:
             out = await _wait_unless_disconnected(request, batcher.submit(requests))
         except BackendFailure as e:
-            return _error(500, f"inference backend error: {e}", kind="server_error")
+            return _error(500, str(e), kind="server_error")
         if out is None:  # client gone; the status is never seen
             return _error(499, "client disconnected")
         errors = [r.error or "request failed" for r in out if r.finish_reason == "error"]
@@ -259,12 +298,12 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
     async def health() -> dict[str, Any]:
         return {"status": "ok", "backend": backend.name, "model": cfg.model_name, "stats": batcher.stats.as_dict()}
 
-    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    @app.get("/v1/models", dependencies=[Depends(check_auth)], responses={401: _RESPONSES[401]})
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
                                             "owned_by": f"megatron-rl:{backend.name}"}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/completions", dependencies=[Depends(check_auth)], responses=_RESPONSES)
     async def completions(body: CompletionBody, request: Request):
         if (bad := check_model(body.model)) is not None:
             return bad
@@ -288,7 +327,7 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": cfg.model_name, "choices": choices, "usage": _usage(out)}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)], responses=_RESPONSES)
     async def chat_completions(body: ChatCompletionBody, request: Request):
         if (bad := check_model(body.model)) is not None:
             return bad

@@ -140,7 +140,7 @@ def test_bad_requests_are_per_request_errors(setup):
     out = backend.generate([too_long, good, empty, exactly_full, bad_t, nearly_full])
     assert [r.finish_reason for r in out] == ["error", "length", "error", "error", "error", "length"]
     assert "maximum sequence length" in out[0].error and str(backend.max_sequence_length) in out[0].error
-    assert "empty prompt" in out[2].error
+    assert "prompt is empty" in out[2].error  # the shared validation catches it before the engine
     assert "temperature" in out[4].error
     assert len(out[5].generated_token_ids) == 3  # max_tokens clamped to the room left
     # the engine keeps serving, with the same answers

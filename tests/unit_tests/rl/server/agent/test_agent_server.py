@@ -105,7 +105,8 @@ def test_token_required_and_bad_requests_are_clear(server):
     r = httpx.post(server + "/request", json={"type_name": "GroupedRolloutRequest", "num_groups": 1,
                                               "rollouts_per_group": 1, "inference": {"backend": "nope"}},
                    headers={"Authorization": f"Bearer {TOKEN}"})
-    assert r.status_code == 500 and "unknown inference backend 'nope'" in r.json()["detail"]
+    # a client-chosen backend is refused (no allowlist), whether or not it exists: no registry probe
+    assert r.status_code == 403 and "nope" not in r.text and "refused" in r.json()["detail"]
 
 
 def test_unreachable_server_fails_after_retries():

@@ -61,5 +61,5 @@ def test_megatron_server_concurrent_and_bad_requests(megatron_server):
     assert all(r.finish_reason in ("stop", "length") for r in out[:-1])
     assert out[-1].finish_reason == "error" and "400" in out[-1].error
     r = httpx.post(megatron_server.url + "/v1/completions", json={"prompt": "Hi", "temperature": -1})
-    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    assert r.status_code == 422 and "temperature" in r.json()["error"]["message"]  # out of the schema's range
     assert megatron_server.health()["status"] == "ok"
