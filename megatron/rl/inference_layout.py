@@ -264,3 +264,43 @@ def build_inference_groups(s: LayoutSizes, backend: str | None = None) -> Infere
     pp_ranks = next(r for r in layout_rank_lists(s)["pp"] if rank in r)
     return InferenceGroups(sizes=s, pg_collection=pgc, lockstep_group=lock_group, lockstep_source=source,
                            replica_rank=dp_ranks.index(rank), num_replicas=s.dp, pp_rank=pp_ranks.index(rank))
+
+
+@dataclasses.dataclass
+class RolloutShard:
+    """How rollout and evaluation prompts are split with a separate inference layout: by inference replica.
+
+    Every rank of replica ``rank`` (of ``size``) asks for the same prompts (its replica serves them in
+    lockstep); :meth:`gather` collects one result per replica, in replica order, on every rank.
+    """
+
+    rank: int
+    size: int
+    sources: list[int]  # the lowest global rank of each replica, in replica order
+
+    @classmethod
+    def for_groups(cls, groups: InferenceGroups) -> "RolloutShard":
+        s = groups.sizes
+        dp_of = {}
+        for dp_ranks in layout_rank_lists(s)["dp"]:
+            for i, r in enumerate(dp_ranks):
+                dp_of[r] = i
+        sources = sorted((dp_of[m[0]], m[0]) for m in lockstep_ranks(s))
+        return cls(rank=groups.replica_rank, size=groups.num_replicas, sources=[src for _, src in sources])
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every replica (from its source rank), in replica order; collective over the world."""
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, obj)
+        return [everyone[src] for src in self.sources]
+
+    def regroup_for_training(self, groups: list, dp_rank: int, dp_size: int) -> list:
+        """This training data-parallel rank's share of all replicas' groups (collective over the world)."""
+        everything = [g for part in self.gather(list(groups)) for g in part]
+        per_rank, extra = divmod(len(everything), dp_size)
+        if extra:
+            raise RuntimeError(f"{len(everything)} rollout groups cannot be split evenly over {dp_size} "
+                               f"training data-parallel ranks")
+        return everything[dp_rank * per_rank:(dp_rank + 1) * per_rank]

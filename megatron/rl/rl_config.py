@@ -19,6 +19,8 @@ from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
+from megatron.rl.inference_layout import (InferenceLayoutConfig, add_inference_layout_args,
+                                          inference_layout_from_args, validate_inference_layout)
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Let the env config name agents by 'module:Class' import path (runs user code).")
     g.add_argument("--rl-metrics-jsonl", type=str, default=None,
                    help="Append one JSON line of metrics per iteration to this file (rank 0).")
+    add_inference_layout_args(g)  # separate inference layout (issue 12): megatron.rl.inference_layout
     return parser
 
 
@@ -100,6 +103,8 @@ class RLConfig:
     inference_server_url: str | None
     allow_import_paths: bool
     metrics_jsonl: str | None
+    # separate inference layout (issue 12); the default (no flags) generates with the training model itself
+    inference_layout: InferenceLayoutConfig = InferenceLayoutConfig()
 
     @property
     def rollouts_per_step(self) -> int:
@@ -132,7 +137,7 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
         max_new_tokens=a.rl_max_new_tokens, prompts_per_eval=a.rl_prompts_per_eval,
         eval_temperature=a.rl_eval_temperature, inference_backend=a.inference_backend,
         inference_server_url=a.inference_server_url, allow_import_paths=a.langrl_allow_imports,
-        metrics_jsonl=a.rl_metrics_jsonl)
+        metrics_jsonl=a.rl_metrics_jsonl, inference_layout=inference_layout_from_args(a))
     validate_rl_config(rl, cfg)
     return rl
 
@@ -174,3 +179,12 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
     _need(cfg.parallel.virtual_pipeline_model_parallel_size is None,
           "train_rl.py does not support the interleaved pipeline schedule yet; drop "
           "--num-layers-per-virtual-pipeline-stage.")
+    # --- separate inference layout (issue 12) ---
+    validate_inference_layout(rl.inference_layout, cfg, rl.inference_backend)
+    if rl.inference_layout.enabled:
+        replicas = rl.inference_layout.sizes(cfg).dp
+        _need(rl.prompts_per_step % replicas == 0,
+              f"--grpo-prompts-per-step={rl.prompts_per_step} must be divisible by the {replicas} inference "
+              f"replicas of the inference layout (world size / (inference TP x PP)): each replica generates an "
+              f"equal share of the prompt groups.")
+    # --- end separate inference layout ---

@@ -27,7 +27,7 @@ _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss
               ("logprob_gap_mean", "lp gap"), ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
               ("packing_efficiency", "packing"), ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
-              ("time_train_s", "t train"))
+              ("time_train_s", "t train"), ("time_refit_s", "t refit"))
 
 
 @dataclasses.dataclass
@@ -50,9 +50,13 @@ def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: fl
     return " | ".join(parts) + " |"
 
 
-def _build_inference(rl: RLConfig, model, tokenizer):
+def _build_inference(cfg: TrainingConfig, rl: RLConfig, model, tokenizer):
     from megatron.rl.inference.api import build_inference_interface
 
+    if rl.inference_layout.enabled:  # an inference copy at its own layout (megatron.rl.refit)
+        from megatron.rl.refit import build_layout_inference
+
+        return build_layout_inference(cfg, rl.inference_layout, model, tokenizer)
     if rl.inference_backend == "megatron":
         from megatron.rl.inference.megatron import MegatronInference
 
@@ -126,16 +130,24 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     ref_model = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if rl.loss.needs_ref_logprobs else None
     margs = checkpoint_model_args(cfg, tokenizer)
     iteration, run_state = _load(cfg, rl, model, optimizer, scheduler, ref_model, margs)
-    agent.set_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    inference = _build_inference(cfg, rl, model, tokenizer)
+    shard = getattr(inference, "rollout_shard", None)  # separate inference layout: prompts split by replica
+    agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
+                              else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
     if run_state.get("agent"):
         agent.load_state_dict(run_state["agent"])
-    inference = _build_inference(rl, model, tokenizer)
     agent.bind_inference(inference)
     ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=agent, inference=inference,
                       pad_token_id=tokenizer.pad, seq_length=cfg.model.seq_length,
                       micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
                       device=runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
                       ref_model=ref_model)
+    if rl.inference_layout.enabled:
+        from megatron.rl.refit import verify_weights_swap
+
+        log.info("refit of the inference copy from the trainer's weights took %.3fs", inference.refit_if_stale())
+        if rl.inference_layout.verify_model_weights_swap:
+            verify_weights_swap(ctx, rl, inference)
     writer = build_metrics_writer(cfg)
     jsonl = Path(rl.metrics_jsonl) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
     if jsonl is not None:
@@ -173,6 +185,11 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     control = LoopControl.from_config(cfg, save, last_saved=iteration if c.load else None)
     while iteration < t.train_iters:
         result = rl_iteration(ctx, rl, iteration)
+        if rl.inference_layout.enabled and not result.metrics.get("skipped_update"):
+            inference.mark_trainer_updated()  # refit now, before the next generation
+            refit_s = inference.refit_if_stale()
+            result.metrics.update(time_refit_s=refit_s,
+                                  refit_fraction=refit_s / max(result.metrics.get("time_total_s", 0.0) + refit_s, 1e-9))
         iteration += 1
         record = {"iteration": iteration, **result.metrics}
         history.append(record)
