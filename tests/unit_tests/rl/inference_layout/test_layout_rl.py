@@ -116,3 +116,9 @@ def test_grpo_reward_rises_with_a_separate_inference_layout(tmp_path):
     assert max(h["logprob_gap_max"] for h in history) < 1e-4
     first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
     assert last > first + 0.2 and last > 2 * first, f"reward did not rise: {rewards}"
+
+
+@pytest.mark.multiprocess
+def test_verify_model_weights_swap_fails_loudly_on_a_bad_copy():
+    proc = run_torchrun(Path(__file__).parent / "scripts" / "verify_swap_check.py", timeout=400)
+    assert proc.stdout.count("VERIFY OK") == 2, proc.stdout[-3000:]
