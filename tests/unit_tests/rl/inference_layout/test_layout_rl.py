@@ -73,8 +73,8 @@ def test_inference_copy_logprobs_equal_trainer_before_and_after_updates(tmp_path
     assert results[0]["history"][-1]["rl_loss"] == results[1]["history"][-1]["rl_loss"]
 
 
-COMPARED = ("reward_mean", "rl_loss", "grad_norm", "entropy_mean", "ratio_mean", "response_length_mean",
-            "num_sequences")
+COMPARED = ("reward_mean", "reward_std", "rl_loss", "grad_norm", "ratio_mean", "clip_fraction_high",
+            "response_length_mean", "num_sequences")
 
 
 @pytest.mark.multiprocess

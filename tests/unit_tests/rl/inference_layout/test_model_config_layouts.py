@@ -16,8 +16,9 @@ def test_recommended_inference_layout_is_valid_on_8_gpus(name, tmp_path, monkeyp
     monkeypatch.setattr("megatron.rl.runtime.cuda_usable", lambda: True)  # the configs are for GPUs
     env = tmp_path / "env.yaml"
     env.write_text("environments: [{type: arithmetic, weight: 1}]\n")
-    args = [*bash_array(name, "MODEL_ARGS"), *bash_array(name, "PARALLEL_ARGS"), *[f for f in bash_array(name, "INFERENCE_ARGS") if f],
-            *RL, "--langrl-env-config", str(env)]
+    inference_args = [f for f in bash_array(name, "INFERENCE_ARGS") if f]  # an empty array prints one ""
+    args = [*bash_array(name, "MODEL_ARGS"), *bash_array(name, "PARALLEL_ARGS"), *inference_args, *RL,
+            "--langrl-env-config", str(env)]
     rl = rl_config_from_args(parse_args(args, extra_args_providers=[add_rl_args], world_size=8))
     train_tp = int(bash_array(name, "PARALLEL_ARGS")[1])
     layout = rl.inference_layout
