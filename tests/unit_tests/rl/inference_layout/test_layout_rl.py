@@ -57,8 +57,11 @@ def _run(tmp: Path, case: list[str], iters: int, *extra) -> list[dict]:
     pytest.param("moe_train_ep2_infer_ep1", marks=pytest.mark.slow),
 ])
 def test_inference_copy_logprobs_equal_trainer_before_and_after_updates(tmp_path, case):
-    results = _run(tmp_path, CASES[case], 4)
+    # with evaluation at iterations 0, 2 and 4: served by the copy too, split over its replicas
+    results = _run(tmp_path, CASES[case], 4, "--rl-prompts-per-eval", "4", "--eval-interval", "2")
     for r in results:
+        assert [e["iteration"] for e in r["evals"]] == [0, 2, 4]
+        assert all(e["eval/HashReward/num_prompts"] == 2 for e in r["evals"]), r["evals"]
         history = r["history"]
         assert [h["iteration"] for h in history] == [1, 2, 3, 4]
         gaps = [h["logprob_gap_max"] for h in history]

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])
     rl = rl_config_from_args(cfg)
     result = run_rl(cfg, rl)
-    out = {"rank": dist.get_rank(), "history": result.history, "checksums": checksums}
+    out = {"rank": dist.get_rank(), "history": result.history, "evals": result.evals, "checksums": checksums}
     print("LAYOUT_RESULT " + json.dumps(out), flush=True)
     destroy_megatron()
 
