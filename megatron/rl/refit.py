@@ -213,6 +213,23 @@ def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, t
     return LayoutInference(backend, copy, groups)
 
 
+def start_inference_copy(ctx, rl, inference: LayoutInference) -> None:
+    """RL loop start: refit the copy from the trainer's (loaded) weights; --rl-verify-model-weights-swap checks it."""
+    log.info("refit of the inference copy from the trainer's weights took %.3fs", inference.refit_if_stale())
+    if rl.inference_layout.verify_model_weights_swap:
+        verify_weights_swap(ctx, rl, inference)
+
+
+def refit_after_iteration(inference: LayoutInference, metrics: dict[str, float]) -> None:
+    """After an RL iteration that updated the trainer: refit now and add ``time_refit_s`` / ``refit_fraction``."""
+    if metrics.get("skipped_update"):
+        return  # no optimizer step ran: the copy still equals the trainer
+    inference.mark_trainer_updated()
+    refit_s = inference.refit_if_stale()
+    metrics.update(time_refit_s=refit_s,
+                   refit_fraction=refit_s / max(metrics.get("time_total_s", 0.0) + refit_s, 1e-9))
+
+
 # ------------------------------------------------------------------------------------ verification
 
 

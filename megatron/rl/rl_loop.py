@@ -142,12 +142,10 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
                       micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
                       device=runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
                       ref_model=ref_model)
-    if rl.inference_layout.enabled:
-        from megatron.rl.refit import verify_weights_swap
+    if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
+        from megatron.rl.refit import refit_after_iteration, start_inference_copy
 
-        log.info("refit of the inference copy from the trainer's weights took %.3fs", inference.refit_if_stale())
-        if rl.inference_layout.verify_model_weights_swap:
-            verify_weights_swap(ctx, rl, inference)
+        start_inference_copy(ctx, rl, inference)
     writer = build_metrics_writer(cfg)
     jsonl = Path(rl.metrics_jsonl) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
     if jsonl is not None:
@@ -185,11 +183,8 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     control = LoopControl.from_config(cfg, save, last_saved=iteration if c.load else None)
     while iteration < t.train_iters:
         result = rl_iteration(ctx, rl, iteration)
-        if rl.inference_layout.enabled and not result.metrics.get("skipped_update"):
-            inference.mark_trainer_updated()  # refit now, before the next generation
-            refit_s = inference.refit_if_stale()
-            result.metrics.update(time_refit_s=refit_s,
-                                  refit_fraction=refit_s / max(result.metrics.get("time_total_s", 0.0) + refit_s, 1e-9))
+        if rl.inference_layout.enabled:
+            refit_after_iteration(inference, result.metrics)  # before the next generation
         iteration += 1
         record = {"iteration": iteration, **result.metrics}
         history.append(record)
