@@ -108,3 +108,32 @@ def test_rank_lists_equal_the_training_groups_megatron_core_builds():
     dec = RankGenerator(tp=2, ep=1, dp=4, pp=2, cp=1, order="tp-cp-ep-dp-pp")
     assert ours["tp"] == dec.get_ranks("tp") and ours["dp"] == dec.get_ranks("dp")
     assert all(len(r) == 2 for r in ours["ep"]) and sorted(x for r in ours["ep"] for x in r) == list(range(16))
+
+
+class _FakeShard:
+    """RolloutShard with the world all-gather replaced by fixed per-replica results."""
+
+    def __new__(cls, per_replica):
+        from megatron.rl.inference_layout import RolloutShard
+
+        shard = RolloutShard(rank=0, size=len(per_replica), sources=list(range(len(per_replica))))
+        shard.gather = lambda obj: per_replica  # type: ignore[method-assign]
+        return shard
+
+
+def test_groups_are_regrouped_by_training_dp_rank_in_replica_order():
+    shard = _FakeShard([["g0", "g1", "g2"], ["g3", "g4", "g5"]])  # 2 inference replicas, 3 groups each
+    assert shard.regroup_for_training(["ignored"], dp_rank=0, dp_size=1) == ["g0", "g1", "g2", "g3", "g4", "g5"]
+    assert shard.regroup_for_training([], dp_rank=1, dp_size=3) == ["g2", "g3"]
+    with pytest.raises(RuntimeError, match="cannot be split evenly"):
+        shard.regroup_for_training([], dp_rank=0, dp_size=4)
+
+
+def test_replica_sources_in_replica_order():
+    from megatron.rl.inference_layout import InferenceGroups, RolloutShard
+
+    s = LayoutSizes(world=8, tp=2, pp=2)  # replicas {0,1,4,5} and {2,3,6,7}
+    groups = InferenceGroups(sizes=s, pg_collection=None, lockstep_group=None, lockstep_source=2, replica_rank=1,
+                             num_replicas=2, pp_rank=0)
+    shard = RolloutShard.for_groups(groups)
+    assert (shard.rank, shard.size, shard.sources) == (1, 2, [0, 2])
