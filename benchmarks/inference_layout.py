@@ -130,14 +130,10 @@ def report(a, data: dict) -> dict:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    sizes = {"hidden": 128, "layers": 4, "heads": 4, "seq-length": 128, "prompts": 16, "group-size": 8,
+             "max-new-tokens": 32, "micro-batch-size": 8}
+    for name, default in sizes.items():
+        p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--iters", type=int, default=5, help="rounds of (a) then (b) (the first is a warm-up)")
     p.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
