@@ -127,9 +127,9 @@ def validate_inference_layout(layout: InferenceLayoutConfig, cfg: TrainingConfig
                         "inference layout (--rl-inference-tensor-model-parallel-size etc.)")
         return
     _need(inference_backend == "megatron",
-          f"--inference-backend {inference_backend} generates outside this process, so a separate inference "
-          f"layout (--rl-inference-*-model-parallel-size) has nothing to build: drop those flags, or use "
-          f"--inference-backend megatron.")
+          f"--inference-backend {inference_backend} does not generate with this run's megatron-core policy, so a "
+          f"separate inference layout (--rl-inference-*-model-parallel-size) has nothing to build: drop those "
+          f"flags, or use --inference-backend megatron.")
     for flag, value in (("--rl-inference-tensor-model-parallel-size", layout.tensor_model_parallel_size),
                         ("--rl-inference-pipeline-model-parallel-size", layout.pipeline_model_parallel_size),
                         ("--rl-inference-expert-model-parallel-size", layout.expert_model_parallel_size)):
