@@ -122,6 +122,7 @@ def test_grpo_reward_rises_with_a_separate_inference_layout(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # ~15-30 s; the passing side of the check runs in every parity test above
 def test_verify_model_weights_swap_fails_loudly_on_a_bad_copy():
     proc = run_torchrun(Path(__file__).parent / "scripts" / "verify_swap_check.py", timeout=400)
     assert proc.stdout.count("VERIFY OK") == 2, proc.stdout[-3000:]
