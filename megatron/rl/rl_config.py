@@ -19,6 +19,8 @@ from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
+from megatron.rl.inference_layout import (InferenceLayoutConfig, add_inference_layout_args,
+                                          inference_layout_from_args, validate_inference_layout)
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--rl-max-policy-logprob-gap", type=float, default=0.1,
                    help="Mean |trainer - inference| log-prob per generated token above which the run stops: the "
                         "server is not serving the trainer's policy (unless --rl-off-policy-server).")
+    add_inference_layout_args(g)  # separate inference layout (issue 12): megatron.rl.inference_layout
     return parser
 
 
@@ -123,6 +126,8 @@ class RLConfig:
     serve_inference_wait_s: float = 600.0
     off_policy_server: bool = False
     max_policy_logprob_gap: float = 0.1
+    # separate inference layout (issue 12); the default (no flags) generates with the training model itself
+    inference_layout: InferenceLayoutConfig = InferenceLayoutConfig()
 
     @property
     def rollouts_per_step(self) -> int:
@@ -158,7 +163,7 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
         max_all_failed_iterations=a.rl_max_all_failed_iterations,
         metrics_jsonl=a.rl_metrics_jsonl, serve_inference=a.rl_serve_inference,
         serve_inference_wait_s=a.rl_serve_inference_wait_s, off_policy_server=a.rl_off_policy_server,
-        max_policy_logprob_gap=a.rl_max_policy_logprob_gap)
+        max_policy_logprob_gap=a.rl_max_policy_logprob_gap, inference_layout=inference_layout_from_args(a))
     validate_rl_config(rl, cfg)
     return rl
 
@@ -203,6 +208,15 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
     _need(cfg.parallel.virtual_pipeline_model_parallel_size is None,
           "train_rl.py does not support the interleaved pipeline schedule yet; drop "
           "--num-layers-per-virtual-pipeline-stage.")
+    # --- separate inference layout (issue 12) ---
+    validate_inference_layout(rl.inference_layout, cfg, rl.inference_backend)
+    if rl.inference_layout.enabled:
+        replicas = rl.inference_layout.sizes(cfg).dp
+        _need(rl.prompts_per_step % replicas == 0,
+              f"--grpo-prompts-per-step={rl.prompts_per_step} must be divisible by the {replicas} inference "
+              f"replicas of the inference layout (world size / (inference TP x PP)): each replica generates an "
+              f"equal share of the prompt groups.")
+    # --- end separate inference layout ---
 
 
 def _validate_serving(rl: RLConfig, cfg: TrainingConfig) -> None:
@@ -219,6 +233,9 @@ def _validate_serving(rl: RLConfig, cfg: TrainingConfig) -> None:
     _need(rl.inference_backend == "megatron",
           f"--rl-serve-inference serves the in-process engine, but --inference-backend={rl.inference_backend}; "
           f"use --inference-backend megatron (an external server already serves itself).")
+    _need(not rl.inference_layout.enabled,
+          "--rl-serve-inference serves the training model's engine; it is not wired to a separate inference layout "
+          "(--rl-inference-*-model-parallel-size) yet: drop one of the two.")
     _need(rl.serve_inference_wait_s > 0, f"--rl-serve-inference-wait-s={rl.serve_inference_wait_s}: must be > 0.")
     p = cfg.parallel
     _need(p.tensor_model_parallel_size == 1 and p.pipeline_model_parallel_size == 1

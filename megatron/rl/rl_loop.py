@@ -28,7 +28,7 @@ _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss
               ("logprob_gap_mean", "lp gap"), ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
               ("packing_efficiency", "packing"), ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
-              ("time_train_s", "t train"))
+              ("time_train_s", "t train"), ("time_refit_s", "t refit"))
 
 
 @dataclasses.dataclass
@@ -51,9 +51,13 @@ def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: fl
     return " | ".join(parts) + " |"
 
 
-def _build_inference(rl: RLConfig, model, tokenizer):
+def _build_inference(cfg: TrainingConfig, rl: RLConfig, model, tokenizer):
     from megatron.rl.inference.api import build_inference_interface
 
+    if rl.inference_layout.enabled:  # an inference copy at its own layout (megatron.rl.refit)
+        from megatron.rl.refit import build_layout_inference
+
+        return build_layout_inference(cfg, rl.inference_layout, model, tokenizer)
     if rl.inference_backend == "megatron":
         from megatron.rl.inference.megatron import MegatronInference
 
@@ -136,20 +140,27 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     ref_model = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if rl.loss.needs_ref_logprobs else None
     margs = checkpoint_model_args(cfg, tokenizer)
     iteration, run_state = _load(cfg, rl, model, optimizer, scheduler, ref_model, margs)
-    agent.set_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    backend = _build_inference(cfg, rl, model, tokenizer)
+    shard = getattr(backend, "rollout_shard", None)  # separate inference layout: prompts split by replica
+    agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
+                              else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
     if run_state.get("agent"):
         agent.load_state_dict(run_state["agent"])
-    inference = _build_inference(rl, model, tokenizer)
+    inference = backend
     if rl.serve_inference:  # remote environments (and any OpenAI client) generate with the trained policy
         from megatron.rl.server.policy_server import serve_policy
 
-        inference = serve_policy(inference, rl.serve_inference, rl.serve_inference_wait_s)
+        inference = serve_policy(backend, rl.serve_inference, rl.serve_inference_wait_s)
     agent.bind_inference(inference)
     ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=agent, inference=inference,
                       pad_token_id=tokenizer.pad, seq_length=cfg.model.seq_length,
                       micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
                       device=runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
                       ref_model=ref_model)
+    if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
+        from megatron.rl.refit import refit_after_iteration, start_inference_copy
+
+        start_inference_copy(ctx, rl, backend)
     writer = build_metrics_writer(cfg)
     jsonl = Path(rl.metrics_jsonl) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
     if jsonl is not None:
@@ -188,6 +199,8 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     all_failed = 0
     while iteration < t.train_iters:
         result = rl_iteration(ctx, rl, iteration)
+        if rl.inference_layout.enabled:
+            refit_after_iteration(backend, result.metrics)  # before the next generation
         iteration += 1
         record = {"iteration": iteration, **result.metrics}
         history.append(record)

@@ -92,14 +92,22 @@ def _dp():
 
 
 def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
-    """This DP rank's ``P / DP`` rollout groups for ``iteration`` (deterministic given the seed)."""
+    """This DP rank's ``P / DP`` rollout groups for ``iteration`` (deterministic given the seed).
+
+    With a separate inference layout the inference replicas generate ``P / replicas`` groups each, and the
+    groups are then regrouped by training DP rank (:class:`~megatron.rl.inference_layout.RolloutShard`).
+    """
     _, dp_rank, dp_size = _dp()
+    shard = getattr(ctx.inference, "rollout_shard", None)
+    gen_rank, gen_size = (shard.rank, shard.size) if shard is not None else (dp_rank, dp_size)
     args = GenerationArgs(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
-                          max_tokens=rl.max_new_tokens, seed=derive_seed(ctx.seed, "rollouts", iteration, dp_rank))
-    request = GroupedRolloutRequest(num_groups=rl.prompts_per_step // dp_size, rollouts_per_group=rl.group_size,
+                          max_tokens=rl.max_new_tokens, seed=derive_seed(ctx.seed, "rollouts", iteration, gen_rank))
+    request = GroupedRolloutRequest(num_groups=rl.prompts_per_step // gen_size, rollouts_per_group=rl.group_size,
                                     generation_args=args, inference_interface=ctx.inference)
     with inference_session(ctx.inference):
         response = asyncio.run(ctx.agent.generate_grouped_rollouts(request))
+    if shard is not None:
+        return shard.regroup_for_training(response.groups, dp_rank, dp_size)
     return response.groups
 
 
@@ -305,6 +313,9 @@ def _collection_metrics(stats: CollectionStats, t_gen: float) -> dict[str, float
 def evaluate(ctx: StepContext, rl: RLConfig, iteration: int) -> dict[str, float]:
     """Held-out evaluation on ``--rl-prompts-per-eval`` prompts (split over DP ranks); pass@1 and rewards."""
     dp_group, dp_rank, dp_size = _dp()
+    shard = getattr(ctx.inference, "rollout_shard", None)  # a separate inference layout: split by replica
+    if shard is not None:
+        dp_rank, dp_size = shard.rank, shard.size
     num_prompts = max(rl.prompts_per_eval // dp_size, 1)
     args = GenerationArgs(temperature=rl.eval_temperature, max_tokens=rl.max_new_tokens,
                           seed=derive_seed(ctx.seed, "eval", dp_rank))
@@ -312,7 +323,8 @@ def evaluate(ctx: StepContext, rl: RLConfig, iteration: int) -> dict[str, float]
                                 generation_args=args, inference_interface=ctx.inference)
     with inference_session(ctx.inference):
         response = asyncio.run(ctx.agent.evaluate(request))
-    gathered = parallel_utils.all_gather_object(response.metrics, dp_group)
+    gathered = (shard.gather(response.metrics) if shard is not None
+                else parallel_utils.all_gather_object(response.metrics, dp_group))
     out: dict[str, float] = {}
     prompt_keys = [k for k in gathered[0] if k.endswith("num_prompts")]
     for key in gathered[0]:

@@ -36,3 +36,8 @@ PARALLEL_ARGS=(
     --pipeline-model-parallel-size 1
     --use-distributed-optimizer
 )
+
+# Inference layout: generate with the trainer itself (TP=1 already).
+# Use: train_rl.py ... "${INFERENCE_ARGS[@]}" (README: Inference layout).
+INFERENCE_ARGS=(
+)

@@ -41,3 +41,11 @@ PARALLEL_ARGS=(
     --sequence-parallel
     --use-distributed-optimizer
 )
+
+# Inference layout: trained at TP=8, generate with TP=2 copies (4 replicas per node): 32.5 GB of bf16
+# weights per GPU, which fits only when the trainer's Adam state is sharded over >= 4 data-parallel
+# replicas (4+ nodes). On one or two nodes use --rl-inference-tensor-model-parallel-size 4 (16.3 GB/GPU).
+# Use: train_rl.py ... "${INFERENCE_ARGS[@]}" (README: Inference layout).
+INFERENCE_ARGS=(
+    --rl-inference-tensor-model-parallel-size 2
+)

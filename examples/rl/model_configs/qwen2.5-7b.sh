@@ -39,3 +39,10 @@ PARALLEL_ARGS=(
     --sequence-parallel
     --use-distributed-optimizer
 )
+
+# Inference layout: a TP=1 copy, 8 replicas (no TP all-reduce per decode step). It costs 15.2 GB of bf16
+# weights per GPU on top of the ~35 GB above; the KV cache is freed outside rollouts.
+# Use: train_rl.py ... "${INFERENCE_ARGS[@]}" (README: Inference layout).
+INFERENCE_ARGS=(
+    --rl-inference-tensor-model-parallel-size 1
+)

@@ -56,3 +56,12 @@ PARALLEL_ARGS=(
 GPU_ARGS=(
     --moe-grouped-gemm
 )
+
+# Inference layout: TP=1 with EP=8 (the experts stay spread over the node, attention loses its TP
+# all-reduces): ~5.1B parameters = 10.2 GB of bf16 weights per GPU. On one node that needs the
+# recompute flags above and a smaller KV buffer; two nodes are comfortable.
+# Use: train_rl.py ... "${INFERENCE_ARGS[@]}" (README: Inference layout).
+INFERENCE_ARGS=(
+    --rl-inference-tensor-model-parallel-size 1
+    --rl-inference-expert-model-parallel-size 8
+)

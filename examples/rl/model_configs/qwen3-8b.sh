@@ -38,3 +38,9 @@ PARALLEL_ARGS=(
     --sequence-parallel
     --use-distributed-optimizer
 )
+
+# Inference layout: a TP=1 copy, 8 replicas. It costs 16.4 GB of bf16 weights per GPU.
+# Use: train_rl.py ... "${INFERENCE_ARGS[@]}" (README: Inference layout).
+INFERENCE_ARGS=(
+    --rl-inference-tensor-model-parallel-size 1
+)

@@ -125,13 +125,16 @@ class MegatronInference(InferenceInterface):
         settings: KV-cache and batch sizes; default :meth:`EngineSettings.for_device`.
         max_sequence_length: prompt + generated tokens per request; default the model's
             ``max_sequence_length``.
+        process_groups: for an inference copy with its own layout, its
+            :class:`~megatron.rl.inference_layout.InferenceGroups` (process groups, lockstep group and
+            source); None = the training layout from megatron-core's ``parallel_state``.
 
     ``torch.distributed`` and megatron-core's ``parallel_state`` must be initialised (one process
     is fine). Construction is collective over all ranks when the world has more than one rank.
     """
 
     def __init__(self, model: Any, tokenizer: Any, settings: EngineSettings | None = None,
-                 max_sequence_length: int | None = None):
+                 max_sequence_length: int | None = None, process_groups: Any = None):
         runtime = setup_runtime()
         self._cpu_layer = runtime.cpu_layer_active
         self._device = runtime.device
@@ -150,7 +153,12 @@ class MegatronInference(InferenceInterface):
         self._termination_id = eod if eod in eos else (min(eos) if eos else -1)
         self._extra_eos = eos - {self._termination_id}
         self._eos = eos
-        self._group, self._source, self._group_size = _lockstep_group()
+        self._pg_collection = getattr(process_groups, "pg_collection", None)
+        if process_groups is None:
+            self._group, self._source, self._group_size = _lockstep_group()
+        else:
+            self._group, self._source = process_groups.lockstep_group, process_groups.lockstep_source
+            self._group_size = 1 if self._group is None else dist.get_world_size(self._group)
         self._is_source = dist.get_rank() == self._source
 
         self._lock = threading.Condition()
@@ -367,7 +375,7 @@ class MegatronInference(InferenceInterface):
         try:
             with self._device_mode():
                 engine, context, controller = build_engine(self.model, self._engine_tokenizer, self.settings,
-                                                           self.max_sequence_length)
+                                                           self.max_sequence_length, self._pg_collection)
         except BaseException as e:  # reported by enter_inference_mode
             log.exception("building the megatron-core inference engine failed")
             self._worker_error = e

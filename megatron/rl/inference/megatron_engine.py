@@ -186,13 +186,16 @@ def unwrap_gpt_model(model: Any) -> torch.nn.Module:
 
 
 def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: EngineSettings,
-                 max_sequence_length: int) -> tuple[DynamicInferenceEngine, DynamicInferenceContext,
-                                                    SamplingController]:
+                 max_sequence_length: int, pg_collection: Any = None) -> tuple[DynamicInferenceEngine,
+                                                                              DynamicInferenceContext,
+                                                                              SamplingController]:
     """Build context + wrapper + controller + engine around ``model`` (megatron-core 0.16.1 signatures).
 
     model: the model chunk as trained (DDP/Float16Module wrappers are fine: megatron-core unwraps
     them); its weights are used in place, nothing is copied. Call from the thread that will step the
     engine, inside its running asyncio loop (the engine binds to the running loop).
+    pg_collection: the model's own process groups when it is an inference copy with its own layout
+    (:mod:`megatron.rl.inference_layout`); None = megatron-core's global ``parallel_state`` groups.
     """
     gpt = unwrap_gpt_model(model)
     config = get_model_config(gpt)
@@ -211,6 +214,7 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
         num_cuda_graphs=None,
         materialize_only_last_token_logits=True,
         unified_memory_level=0,
+        pg_collection=pg_collection,
     )
     wrapper_config = InferenceWrapperConfig(
         hidden_size=config.hidden_size,
@@ -221,9 +225,10 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
         inference_max_seq_length=max_sequence_length,
         fp32_residual_connection=config.fp32_residual_connection,
     )
-    wrapped = GPTInferenceWrapper(model, wrapper_config, context)
-    controller = SamplingController(wrapped, tokenizer, seed=settings.seed)
-    engine = DynamicInferenceEngine(controller, context, random_seed=settings.seed)
+    wrapped = GPTInferenceWrapper(model, wrapper_config, context, pg_collection=pg_collection)
+    controller = SamplingController(wrapped, tokenizer, seed=settings.seed,
+                                    pp_group=None if pg_collection is None else pg_collection.pp)
+    engine = DynamicInferenceEngine(controller, context, random_seed=settings.seed, pg_collection=pg_collection)
     log.debug("dynamic inference engine: %d KV blocks of %d tokens, max_requests=%d, max_tokens=%d",
               context.block_allocator.total_count, context.block_size_tokens, context.max_requests,
               context.max_tokens)

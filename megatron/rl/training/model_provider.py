@@ -154,8 +154,12 @@ def checkpoint_model_args(cfg: TrainingConfig, tokenizer=None) -> dict:
 
 
 def build_gpt_chunk(cfg: TrainingConfig, tconfig, vocab_size: int, vp_stage: int | None = None,
-                    pre_process: bool | None = None, post_process: bool | None = None):
-    """One ``GPTModel`` holding this rank's layers of virtual-pipeline chunk ``vp_stage`` (None: no VPP)."""
+                    pre_process: bool | None = None, post_process: bool | None = None, pg_collection=None):
+    """One ``GPTModel`` holding this rank's layers of virtual-pipeline chunk ``vp_stage`` (None: no VPP).
+
+    ``pg_collection``: the model's own process groups (an inference copy with its own layout); None uses
+    megatron-core's global ``parallel_state``.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
@@ -178,6 +182,7 @@ def build_gpt_chunk(cfg: TrainingConfig, tconfig, vocab_size: int, vp_stage: int
         rope_scaling=m.use_rope_scaling,
         rope_scaling_factor=m.rope_scaling_factor,
         vp_stage=vp_stage,
+        pg_collection=pg_collection,
     )
 
 
