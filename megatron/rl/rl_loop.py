@@ -76,15 +76,16 @@ def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_mo
             raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
                               f"model's weights (the policy you start from).")
         load_checkpoint(c.pretrained_checkpoint, ref_model, None, None, load_optimizer=False, load_rng=False,
-                        model_args=margs)
+                        model_args=margs, verify_checksums=not c.no_verify_checkpoint_checksums)
     if c.load and latest_checkpoint(c.load) is not None:
         loaded = load_checkpoint(c.load, model, optimizer, scheduler, load_optimizer=not c.no_load_optim,
-                                 load_rng=not c.no_load_rng, model_args=margs)
+                                 load_rng=not c.no_load_rng, model_args=margs,
+                                 verify_checksums=not c.no_verify_checkpoint_checksums)
         log.info("resumed from %s at RL iteration %s", loaded.path, loaded.iteration)
         return int(loaded.iteration or 0), dict(loaded.run_state)
     if c.pretrained_checkpoint:
         load_checkpoint(c.pretrained_checkpoint, model, optimizer, scheduler, load_optimizer=False, load_rng=False,
-                        model_args=margs)
+                        model_args=margs, verify_checksums=not c.no_verify_checkpoint_checksums)
         log.info("starting RL from the pretrained checkpoint %s", c.pretrained_checkpoint)
     elif c.load:
         log.info("--load %s holds no checkpoint yet: starting a new run", c.load)

@@ -15,6 +15,12 @@ the environment answers with observations, and builds :class:`~megatron.rl.types
 
 Multi-turn: override :meth:`observe`; after each generated turn it returns the text the environment
 appends (e.g. a tool result) or None to end the episode. Observation tokens get generation-mask 0.
+
+Rewards and observations are user code run on untrusted model output, so they run in worker threads
+(``asyncio.to_thread``), never on the event loop: one slow answer does not stall the other rollouts of the
+process. ``reward_timeout_s`` bounds the wait; a rollout whose reward takes longer is an explicit failure
+(the thread cannot be killed, so a reward function should still bound its own work, as the math
+environment does).
 """
 from __future__ import annotations
 
@@ -91,11 +97,13 @@ class RewardOnlyAgent(Agent):
     max_turns: generated turns per episode (1 = single-turn; >1 needs :meth:`observe`).
     stop: stop strings added to every request's ``generation_args.stop``.
     max_tokens: per-turn cap on ``generation_args.max_tokens`` (None: the request's value).
+    reward_timeout_s: seconds one reward (or observation) may take before the rollout fails (None: no limit).
     """
 
     max_turns: int = Field(default=1, ge=1)
     stop: list[str] = Field(default_factory=list)
     max_tokens: int | None = Field(default=None, ge=1)
+    reward_timeout_s: float | None = Field(default=60.0, gt=0, allow_inf_nan=False)
 
     _streams: dict[str, PromptStream] = PrivateAttr(default_factory=dict)
 
@@ -166,18 +174,26 @@ class RewardOnlyAgent(Agent):
         return Rollout(prompt=prompt, completion=completion, reward=0.0, status="failed", failure_reason=reason,
                        env_id=self.name, problem_id=pid, metadata=metadata)
 
-    def _score(self, problem: Problem, pid: str, prompt: Prompt, turns: list[Turn], tokens: list[int],
-               mask: list[int], logprobs: list[float] | None, prompt_length: int, **metadata: Any) -> Rollout:
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread, bounded by ``reward_timeout_s`` (raises asyncio.TimeoutError)."""
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout=self.reward_timeout_s)
+
+    async def _score(self, problem: Problem, pid: str, prompt: Prompt, turns: list[Turn], tokens: list[int],
+                     mask: list[int], logprobs: list[float] | None, prompt_length: int, **metadata: Any) -> Rollout:
         completion = _transcript(turns)
         try:
-            reward = float(self.compute_episode_reward(problem, turns))
+            reward = float(await self._off_loop(self.compute_episode_reward, problem, turns))
             rollout = TokenRollout(prompt=prompt, completion=completion, reward=reward, env_id=self.name,
                                    problem_id=pid, token_ids=tokens, generation_mask=mask, logprobs=logprobs,
                                    prompt_length=prompt_length,
                                    metadata={"finish_reasons": [t.finish_reason for t in turns],
                                              "num_turns": len(turns), **metadata})
+        except asyncio.TimeoutError:
+            return self._failed(problem, pid, prompt, f"scoring failed: the reward took longer than "
+                                f"reward_timeout_s={self.reward_timeout_s}", completion)
         except Exception as e:  # a broken reward function or a non-finite reward: explicit failure
-            return self._failed(problem, pid, prompt, f"scoring failed: {type(e).__name__}: {e}", completion)
+            return self._failed(problem, pid, prompt, f"scoring failed: {type(e).__name__}: {_clip(str(e))}",
+                                completion)
         return rollout
 
     async def _single_turn_group(self, iface: InferenceInterface, problem: Problem, pid: str, prompt: Prompt,
@@ -189,14 +205,18 @@ class RewardOnlyAgent(Agent):
         out = []
         for resp in responses:
             if resp.finish_reason == "error":
-                out.append(self._failed(problem, pid, prompt, f"inference error: {resp.error}"))
+                out.append(self._async_value(self._failed(problem, pid, prompt, f"inference error: {resp.error}")))
                 continue
             mask = [0] * resp.prompt_length + [1] * (len(resp.token_ids) - resp.prompt_length)
             logprobs = None if resp.logprobs is None else [0.0] * resp.prompt_length + list(resp.logprobs)
             turns = [Turn(text=resp.text, finish_reason=resp.finish_reason)]
             out.append(self._score(problem, pid, prompt, turns, list(resp.token_ids), mask, logprobs,
                                    resp.prompt_length))
-        return out
+        return list(await asyncio.gather(*out))  # the group's rewards are computed concurrently
+
+    @staticmethod
+    async def _async_value(value: Any) -> Any:
+        return value
 
     async def _episode(self, iface: InferenceInterface, problem: Problem, pid: str, prompt: Prompt,
                        ga: GenerationArgs, seed: int | None) -> Rollout:
@@ -221,9 +241,12 @@ class RewardOnlyAgent(Agent):
             if turn == self.max_turns - 1:
                 break
             try:
-                obs = self.observe(problem, turns)
+                obs = await self._off_loop(self.observe, problem, turns)
+            except asyncio.TimeoutError:
+                return self._failed(problem, pid, prompt, f"observe() took longer than reward_timeout_s="
+                                    f"{self.reward_timeout_s}", _transcript(turns))
             except Exception as e:
-                return self._failed(problem, pid, prompt, f"observe() raised {type(e).__name__}: {e}",
+                return self._failed(problem, pid, prompt, f"observe() raised {type(e).__name__}: {_clip(str(e))}",
                                     _transcript(turns))
             if obs is None:
                 break
@@ -233,8 +256,8 @@ class RewardOnlyAgent(Agent):
             else:
                 current = list(current) + [{"role": "assistant", "content": resp.text},
                                            {"role": "user", "content": obs}]
-        return self._score(problem, pid, prompt, turns, tokens, mask, logprobs, prompt_length,
-                           untrained_generated_tokens=lost)
+        return await self._score(problem, pid, prompt, turns, tokens, mask, logprobs, prompt_length,
+                                 untrained_generated_tokens=lost)
 
     async def _group(self, iface: InferenceInterface, index: int, validation: bool, ga: GenerationArgs,
                      group_size: int, seed: int | None) -> RolloutGroup:
@@ -281,6 +304,11 @@ class RewardOnlyAgent(Agent):
         mean = sum(g.mean_reward for g in groups) / len(groups) if groups else 0.0
         return EvaluationResponse(env_id=self.name, results=results,
                                   metrics={"mean_reward": mean, "num_prompts": float(len(groups))})
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """Error text from user code on untrusted output can be huge: keep messages bounded."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _transcript(turns: list[Turn]) -> str:

@@ -153,6 +153,8 @@ class CheckpointConfig:
     no_save_rng: bool = False
     ckpt_format: str = "torch_dist"
     dist_ckpt_optim_format: str = "fully_reshardable"
+    # checkpoint integrity (issue 10): skip the checksum manifest check on load
+    no_verify_checkpoint_checksums: bool = False
 
 
 @dataclasses.dataclass
@@ -348,6 +350,10 @@ def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.
     g.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
     g.add_argument("--dist-ckpt-optim-format", choices=["fully_reshardable", "dp_reshardable"],
                    default="fully_reshardable")
+    # checkpoint integrity (issue 10)
+    g.add_argument("--no-verify-checkpoint-checksums", action="store_true",
+                   help="load without checking the checkpoint's files against the checksum manifest written at "
+                        "save (for huge checkpoints on trusted storage); loaded values are still scanned for NaN/Inf")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)

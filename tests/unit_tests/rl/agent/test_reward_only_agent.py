@@ -206,3 +206,56 @@ def test_basic_evaluate_and_inference_spec_requests():
     backend = agent.resolve_inference(req)
     assert isinstance(backend, FakeInference) and backend.max_seq_len == 512
     assert agent.resolve_inference(req) is backend  # built once per spec
+
+
+# -- issue 10 finding 4: rewards run off the event loop, bounded in time -----------------------------------------
+class BlockingRewardAgent(LettersAgent):
+    """Problem 0's reward waits (in its thread) until another coroutine on the event loop has run: it can only
+    finish if the loop is free while a reward is being computed."""
+
+    def compute_reward(self, problem, completion):
+        if problem["id"] == "p0":
+            return 1.0 if _LOOP_RAN.wait(timeout=5.0) else -1.0
+        return 0.5
+
+
+_LOOP_RAN = __import__("threading").Event()
+
+
+def test_a_slow_reward_does_not_stall_the_event_loop():
+    _LOOP_RAN.clear()
+    agent = BlockingRewardAgent(seed=0)
+    req = GroupedRolloutRequest(num_groups=10, rollouts_per_group=2, generation_args=GenerationArgs(max_tokens=4),
+                                inference_interface=FakeInference())
+
+    async def main():
+        async def ticker():
+            await asyncio.sleep(0.05)  # runs only if rewards do not block the loop
+            _LOOP_RAN.set()
+        tick = asyncio.create_task(ticker())
+        out = await agent.generate_grouped_rollouts(req)
+        await tick
+        return out
+
+    out = asyncio.run(main())
+    rewards = {g.problem_id: g.rewards for g in out.groups}
+    assert rewards["p0"] == [1.0, 1.0], rewards  # -1.0: the loop was blocked while the reward ran
+
+
+class SlowRewardAgent(LettersAgent):
+    def compute_reward(self, problem, completion):
+        if problem["id"] == "p1":
+            __import__("time").sleep(1.0)
+        return 1.0
+
+
+def test_reward_timeout_fails_the_rollout_not_the_batch():
+    agent = SlowRewardAgent(seed=0, reward_timeout_s=0.2)
+    req = GroupedRolloutRequest(num_groups=10, rollouts_per_group=2, generation_args=GenerationArgs(max_tokens=4),
+                                inference_interface=FakeInference())
+    out = asyncio.run(agent.generate_grouped_rollouts(req))
+    by_id = {g.problem_id: g for g in out.groups}
+    assert all(r.status == "failed" and "reward_timeout_s=0.2" in r.failure_reason for r in by_id["p1"].rollouts)
+    assert all(g.rewards == [1.0, 1.0] for pid, g in by_id.items() if pid != "p1")
+    with pytest.raises(ValueError):
+        SlowRewardAgent(reward_timeout_s=float("nan"))

@@ -185,3 +185,73 @@ def test_openai_with_url_is_valid(env_yaml):
 def test_dp2_divisible_is_valid(env_yaml):
     rl = _rl(env_yaml, "--micro-batch-size", "2", world_size=2)
     assert rl.prompts_per_step % 2 == 0 and not math.isnan(rl.temperature)
+
+
+# --------------------------------------------------------------------------- issue 10 finding 8: hostile flag values
+@pytest.mark.parametrize("flag, value", [
+    ("--rl-default-temperature", "inf"), ("--rl-default-temperature", "nan"), ("--rl-default-temperature", "0"),
+    ("--rl-default-temperature", "-1"), ("--rl-eval-temperature", "-1"), ("--rl-eval-temperature", "inf"),
+    ("--grpo-clamp-eps-lower", "-1"), ("--grpo-clamp-eps-lower", "2"), ("--grpo-clamp-eps-lower", "1"),
+    ("--grpo-clamp-eps-upper", "-0.1"), ("--grpo-clamp-eps-upper", "inf"),
+    ("--grpo-entropy-term-weight", "nan"), ("--grpo-kl-beta", "inf"), ("--grpo-kl-beta", "nan"),
+    ("--rl-default-top-p", "nan"), ("--rl-importance-sampling-truncation-coef", "inf"),
+    ("--inference-backend", "unknown"),
+])
+def test_hostile_rl_flag_values_are_named_errors(env_yaml, flag, value):
+    with pytest.raises(ConfigError) as e:
+        _rl(env_yaml, flag, value)
+    assert f"{flag}={value}" in str(e.value)
+
+
+def test_legal_edge_values_are_accepted(env_yaml):
+    rl = _rl(env_yaml, "--grpo-clamp-eps-lower", "0", "--grpo-clamp-eps-upper", "0.28", "--rl-eval-temperature",
+             "0", "--rl-default-temperature", "0.7", "--inference-backend", "fake")
+    assert rl.loss.eps_lower == 0 and rl.inference_backend == "fake"
+
+
+def test_train_rl_bad_input_exits_2_with_one_line_before_building_anything(env_yaml, caplog, monkeypatch):
+    """train_rl.py used to print a traceback and exit 1, and caught some values only after the model was built."""
+    import importlib.util
+
+    from tests.conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("train_rl_main", REPO_ROOT / "train_rl.py")
+    train_rl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_rl)
+    import megatron.rl.rl_loop as rl_loop
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the flags were checked")
+
+    monkeypatch.setattr(rl_loop, "run_rl", no_model)
+    argv = [*BASE, "--langrl-env-config", str(env_yaml), "--grpo-prompts-per-step", "4", "--grpo-group-size", "4",
+            "--rl-max-new-tokens", "8"]
+    for bad in (["--grpo-clamp-eps-lower", "2"], ["--inference-backend", "unknown"],
+                ["--rl-default-temperature", "inf"], ["--grpo-entropy-term-weight", "nan"]):
+        caplog.clear()
+        assert train_rl.main([*argv, *bad]) == 2
+        assert [r.getMessage() for r in caplog.records if r.name == "train_rl"][0].startswith(
+            "ConfigError: " + bad[0])
+    bad_env = env_yaml.parent / "bad.yaml"
+    bad_env.write_text("- type: arithmetic\n  weight: -1\n")
+    argv[argv.index(str(env_yaml))] = str(bad_env)
+    from megatron.rl.agent.env_config import load_env_config
+
+    monkeypatch.setattr(rl_loop, "run_rl", lambda cfg, rl: load_env_config(rl.env_config))
+    caplog.clear()
+    assert train_rl.main(argv) == 2
+    assert any(r.getMessage().startswith("EnvConfigError: ") for r in caplog.records if r.name == "train_rl")
+
+
+def test_train_rl_script_prints_one_line_and_exits_2(env_yaml):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    argv = [*BASE, "--langrl-env-config", str(env_yaml), "--grpo-prompts-per-step", "4", "--grpo-group-size", "4",
+            "--rl-max-new-tokens", "8", "--rl-eval-temperature", "-1"]
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "train_rl.py"), *argv], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ConfigError: --rl-eval-temperature=-1.0" in proc.stderr
