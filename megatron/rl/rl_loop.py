@@ -50,7 +50,7 @@ def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: fl
     return " | ".join(parts) + " |"
 
 
-def _build_inference(rl: RLConfig, model, tokenizer):
+def _build_inference(rl: RLConfig, model, tokenizer, cfg_seq_length: int | None = None):
     from megatron.rl.inference.api import build_inference_interface
 
     if rl.inference_backend == "megatron":
@@ -59,7 +59,12 @@ def _build_inference(rl: RLConfig, model, tokenizer):
         if len(model) != 1:
             raise ConfigError("--inference-backend megatron needs a single model chunk per rank "
                               "(megatron-core inference does not support the interleaved pipeline schedule)")
-        return MegatronInference(model[0], tokenizer)
+        # prompt + generation must fit one --seq-length training row: a longer sequence would be generated and then
+        # fail in packing; capped here, a prompt that leaves no room is a per-request error before generation.
+        from megatron.core.utils import unwrap_model
+
+        limit = unwrap_model(model[0]).max_sequence_length
+        return MegatronInference(model[0], tokenizer, max_sequence_length=min(limit, cfg_seq_length or limit))
     if rl.inference_backend == "openai":
         return build_inference_interface("openai", base_url=rl.inference_server_url)
     return build_inference_interface(rl.inference_backend)
@@ -130,7 +135,7 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     agent.set_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     if run_state.get("agent"):
         agent.load_state_dict(run_state["agent"])
-    inference = _build_inference(rl, model, tokenizer)
+    inference = _build_inference(rl, model, tokenizer, cfg.model.seq_length)
     agent.bind_inference(inference)
     ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=agent, inference=inference,
                       pad_token_id=tokenizer.pad, seq_length=cfg.model.seq_length,

@@ -149,3 +149,11 @@ def test_hidden_size_mismatch_names_hidden_size_not_the_derived_ffn_size(tmp_pat
         check_model_args(saved, {**saved, "ffn_hidden_size": 128}, tmp_path)
     with pytest.raises(CheckpointError, match=r"add --swiglu"):
         check_model_args({"swiglu": True}, {"swiglu": False}, tmp_path)
+
+
+def test_unverified_loads_still_name_unreadable_files(saved):
+    """With --no-verify-checkpoint-checksums the loader's own errors remain (what the manifest now catches first)."""
+    root, _ = saved
+    (root / "iter_0000001" / "common.pt").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CheckpointError, match=r"cannot read the common state of checkpoint .*iter_0000001"):
+        load_checkpoint(root, *_fresh(), verify_checksums=False)
