@@ -76,10 +76,7 @@ def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_mo
     from megatron.rl.training.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint
 
     c = cfg.checkpoint
-    if rl.loss.needs_ref_logprobs:
-        if not c.pretrained_checkpoint:
-            raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
-                              f"model's weights (the policy you start from).")
+    if rl.loss.needs_ref_logprobs:  # run_rl checked that --pretrained-checkpoint is given
         load_checkpoint(c.pretrained_checkpoint, ref_model, None, None, load_optimizer=False, load_rng=False,
                         model_args=margs, verify_checksums=not c.no_verify_checkpoint_checksums)
     if c.load and latest_checkpoint(c.load) is not None:
@@ -124,6 +121,9 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     t, c = cfg.train, cfg.checkpoint
     if t.train_iters is None:
         raise ConfigError("--train-iters is required: the number of RL iterations to run.")
+    if rl.loss.needs_ref_logprobs and not c.pretrained_checkpoint:  # before any model is built
+        raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
+                          f"model's weights (the policy you start from).")
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     runtime = initialize_megatron(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)

@@ -1,6 +1,8 @@
 """RewardOnlyAgent on the deterministic fake backend: token alignment, multi-turn masks, failures, batching,
 determinism, DP sharding and resume."""
 import asyncio
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -209,6 +211,9 @@ def test_basic_evaluate_and_inference_spec_requests():
 
 
 # -- issue 10 finding 4: rewards run off the event loop, bounded in time -----------------------------------------
+_LOOP_RAN = threading.Event()
+
+
 class BlockingRewardAgent(LettersAgent):
     """Problem 0's reward waits (in its thread) until another coroutine on the event loop has run: it can only
     finish if the loop is free while a reward is being computed."""
@@ -217,9 +222,6 @@ class BlockingRewardAgent(LettersAgent):
         if problem["id"] == "p0":
             return 1.0 if _LOOP_RAN.wait(timeout=5.0) else -1.0
         return 0.5
-
-
-_LOOP_RAN = __import__("threading").Event()
 
 
 def test_a_slow_reward_does_not_stall_the_event_loop():
@@ -245,7 +247,7 @@ def test_a_slow_reward_does_not_stall_the_event_loop():
 class SlowRewardAgent(LettersAgent):
     def compute_reward(self, problem, completion):
         if problem["id"] == "p1":
-            __import__("time").sleep(1.0)
+            time.sleep(1.0)
         return 1.0
 
 

@@ -243,15 +243,37 @@ def test_train_rl_bad_input_exits_2_with_one_line_before_building_anything(env_y
     assert any(r.getMessage().startswith("EnvConfigError: ") for r in caplog.records if r.name == "train_rl")
 
 
-def test_train_rl_script_prints_one_line_and_exits_2(env_yaml):
+@pytest.mark.parametrize("bad, message", [
+    (["--rl-eval-temperature", "-1"], "ConfigError: --rl-eval-temperature=-1.0"),
+    (["--grpo-kl-beta", "0.1"], "ConfigError: --grpo-kl-beta=0.1 needs --pretrained-checkpoint"),  # in run_rl
+])
+def test_train_rl_script_prints_one_line_and_exits_2(env_yaml, bad, message):
     import subprocess
     import sys
 
     from tests.conftest import REPO_ROOT
 
     argv = [*BASE, "--langrl-env-config", str(env_yaml), "--grpo-prompts-per-step", "4", "--grpo-group-size", "4",
-            "--rl-max-new-tokens", "8", "--rl-eval-temperature", "-1"]
+            "--rl-max-new-tokens", "8", *bad]
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "train_rl.py"), *argv], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "ConfigError: --rl-eval-temperature=-1.0" in proc.stderr
+    assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-3000:]
+
+
+def test_megatron_backend_generation_is_capped_at_seq_length(env_yaml, monkeypatch):
+    """A prompt + generation longer than --seq-length used to be generated, then fail in packing (finding 8)."""
+    import torch
+
+    import megatron.rl.inference.megatron as backend
+    from megatron.rl.rl_loop import _build_inference
+
+    seen = {}
+    monkeypatch.setattr(backend, "MegatronInference", lambda model, tok, **kw: seen.update(kw) or "engine")
+    model = torch.nn.Linear(1, 1)
+    model.max_sequence_length = 256  # --max-position-embeddings larger than --seq-length
+    rl = _rl(env_yaml)
+    assert _build_inference(rl, [model], None, 64) == "engine" and seen["max_sequence_length"] == 64
+    model.max_sequence_length = 32
+    _build_inference(rl, [model], None, 64)
+    assert seen["max_sequence_length"] == 32
