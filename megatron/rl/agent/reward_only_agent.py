@@ -17,7 +17,7 @@ Multi-turn: override :meth:`observe`; after each generated turn it returns the t
 appends (e.g. a tool result) or None to end the episode. Observation tokens get generation-mask 0.
 
 Rewards and observations are user code run on untrusted model output, so they run in worker threads
-(``asyncio.to_thread``), never on the event loop: one slow answer does not stall the other rollouts of the
+(a process-wide pool), never on the event loop: one slow answer does not stall the other rollouts of the
 process. ``reward_timeout_s`` bounds the wait; a rollout whose reward takes longer is an explicit failure
 (the thread cannot be killed, so a reward function should still bound its own work, as the math
 environment does).
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from pydantic import BaseModel, Field, PrivateAttr
@@ -175,8 +177,41 @@ class RewardOnlyAgent(Agent):
                        env_id=self.name, problem_id=pid, metadata=metadata)
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` in a worker thread, bounded by ``reward_timeout_s`` (raises asyncio.TimeoutError)."""
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout=self.reward_timeout_s)
+        """``fn(*args)`` in the reward thread pool; raises _RewardTimeout when it runs longer than
+        ``reward_timeout_s`` (timed from when it starts, not while it waits behind other rewards), or when every
+        pool thread is held by a reward that overran (threads cannot be killed)."""
+        loop = asyncio.get_running_loop()
+        started = loop.create_future()
+        state = {"finished": False, "overran": False}
+
+        def run() -> Any:
+            loop.call_soon_threadsafe(lambda: started.done() or started.set_result(None))
+            try:
+                return fn(*args)
+            finally:
+                with _OVERRUN_LOCK:
+                    state["finished"] = True
+                    if state["overran"]:
+                        _overrunning[0] -= 1
+
+        work = loop.run_in_executor(_reward_pool(), run)
+        while not started.done() and not work.done():
+            await asyncio.wait([started, work], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            if not started.done() and _overrunning[0] >= _POOL_THREADS:
+                work.cancel()  # still queued: it will never start
+                raise _RewardTimeout(f"every reward thread is held by a reward that overran reward_timeout_s="
+                                     f"{self.reward_timeout_s}")
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # an overrun's late error is not lost
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), timeout=self.reward_timeout_s)
+        except asyncio.TimeoutError:
+            if work.done():
+                return work.result()  # the function itself raised TimeoutError: its own error, not an overrun
+            with _OVERRUN_LOCK:
+                if not state["finished"]:
+                    state["overran"] = True
+                    _overrunning[0] += 1
+            raise _RewardTimeout(f"took longer than reward_timeout_s={self.reward_timeout_s}") from None
 
     async def _score(self, problem: Problem, pid: str, prompt: Prompt, turns: list[Turn], tokens: list[int],
                      mask: list[int], logprobs: list[float] | None, prompt_length: int, **metadata: Any) -> Rollout:
@@ -188,9 +223,8 @@ class RewardOnlyAgent(Agent):
                                    prompt_length=prompt_length,
                                    metadata={"finish_reasons": [t.finish_reason for t in turns],
                                              "num_turns": len(turns), **metadata})
-        except asyncio.TimeoutError:
-            return self._failed(problem, pid, prompt, f"scoring failed: the reward took longer than "
-                                f"reward_timeout_s={self.reward_timeout_s}", completion)
+        except _RewardTimeout as e:
+            return self._failed(problem, pid, prompt, f"scoring failed: the reward {e}", completion)
         except Exception as e:  # a broken reward function or a non-finite reward: explicit failure
             return self._failed(problem, pid, prompt, f"scoring failed: {type(e).__name__}: {_clip(str(e))}",
                                 completion)
@@ -242,9 +276,8 @@ class RewardOnlyAgent(Agent):
                 break
             try:
                 obs = await self._off_loop(self.observe, problem, turns)
-            except asyncio.TimeoutError:
-                return self._failed(problem, pid, prompt, f"observe() took longer than reward_timeout_s="
-                                    f"{self.reward_timeout_s}", _transcript(turns))
+            except _RewardTimeout as e:
+                return self._failed(problem, pid, prompt, f"observe() {e}", _transcript(turns))
             except Exception as e:
                 return self._failed(problem, pid, prompt, f"observe() raised {type(e).__name__}: {_clip(str(e))}",
                                     _transcript(turns))
@@ -304,6 +337,24 @@ class RewardOnlyAgent(Agent):
         mean = sum(g.mean_reward for g in groups) / len(groups) if groups else 0.0
         return EvaluationResponse(env_id=self.name, results=results,
                                   metrics={"mean_reward": mean, "num_prompts": float(len(groups))})
+
+
+class _RewardTimeout(asyncio.TimeoutError):
+    """A reward or observation overran ``reward_timeout_s`` (or could not start: see ``_off_loop``)."""
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_THREADS = 32  # rewards are short; more threads than cores keep one overrunning reward from starving the rest
+_OVERRUN_LOCK = threading.Lock()
+_overrunning = [0]  # rewards still running past their timeout: each holds a pool thread until it returns
+
+
+def _reward_pool() -> ThreadPoolExecutor:
+    """The process-wide pool rewards and observations run in (threads are created on demand)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="reward")
+    return _POOL
 
 
 def _clip(text: str, limit: int = 300) -> str:

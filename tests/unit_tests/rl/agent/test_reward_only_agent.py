@@ -261,3 +261,52 @@ def test_reward_timeout_fails_the_rollout_not_the_batch():
     assert all(g.rewards == [1.0, 1.0] for pid, g in by_id.items() if pid != "p1")
     with pytest.raises(ValueError):
         SlowRewardAgent(reward_timeout_s=float("nan"))
+
+
+class SteadyRewardAgent(LettersAgent):
+    def compute_reward(self, problem, completion):
+        time.sleep(0.2)
+        return 1.0
+
+
+def test_reward_timeout_counts_from_the_start_not_the_queue(monkeypatch):
+    """Six 0.2 s rewards on one thread take 1.2 s in all; none overran its 0.6 s budget, so none fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import megatron.rl.agent.reward_only_agent as roa
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(roa, "_POOL", pool)
+    agent = SteadyRewardAgent(seed=0, reward_timeout_s=0.6)
+    req = GroupedRolloutRequest(num_groups=3, rollouts_per_group=2, generation_args=GenerationArgs(max_tokens=4),
+                                inference_interface=FakeInference())
+    out = asyncio.run(agent.generate_grouped_rollouts(req))
+    pool.shutdown()
+    assert [r.status for g in out.groups for r in g.rollouts] == ["ok"] * 6
+
+
+class HangingRewardAgent(LettersAgent):
+    def compute_reward(self, problem, completion):
+        if problem["id"] == "p1":
+            time.sleep(3.0)
+        return 1.0
+
+
+def test_rewards_queued_behind_overrunning_ones_fail_instead_of_waiting(monkeypatch):
+    """With every pool thread held by a reward past its timeout, queued rewards fail (named) rather than wait."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import megatron.rl.agent.reward_only_agent as roa
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(roa, "_POOL", pool)
+    monkeypatch.setattr(roa, "_POOL_THREADS", 1)
+    agent = HangingRewardAgent(seed=0, reward_timeout_s=0.3)
+    req = GroupedRolloutRequest(num_groups=10, rollouts_per_group=1, generation_args=GenerationArgs(max_tokens=4),
+                                inference_interface=FakeInference())
+    out = asyncio.run(agent.generate_grouped_rollouts(req))
+    reasons = {g.problem_id: g.rollouts[0].failure_reason for g in out.groups}
+    assert "took longer than reward_timeout_s=0.3" in reasons["p1"], reasons
+    assert any(r and "every reward thread is held" in r for r in reasons.values()), reasons
+    pool.shutdown(wait=True)
+    assert roa._overrunning == [0]  # the overrun is accounted back once the thread returns
