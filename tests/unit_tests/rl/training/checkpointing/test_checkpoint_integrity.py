@@ -50,25 +50,68 @@ def test_manifest_lists_every_file_and_loads_clean(saved):
     assert all(a.equal(b) for a, b in zip(chunks[0].parameters(), c2[0].parameters()))
 
 
-@pytest.mark.parametrize("where", [0.5, 0.9])  # inside the model weights / towards the optimizer state
-def test_overwritten_tensor_bytes_are_refused_before_loading(saved, where):
-    """Finding 5: 4 KB of NaN bytes written into a .distcp file loaded silently (1,024 NaN weights, exit 0)."""
+def _tensor_data(ckpt, prefix):
+    """(file, offset, nbytes) of the raw bytes of the first stored tensor whose name starts with ``prefix``.
+
+    A torch_dist item is a torch.save zip inside a .distcp file; its ``data/0`` member holds the raw values."""
+    import io
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    key, info = next((k, v) for k, v in sorted(md.storage_data.items(), key=lambda kv: kv[0].fqn)
+                     if k.fqn.startswith(prefix))
+    path = ckpt / info.relative_path
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        blob = f.read(info.length)
+    z = zipfile.ZipFile(io.BytesIO(blob))
+    member = next(m for m in z.infolist() if m.filename.endswith("/data/0"))
+    header = blob[member.header_offset:member.header_offset + 30]
+    name_len, extra_len = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
+    return path, info.offset + member.header_offset + 30 + name_len + extra_len, member.file_size
+
+
+def test_overwritten_weight_bytes_are_refused_before_loading(saved):
+    """Finding 5: 4 KB of a .distcp file overwritten loaded silently as 1,024 NaN weights (exit 0)."""
     root, _ = saved
-    [shard] = sorted((root / "iter_0000001").glob("*.distcp"))[:1]
-    offset = int(shard.stat().st_size * where) // 4 * 4
-    original = shard.read_bytes()
-    _overwrite(shard, offset, b"\xff" * 4096)
+    ckpt = root / "iter_0000001"
+    path, offset, nbytes = _tensor_data(ckpt, "embedding.word_embeddings.weight")
+    assert nbytes >= 4096
+    original = path.read_bytes()
+    _overwrite(path, offset, b"\xff" * 4096)  # 1,024 float32 NaNs
     c2, o2, s2 = _fresh()
     before = [p.detach().clone() for p in c2[0].parameters()]
-    with pytest.raises(CheckpointError, match=rf"{shard.name} does not match its checksum.*"
+    with pytest.raises(CheckpointError, match=rf"{path.name} does not match its checksum.*"
                                               rf"--no-verify-checkpoint-checksums"):
         load_checkpoint(root, c2, o2, s2)
     assert all(a.equal(b) for a, b in zip(before, c2[0].parameters()))  # nothing was read
-    shard.write_bytes(original)
-    truncated = root / "iter_0000001" / "common.pt"  # sizes are checked too
+    # without the manifest check, the value scan names the NaNs instead of training on them
+    with pytest.raises(CheckpointError, match=r"embedding\.word_embeddings\.weight has 1024 non-finite"):
+        load_checkpoint(root, *_fresh(), verify_checksums=False)
+    path.write_bytes(original)
+    truncated = ckpt / "common.pt"  # sizes are checked too
     truncated.write_bytes(truncated.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match=r"common\.pt has \d+ bytes"):
         load_checkpoint(root, c2, o2, s2)
+
+
+def test_flipped_optimizer_state_bytes_are_refused(saved):
+    """Finding 5: flipped bytes in the optimizer state gave exp_avg values of 1e29 and a stuck run (exit 0). Such
+    values are finite, so only the checksum can tell."""
+    root, _ = saved
+    path, offset, nbytes = _tensor_data(root / "iter_0000001", "optimizer.state.exp_avg.")
+    with open(path, "r+b") as f:
+        for i in range(3, min(nbytes, 400), 4):  # the high byte of float32 values: exponent bits
+            f.seek(offset + i)
+            f.write(bytes([0x70]))
+    c2, o2, s2 = _fresh()
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        load_checkpoint(root, c2, o2, s2)
+    loaded = load_checkpoint(root, c2, o2, s2, verify_checksums=False)  # what happened before: loads "fine"
+    big = max(float(v.abs().max()) for st in o2.optimizer.state.values() for k, v in st.items() if k == "exp_avg")
+    assert loaded.iteration == 1 and big > 1e20
 
 
 def test_non_finite_values_are_refused_even_without_checksums(tmp_path, dist1):
