@@ -200,3 +200,16 @@ def test_unverified_loads_still_name_unreadable_files(saved):
     (root / "iter_0000001" / "common.pt").write_bytes(b"\x00garbage" * 10)
     with pytest.raises(CheckpointError, match=r"cannot read the common state of checkpoint .*iter_0000001"):
         load_checkpoint(root, *_fresh(), verify_checksums=False)
+
+
+@pytest.mark.parametrize("algorithm", ["blake2b", "xxh3_128"])
+def test_hash_file_detects_one_flipped_bit(tmp_path, algorithm):
+    if algorithm == "xxh3_128" and integrity.xxhash is None:
+        pytest.skip("xxhash not installed (the 'gpu' extra)")
+    p = tmp_path / "f"
+    data = bytearray(range(256)) * 40000  # > one read chunk
+    p.write_bytes(bytes(data))
+    first = integrity.hash_file(p, algorithm)
+    data[-1] ^= 1
+    p.write_bytes(bytes(data))
+    assert integrity.hash_file(p, algorithm) != first and len(first) == 32
