@@ -239,7 +239,8 @@ class RewardOnlyAgent(Agent):
         out = []
         for resp in responses:
             if resp.finish_reason == "error":
-                out.append(self._async_value(self._failed(problem, pid, prompt, f"inference error: {resp.error}")))
+                failed = self._failed(problem, pid, prompt, f"inference error: {_clip(str(resp.error))}")
+                out.append(self._async_value(failed))
                 continue
             mask = [0] * resp.prompt_length + [1] * (len(resp.token_ids) - resp.prompt_length)
             logprobs = None if resp.logprobs is None else [0.0] * resp.prompt_length + list(resp.logprobs)
@@ -265,7 +266,7 @@ class RewardOnlyAgent(Agent):
         for turn in range(self.max_turns):
             [resp] = await iface.agenerate([self._request(current, self._turn_args(ga, derive_seed(seed, turn)))])
             if resp.finish_reason == "error":
-                return self._failed(problem, pid, prompt, f"inference error in turn {turn}: {resp.error}",
+                return self._failed(problem, pid, prompt, f"inference error in turn {turn}: {_clip(str(resp.error))}",
                                     _transcript(turns))
             if turn == 0:
                 prompt_length = resp.prompt_length

@@ -479,8 +479,6 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     if want_opt and info.get("distributed_optimizer") is not None and \
             bool(info["distributed_optimizer"]) != uses_distributed_optimizer(optimizer):
         raise _optimizer_error(ckpt, "", info, optimizer)  # known before any tensor is read
-    if want_opt and opt_param_scheduler is not None and "opt_param_scheduler" in common:
-        integrity.check_scheduler_matches(ckpt, common["opt_param_scheduler"], opt_param_scheduler)
     if want_opt:
         saved_meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or \
             _optimizer_metadata("fully_reshardable")
@@ -524,6 +522,8 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
         except (KeyError, ValueError, RuntimeError, IndexError, AssertionError) as e:
             raise _optimizer_error(ckpt, _describe(e), info, optimizer) from e
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:
+            # named flags instead of megatron-core's bare AssertionError (after the optimizer: its errors first)
+            integrity.check_scheduler_matches(ckpt, common["opt_param_scheduler"], opt_param_scheduler)
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
             loaded_sched = True
     elif optimizer is not None:
