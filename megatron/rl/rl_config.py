@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
@@ -139,6 +140,13 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _known_backends() -> list[str]:
+    """Built-in backend names plus any registered so far, without importing the backends' modules."""
+    from megatron.rl.inference import api
+
+    return sorted(set(api._BUILTIN_BACKEND_MODULES) | set(api.InferenceInterface._registry))
+
+
 def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
     """Build and validate :class:`RLConfig` from ``cfg.extra`` (flags added by :func:`add_rl_args`)."""
     a = cfg.extra
@@ -190,7 +198,22 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
           f"--grpo-prompts-per-step x --grpo-group-size = {rl.prompts_per_step} x {rl.group_size} = "
           f"{rl.rollouts_per_step} rollouts per iteration must be a multiple of --global-batch-size={gbs} "
           f"(each optimizer step trains on --global-batch-size sequences).")
-    _need(rl.temperature >= 0, f"--rl-default-temperature={rl.temperature}: must be >= 0.")
+    # Hostile / mistyped values (issue 10): every float flag finite, every range checked here, before any model
+    # is built, instead of after the checkpoint is loaded or one iteration in.
+    for flag, value in (("--rl-default-temperature", rl.temperature), ("--rl-default-top-p", rl.top_p),
+                        ("--rl-eval-temperature", rl.eval_temperature),
+                        ("--grpo-clamp-eps-lower", rl.loss.eps_lower), ("--grpo-clamp-eps-upper", rl.loss.eps_upper),
+                        ("--grpo-kl-beta", rl.loss.kl_beta), ("--grpo-entropy-term-weight", rl.loss.entropy_weight),
+                        ("--rl-importance-sampling-truncation-coef", rl.loss.is_truncation_coef)):
+        _need(math.isfinite(value), f"{flag}={value}: must be a finite number.")
+    _need(rl.temperature > 0, f"--rl-default-temperature={rl.temperature}: must be > 0 (the policy samples at "
+                              f"this temperature and the trainer scores log-probs at it).")
+    _need(rl.eval_temperature >= 0, f"--rl-eval-temperature={rl.eval_temperature}: must be >= 0 (0 = greedy).")
+    _need(0 <= rl.loss.eps_lower < 1, f"--grpo-clamp-eps-lower={rl.loss.eps_lower}: must be in [0, 1) (the clip "
+                                      f"keeps the ratio >= 1 - eps_lower > 0).")
+    _need(rl.loss.eps_upper >= 0, f"--grpo-clamp-eps-upper={rl.loss.eps_upper}: must be >= 0.")
+    _need(rl.inference_backend in _known_backends(),
+          f"--inference-backend={rl.inference_backend}: unknown backend; registered: {_known_backends()}.")
     _need(0 < rl.top_p <= 1, f"--rl-default-top-p={rl.top_p}: must be in (0, 1].")
     _need(rl.top_k >= 0, f"--rl-default-top-k={rl.top_k}: must be >= 0 (0 disables top-k).")
     _need(rl.loss.kl_beta >= 0, f"--grpo-kl-beta={rl.loss.kl_beta}: must be >= 0.")

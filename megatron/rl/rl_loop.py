@@ -64,7 +64,12 @@ def _build_inference(cfg: TrainingConfig, rl: RLConfig, model, tokenizer):
         if len(model) != 1:
             raise ConfigError("--inference-backend megatron needs a single model chunk per rank "
                               "(megatron-core inference does not support the interleaved pipeline schedule)")
-        return MegatronInference(model[0], tokenizer)
+        # prompt + generation must fit one --seq-length training row: a longer sequence would be generated and then
+        # fail in packing; capped here, a prompt that leaves no room is a per-request error before generation.
+        from megatron.core.utils import unwrap_model
+
+        limit = unwrap_model(model[0]).max_sequence_length
+        return MegatronInference(model[0], tokenizer, max_sequence_length=min(limit, cfg.model.seq_length))
     if rl.inference_backend == "openai":
         return build_inference_interface("openai", base_url=rl.inference_server_url)
     return build_inference_interface(rl.inference_backend)
@@ -76,20 +81,18 @@ def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_mo
     from megatron.rl.training.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint
 
     c = cfg.checkpoint
-    if rl.loss.needs_ref_logprobs:
-        if not c.pretrained_checkpoint:
-            raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
-                              f"model's weights (the policy you start from).")
+    if rl.loss.needs_ref_logprobs:  # run_rl checked that --pretrained-checkpoint is given
         load_checkpoint(c.pretrained_checkpoint, ref_model, None, None, load_optimizer=False, load_rng=False,
-                        model_args=margs)
+                        model_args=margs, verify_checksums=not c.no_verify_checkpoint_checksums)
     if c.load and latest_checkpoint(c.load) is not None:
         loaded = load_checkpoint(c.load, model, optimizer, scheduler, load_optimizer=not c.no_load_optim,
-                                 load_rng=not c.no_load_rng, model_args=margs)
+                                 load_rng=not c.no_load_rng, model_args=margs,
+                                 verify_checksums=not c.no_verify_checkpoint_checksums)
         log.info("resumed from %s at RL iteration %s", loaded.path, loaded.iteration)
         return int(loaded.iteration or 0), dict(loaded.run_state)
     if c.pretrained_checkpoint:
         load_checkpoint(c.pretrained_checkpoint, model, optimizer, scheduler, load_optimizer=False, load_rng=False,
-                        model_args=margs)
+                        model_args=margs, verify_checksums=not c.no_verify_checkpoint_checksums)
         log.info("starting RL from the pretrained checkpoint %s", c.pretrained_checkpoint)
     elif c.load:
         log.info("--load %s holds no checkpoint yet: starting a new run", c.load)
@@ -132,6 +135,9 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     t, c = cfg.train, cfg.checkpoint
     if t.train_iters is None:
         raise ConfigError("--train-iters is required: the number of RL iterations to run.")
+    if rl.loss.needs_ref_logprobs and not c.pretrained_checkpoint:  # before any model is built
+        raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
+                          f"model's weights (the policy you start from).")
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     runtime = initialize_megatron(cfg)
     tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)

@@ -7,8 +7,15 @@ Equivalence (:func:`is_equivalent`): both sides are normalised (``$``, ``\\left`
 ``\\text{}``, thousands separators, a leading ``x =``), LaTeX is rewritten into plain notation
 (``\\frac{a}{b}``, ``\\sqrt{x}``, ``\\pi``, ``\\cdot``) and parsed by the bounded parser of :mod:`safe_expr`
 (never ``eval``/``sympify``). Numbers compare exactly as rationals; expressions with ``sqrt``/``pi``/variables
-compare with sympy (built node by node from the parse tree) when it is installed, else numerically at
-random points. Anything unparsable falls back to normalised string equality. Nothing raises.
+compare with sympy (built node by node from the parse tree) when it is installed and the expression is
+small enough, else numerically at random points. Anything unparsable falls back to normalised string
+equality. Nothing raises.
+
+Budget. Answers are untrusted and short text can denote huge work: ``(a+b+c+d)^{64}`` expands into ~48,000
+terms and ``(((((2^{64})^{64})^{64})^{64})^{64})`` into a 2^30-bit integer. Before sympy sees a tree,
+:func:`expansion_budget` bounds its polynomial degree, its expanded term count and its integer sizes from
+the tree alone; anything over budget is compared numerically (bounded floats) instead. An extracted answer
+with an unclosed ``\\boxed{`` is no answer (the last-number fallback would otherwise score ``\\boxed{7``).
 """
 from __future__ import annotations
 
@@ -17,11 +24,13 @@ import math
 import random
 import re
 
-from examples.rl.environments.safe_expr import ExprError, Node, ParseOptions, evaluate_exact, evaluate_float, parse
+from examples.rl.environments.safe_expr import (ExprError, Node, ParseOptions, evaluate_exact, evaluate_float,
+                                                parse)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["extract_answer", "normalize_answer", "latex_to_plain", "is_equivalent", "math_reward"]
+__all__ = ["extract_answer", "normalize_answer", "latex_to_plain", "is_equivalent", "math_reward",
+           "expansion_budget"]
 
 _MAX_INPUT = 50_000  # longer completions are malformed (no answer); cutting them could change the answer
 _MAX_ANSWER = 500  # longer final answers are not compared
@@ -29,6 +38,9 @@ _OPTS = ParseOptions(allow_power=True, allow_unary=True, allow_decimal=True, all
                      functions=frozenset({"sqrt"}), constants=frozenset({"pi"}),
                      variables=frozenset("abcdefghjkmnpqrstuvwxyz"),  # not e, i, l, o (constants / look-alikes)
                      max_length=200, max_digits=40, max_depth=32, max_nodes=128, max_exponent=64, max_bits=2048)
+# What sympy may be given: measured on 2 CPU cores, simplify() stays well under a second inside these bounds.
+_SYMPY_MAX_DEGREE = 16
+_SYMPY_MAX_TERMS = 300
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 
 try:  # optional: exact symbolic comparison
@@ -61,8 +73,8 @@ def extract_answer(completion: str) -> str | None:
         start = text.rfind(marker + "{")
         if start >= 0:
             group = _balanced(text, start + len(marker))
-            if group is not None:
-                return group[0].strip()
+            # unclosed: the final answer is malformed; falling through would score a stray number in it
+            return group[0].strip() if group is not None else None
     if "####" in text:
         return text.rsplit("####", 1)[1].strip().split("\n", 1)[0].strip()
     m = re.findall(r"answer is[:\s]*([^\n]{1,100})", text, flags=re.IGNORECASE)
@@ -158,6 +170,58 @@ def _to_sympy(tree: Node):
     return a ** b
 
 
+def expansion_budget(tree: Node) -> tuple[int, int, int]:
+    """Upper bounds ``(degree, expanded_terms, bits)`` of what sympy could build from ``tree``. Pure, O(nodes).
+
+    degree: total polynomial degree, counting every name, ``pi`` and ``sqrt(...)`` as an atom of degree 1.
+    expanded_terms: monomials of that degree in that many atoms, C(degree + atoms, atoms).
+    bits: size of the largest integer a rational evaluation could produce.
+    A power whose exponent is not a small rational constant gets ``degree = bits = huge``.
+    """
+    huge = 1 << 30
+    atoms: set[str] = set()
+
+    def walk(t: Node) -> tuple[int, int]:
+        kind = t[0]
+        if kind == "num":
+            return 0, max(t[1].numerator.bit_length(), t[1].denominator.bit_length(), 1)
+        if kind == "name":
+            atoms.add(t[1])
+            return 1, 2
+        if kind == "neg":
+            return walk(t[1])
+        if kind == "call":
+            atoms.add(f"{t[1]}#{len(atoms)}")  # each sqrt(...) is its own atom
+            d, b = walk(t[2])
+            return max(1, d), b
+        op = t[1]
+        (da, ba), (db, bb) = walk(t[2]), walk(t[3])
+        if op in ("+", "-"):
+            return max(da, db), max(ba, bb) + 1
+        if op in ("*", "/"):
+            return da + db, ba + bb
+        if db != 0:
+            return huge, huge
+        try:
+            e = evaluate_exact(t[3], _OPTS)
+        except ExprError:
+            return huge, huge
+        n = max(abs(e.numerator), 1)
+        return min(da * n, huge), min(ba * n, huge)
+
+    degree, bits = walk(tree)
+    terms = math.comb(min(degree, huge) + len(atoms), len(atoms)) if degree <= 4 * _SYMPY_MAX_DEGREE else huge
+    return degree, terms, bits
+
+
+def _sympy_affordable(*trees: Node) -> bool:
+    degree = terms = bits = 0
+    for t in trees:
+        d, n, b = expansion_budget(t)
+        degree, terms, bits = max(degree, d), terms + n, max(bits, b)
+    return degree <= _SYMPY_MAX_DEGREE and terms <= _SYMPY_MAX_TERMS and bits <= _OPTS.max_bits
+
+
 def _names(tree: Node) -> set[str]:
     if tree[0] == "name":
         return {tree[1]} - {"pi"}
@@ -180,7 +244,7 @@ def _trees_equal(a: Node, b: Node) -> bool:
         return evaluate_exact(a, _OPTS) == evaluate_exact(b, _OPTS)
     except ExprError:
         pass  # names, sqrt or a non-integer power: symbolic / numeric comparison below
-    if sympy is not None:
+    if sympy is not None and _sympy_affordable(a, b):
         diff = _to_sympy(a) - _to_sympy(b)
         if sympy.count_ops(diff) <= 200:
             return bool(sympy.simplify(diff) == 0)
@@ -199,8 +263,12 @@ def is_equivalent(given: str | None, reference: str) -> bool:
     try:
         return _trees_equal(parse(latex_to_plain(g), _OPTS), parse(latex_to_plain(r), _OPTS))
     except (ExprError, ArithmeticError, ValueError, TypeError, RecursionError) as e:
-        logger.debug("answer %r vs %r not comparable: %s", g, r, e)
+        logger.debug("answer %.80r vs %.80r not comparable: %s", g, r, e)
         return g.replace(" ", "") == r.replace(" ", "")
+    except Exception as e:  # noqa: BLE001 - the promise is "never raises": sympy internals, MemoryError
+        logger.warning("answer %.80r vs %.80r: comparison failed (%s); scored as not equivalent",
+                       g, r, type(e).__name__)
+        return False
 
 
 def math_reward(completion: str, reference: str) -> float:

@@ -19,13 +19,18 @@ Entry keys: ``type`` (required), ``args`` (the agent's fields), ``weight`` (>= 0
 file's directory (falling back to the working directory when only that has the file).
 
 Every error names the file, the entry index and the key; malformed YAML reports line and column;
-unknown types list the registered ones. Importing user code is opt-in because a config file should not be
-able to run arbitrary code unless the person launching the job allows it.
+unknown types list the registered ones. YAML aliases (``*name``) are refused: a few hundred bytes of nested
+aliases expand into billions of values (a "billion laughs" bomb), and a config has no need for them. Values
+quoted in error messages are shortened. Numbers in exponent form without a dot (``1e-3``) are floats, as in
+YAML 1.2 (PyYAML's YAML 1.1 rules would read them as strings). Importing user code is opt-in because a
+config file should not be able to run arbitrary code unless the person launching the job allows it.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import re
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +60,36 @@ BUILTIN_AGENT_MODULES = {
     "calculator": "examples.rl.environments.calculator",
 }
 _ENTRY_KEYS = ("type", "args", "weight", "evaluation_only", "name")
+_WEIGHT_HINT = " (a string: write a plain number such as 0.5 or 1e-3, without quotes)"
 _IMPORT_HINT = "pass allow_imports=True (train_rl.py: --langrl-allow-imports) to allow importing user code"
 
 
 class EnvConfigError(ValueError):
     """An invalid environment config; the message names the file, entry and key."""
+
+
+class _EnvConfigLoader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases and reads ``1e-3`` as a float."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"alias *{event.anchor} is not allowed in an environment config (aliases can expand "
+                            f"exponentially); write the value out", event.start_mark)
+        return super().compose_node(parent, index)
+
+
+_EnvConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlevel = 80, 80, 3
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for error messages (a config value may be huge)."""
+    return _SHORT.repr(value)
 
 
 def import_builtin_agents() -> dict[str, str]:
@@ -89,16 +119,17 @@ def resolve_agent_type(type_name: str, allow_imports: bool = False, where: str =
     """The agent class for a registered name or (with ``allow_imports``) a ``module:Class`` path."""
     if ":" in type_name:
         if not allow_imports:
-            raise EnvConfigError(f"{where}: {type_name!r} is an import path; {_IMPORT_HINT}")
+            raise EnvConfigError(f"{where}: {_short(type_name)} is an import path; {_IMPORT_HINT}")
         module_name, _, attr = type_name.partition(":")
         obj = getattr(_import_module(module_name, where), attr, None)
         if not (isinstance(obj, type) and issubclass(obj, Agent)):
-            raise EnvConfigError(f"{where}: {type_name!r} is not an Agent subclass (got {obj!r})")
+            raise EnvConfigError(f"{where}: {_short(type_name)} is not an Agent subclass (got {_short(obj)})")
         return obj
     if type_name not in Agent._type_registry:
         failed = import_builtin_agents()
         if type_name in failed:
-            raise EnvConfigError(f"{where}: built-in agent {type_name!r} could not be imported: {failed[type_name]}")
+            raise EnvConfigError(f"{where}: built-in agent {_short(type_name)} could not be imported: "
+                                 f"{failed[type_name]}")
     try:
         return Agent.lookup(type_name)
     except TypeLookupError as e:
@@ -109,7 +140,7 @@ def _load_yaml(path: Path) -> Any:
     if not path.is_file():
         raise EnvConfigError(f"environment config {path} does not exist (absolute: {path.resolve()})")
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_EnvConfigLoader)  # noqa: S506 - safe subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
@@ -149,17 +180,17 @@ def load_env_config(config: str | Path | dict | list, allow_imports: bool = Fals
     if isinstance(data, dict):
         unknown = sorted(set(data) - {"environments", "imports"})
         if unknown:
-            raise EnvConfigError(f"{src}: unknown top-level key(s) {unknown}; expected 'environments' and "
+            raise EnvConfigError(f"{src}: unknown top-level key(s) {_short(unknown)}; expected 'environments' and "
                                  "optionally 'imports'")
         imports = data.get("imports") or []
         if not isinstance(imports, list) or not all(isinstance(m, str) for m in imports):
-            raise EnvConfigError(f"{src}: key 'imports' must be a list of module names, got {imports!r}")
+            raise EnvConfigError(f"{src}: key 'imports' must be a list of module names, got {_short(imports)}")
         data = data.get("environments")
     if not isinstance(data, list) or not data:
         raise EnvConfigError(f"{src}: expected a non-empty list of environments (or a mapping with an "
                              f"'environments' list), got {type(data).__name__}")
     if imports and not allow_imports:
-        raise EnvConfigError(f"{src}: key 'imports' lists {imports}; {_IMPORT_HINT}")
+        raise EnvConfigError(f"{src}: key 'imports' lists {_short(imports)}; {_IMPORT_HINT}")
     for module in imports:
         _import_module(module, f"{src}: key 'imports'")
 
@@ -171,41 +202,42 @@ def load_env_config(config: str | Path | dict | list, allow_imports: bool = Fals
     for i, raw in enumerate(data):
         where = f"{src}: environments[{i}]"
         if not isinstance(raw, dict):
-            raise EnvConfigError(f"{where}: expected a mapping with keys {list(_ENTRY_KEYS)}, got {raw!r}")
+            raise EnvConfigError(f"{where}: expected a mapping with keys {list(_ENTRY_KEYS)}, got {_short(raw)}")
         unknown = sorted(set(raw) - set(_ENTRY_KEYS))
         if unknown:
-            raise EnvConfigError(f"{where}: unknown key(s) {unknown}; allowed keys: {list(_ENTRY_KEYS)}")
+            raise EnvConfigError(f"{where}: unknown key(s) {_short(unknown)}; allowed keys: {list(_ENTRY_KEYS)}")
         type_name = raw.get("type")
         if not isinstance(type_name, str) or not type_name:
             raise EnvConfigError(f"{where}: key 'type' is required (a registered agent type or module:Class)")
-        where = f"{where} (type {type_name!r})"
+        where = f"{where} (type {_short(type_name)})"
         weight = raw.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0 \
                 or weight == float("inf"):
-            raise EnvConfigError(f"{where}: key 'weight' must be a finite number >= 0, got {weight!r}")
+            hint = _WEIGHT_HINT if isinstance(weight, str) else ""
+            raise EnvConfigError(f"{where}: key 'weight' must be a finite number >= 0, got {_short(weight)}{hint}")
         eval_only = raw.get("evaluation_only", False)
         if not isinstance(eval_only, bool):
-            raise EnvConfigError(f"{where}: key 'evaluation_only' must be true or false, got {eval_only!r}")
+            raise EnvConfigError(f"{where}: key 'evaluation_only' must be true or false, got {_short(eval_only)}")
         args = raw.get("args") or {}
         if not isinstance(args, dict):
-            raise EnvConfigError(f"{where}: key 'args' must be a mapping of the agent's fields, got {args!r}")
+            raise EnvConfigError(f"{where}: key 'args' must be a mapping of the agent's fields, got {_short(args)}")
         default_name = type_name.rsplit(":", 1)[-1]
         name = raw.get("name") or (default_name if type_counts[type_name] == 1 else f"{default_name}_{i}")
         if not isinstance(name, str):
-            raise EnvConfigError(f"{where}: key 'name' must be a string, got {name!r}")
+            raise EnvConfigError(f"{where}: key 'name' must be a string, got {_short(name)}")
         cls = resolve_agent_type(type_name, allow_imports, f"{where}: key 'type'")
         try:
             agent = cls(**_resolve_paths(args, base))
         except ValidationError as e:
-            raise EnvConfigError(f"{where}: key 'args': {_format_validation(e)}") from None
+            raise EnvConfigError(f"{where}: key 'args': {_format_validation(e)[:2000]}") from None
         except (ValueError, TypeError, OSError) as e:
-            raise EnvConfigError(f"{where}: key 'args': {e}") from e
+            raise EnvConfigError(f"{where}: key 'args': {str(e)[:2000]}") from e
         entries.append(TaskEntry(name=name, agent=agent, weight=float(weight), evaluation_only=eval_only))
 
     names = [e.name for e in entries]
     for i, n in enumerate(names):
         if names.index(n) != i:
-            raise EnvConfigError(f"{src}: environments[{i}]: key 'name': {n!r} is already used by "
+            raise EnvConfigError(f"{src}: environments[{i}]: key 'name': {_short(n)} is already used by "
                                  f"environments[{names.index(n)}]; names must be unique")
     train_weight = sum(e.weight for e in entries if not e.evaluation_only)
     if not any(not e.evaluation_only for e in entries):

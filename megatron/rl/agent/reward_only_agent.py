@@ -15,11 +15,19 @@ the environment answers with observations, and builds :class:`~megatron.rl.types
 
 Multi-turn: override :meth:`observe`; after each generated turn it returns the text the environment
 appends (e.g. a tool result) or None to end the episode. Observation tokens get generation-mask 0.
+
+Rewards and observations are user code run on untrusted model output, so they run in worker threads
+(a process-wide pool), never on the event loop: one slow answer does not stall the other rollouts of the
+process. ``reward_timeout_s`` bounds the wait; a rollout whose reward takes longer is an explicit failure
+(the thread cannot be killed, so a reward function should still bound its own work, as the math
+environment does).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from pydantic import BaseModel, Field, PrivateAttr
@@ -91,11 +99,13 @@ class RewardOnlyAgent(Agent):
     max_turns: generated turns per episode (1 = single-turn; >1 needs :meth:`observe`).
     stop: stop strings added to every request's ``generation_args.stop``.
     max_tokens: per-turn cap on ``generation_args.max_tokens`` (None: the request's value).
+    reward_timeout_s: seconds one reward (or observation) may take before the rollout fails (None: no limit).
     """
 
     max_turns: int = Field(default=1, ge=1)
     stop: list[str] = Field(default_factory=list)
     max_tokens: int | None = Field(default=None, ge=1)
+    reward_timeout_s: float | None = Field(default=60.0, gt=0, allow_inf_nan=False)
 
     _streams: dict[str, PromptStream] = PrivateAttr(default_factory=dict)
 
@@ -166,18 +176,58 @@ class RewardOnlyAgent(Agent):
         return Rollout(prompt=prompt, completion=completion, reward=0.0, status="failed", failure_reason=reason,
                        env_id=self.name, problem_id=pid, metadata=metadata)
 
-    def _score(self, problem: Problem, pid: str, prompt: Prompt, turns: list[Turn], tokens: list[int],
-               mask: list[int], logprobs: list[float] | None, prompt_length: int, **metadata: Any) -> Rollout:
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in the reward thread pool; raises _RewardTimeout when it runs longer than
+        ``reward_timeout_s`` (timed from when it starts, not while it waits behind other rewards), or when every
+        pool thread is held by a reward that overran (threads cannot be killed)."""
+        loop = asyncio.get_running_loop()
+        started = loop.create_future()
+        state = {"finished": False, "overran": False}
+
+        def run() -> Any:
+            loop.call_soon_threadsafe(lambda: started.done() or started.set_result(None))
+            try:
+                return fn(*args)
+            finally:
+                with _OVERRUN_LOCK:
+                    state["finished"] = True
+                    if state["overran"]:
+                        _overrunning[0] -= 1
+
+        work = loop.run_in_executor(_reward_pool(), run)
+        while not started.done() and not work.done():
+            await asyncio.wait([started, work], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            if not started.done() and _overrunning[0] >= _POOL_THREADS:
+                work.cancel()  # still queued: it will never start
+                raise _RewardTimeout(f"every reward thread is held by a reward that overran reward_timeout_s="
+                                     f"{self.reward_timeout_s}")
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # an overrun's late error is not lost
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), timeout=self.reward_timeout_s)
+        except asyncio.TimeoutError:
+            if work.done():
+                return work.result()  # the function itself raised TimeoutError: its own error, not an overrun
+            with _OVERRUN_LOCK:
+                if not state["finished"]:
+                    state["overran"] = True
+                    _overrunning[0] += 1
+            raise _RewardTimeout(f"took longer than reward_timeout_s={self.reward_timeout_s}") from None
+
+    async def _score(self, problem: Problem, pid: str, prompt: Prompt, turns: list[Turn], tokens: list[int],
+                     mask: list[int], logprobs: list[float] | None, prompt_length: int, **metadata: Any) -> Rollout:
         completion = _transcript(turns)
         try:
-            reward = float(self.compute_episode_reward(problem, turns))
+            reward = float(await self._off_loop(self.compute_episode_reward, problem, turns))
             rollout = TokenRollout(prompt=prompt, completion=completion, reward=reward, env_id=self.name,
                                    problem_id=pid, token_ids=tokens, generation_mask=mask, logprobs=logprobs,
                                    prompt_length=prompt_length,
                                    metadata={"finish_reasons": [t.finish_reason for t in turns],
                                              "num_turns": len(turns), **metadata})
+        except _RewardTimeout as e:
+            return self._failed(problem, pid, prompt, f"scoring failed: the reward {e}", completion)
         except Exception as e:  # a broken reward function or a non-finite reward: explicit failure
-            return self._failed(problem, pid, prompt, f"scoring failed: {type(e).__name__}: {e}", completion)
+            return self._failed(problem, pid, prompt, f"scoring failed: {type(e).__name__}: {_clip(str(e))}",
+                                completion)
         return rollout
 
     async def _single_turn_group(self, iface: InferenceInterface, problem: Problem, pid: str, prompt: Prompt,
@@ -189,14 +239,19 @@ class RewardOnlyAgent(Agent):
         out = []
         for resp in responses:
             if resp.finish_reason == "error":
-                out.append(self._failed(problem, pid, prompt, f"inference error: {resp.error}"))
+                failed = self._failed(problem, pid, prompt, f"inference error: {_clip(str(resp.error))}")
+                out.append(self._async_value(failed))
                 continue
             mask = [0] * resp.prompt_length + [1] * (len(resp.token_ids) - resp.prompt_length)
             logprobs = None if resp.logprobs is None else [0.0] * resp.prompt_length + list(resp.logprobs)
             turns = [Turn(text=resp.text, finish_reason=resp.finish_reason)]
             out.append(self._score(problem, pid, prompt, turns, list(resp.token_ids), mask, logprobs,
                                    resp.prompt_length))
-        return out
+        return list(await asyncio.gather(*out))  # the group's rewards are computed concurrently
+
+    @staticmethod
+    async def _async_value(value: Any) -> Any:
+        return value
 
     async def _episode(self, iface: InferenceInterface, problem: Problem, pid: str, prompt: Prompt,
                        ga: GenerationArgs, seed: int | None) -> Rollout:
@@ -211,7 +266,7 @@ class RewardOnlyAgent(Agent):
         for turn in range(self.max_turns):
             [resp] = await iface.agenerate([self._request(current, self._turn_args(ga, derive_seed(seed, turn)))])
             if resp.finish_reason == "error":
-                return self._failed(problem, pid, prompt, f"inference error in turn {turn}: {resp.error}",
+                return self._failed(problem, pid, prompt, f"inference error in turn {turn}: {_clip(str(resp.error))}",
                                     _transcript(turns))
             if turn == 0:
                 prompt_length = resp.prompt_length
@@ -221,9 +276,11 @@ class RewardOnlyAgent(Agent):
             if turn == self.max_turns - 1:
                 break
             try:
-                obs = self.observe(problem, turns)
+                obs = await self._off_loop(self.observe, problem, turns)
+            except _RewardTimeout as e:
+                return self._failed(problem, pid, prompt, f"observe() {e}", _transcript(turns))
             except Exception as e:
-                return self._failed(problem, pid, prompt, f"observe() raised {type(e).__name__}: {e}",
+                return self._failed(problem, pid, prompt, f"observe() raised {type(e).__name__}: {_clip(str(e))}",
                                     _transcript(turns))
             if obs is None:
                 break
@@ -233,8 +290,8 @@ class RewardOnlyAgent(Agent):
             else:
                 current = list(current) + [{"role": "assistant", "content": resp.text},
                                            {"role": "user", "content": obs}]
-        return self._score(problem, pid, prompt, turns, tokens, mask, logprobs, prompt_length,
-                           untrained_generated_tokens=lost)
+        return await self._score(problem, pid, prompt, turns, tokens, mask, logprobs, prompt_length,
+                                 untrained_generated_tokens=lost)
 
     async def _group(self, iface: InferenceInterface, index: int, validation: bool, ga: GenerationArgs,
                      group_size: int, seed: int | None) -> RolloutGroup:
@@ -281,6 +338,29 @@ class RewardOnlyAgent(Agent):
         mean = sum(g.mean_reward for g in groups) / len(groups) if groups else 0.0
         return EvaluationResponse(env_id=self.name, results=results,
                                   metrics={"mean_reward": mean, "num_prompts": float(len(groups))})
+
+
+class _RewardTimeout(asyncio.TimeoutError):
+    """A reward or observation overran ``reward_timeout_s`` (or could not start: see ``_off_loop``)."""
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_THREADS = 32  # rewards are short; more threads than cores keep one overrunning reward from starving the rest
+_OVERRUN_LOCK = threading.Lock()
+_overrunning = [0]  # rewards still running past their timeout: each holds a pool thread until it returns
+
+
+def _reward_pool() -> ThreadPoolExecutor:
+    """The process-wide pool rewards and observations run in (threads are created on demand)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=_POOL_THREADS, thread_name_prefix="reward")
+    return _POOL
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    """Error text from user code on untrusted output can be huge: keep messages bounded."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _transcript(turns: list[Turn]) -> str:

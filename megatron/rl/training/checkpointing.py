@@ -14,7 +14,9 @@ Because the model and optimizer are stored as global tensors, a checkpoint saved
 TP/PP/DP layout loads under another; the RNG state is then dropped (logged), everything else is kept.
 
 Publishing is atomic (see :mod:`megatron.rl.training.checkpoint_paths`): a save killed at any point
-leaves the previous checkpoint as the one ``--load`` picks.
+leaves the previous checkpoint as the one ``--load`` picks. Integrity (see
+:mod:`megatron.rl.training.checkpoint_integrity`): a checksum manifest is written before publishing and verified
+before loading; loaded values are scanned for NaN/Inf; the stored iteration must match the directory name.
 
 Every rank must call :func:`save_checkpoint` / :func:`load_checkpoint` (collective), after
 ``torch.distributed`` and megatron's ``parallel_state`` are initialised. Entry scripts need an
@@ -32,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megatron.rl.training import checkpoint_integrity as integrity
 from megatron.rl.training import checkpoint_paths as paths
 from megatron.rl.training.checkpoint_paths import CheckpointError, latest_checkpoint
 from megatron.rl.training.checkpoint_rng import (
@@ -194,18 +197,27 @@ def _restore_zero_steps(optim_state: Any) -> None:
 _SPECIAL_ARGS = ("padded_vocab_size", "vocab_padding", "flags")
 
 
+# Values derived from other flags when not given (--ffn-hidden-size from --hidden-size, ...): compared after the
+# flags they derive from, so a --hidden-size change is reported as --hidden-size, not as ffn_hidden_size.
+_DERIVED_ARGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "moe_ffn_hidden_size")
+
+
 def check_model_args(saved: dict, current: dict, ckpt_path: Path) -> None:
-    """Raise CheckpointError on the first architecture flag whose value differs; log flags only one side has.
+    """Raise CheckpointError on the first architecture flag whose value differs (flags before the values derived
+    from them); log flags only one side has.
 
     ``vocab_size`` None on either side means "the tokenizer's" (older checkpoints, runs without --vocab-size):
     not compared here; the padded vocab check covers the shapes."""
-    for key in sorted((set(saved) & set(current)) - set(_SPECIAL_ARGS)):
+    keys = sorted((set(saved) & set(current)) - set(_SPECIAL_ARGS), key=lambda k: (k in _DERIVED_ARGS, k))
+    for key in keys:
         if key == "vocab_size" and None in (saved[key], current[key]):
             continue
         if saved[key] != current[key]:
+            flag, value = "--" + key.replace("_", "-"), saved[key]
+            fix = f"{'add' if value else 'drop'} {flag}" if isinstance(value, bool) else f"pass {flag} {value}"
             raise CheckpointError(
-                f"architecture mismatch loading {ckpt_path}: {key} is {saved[key]!r} in the checkpoint but "
-                f"{current[key]!r} in this run. Use the checkpoint's value for {key} (or a matching checkpoint).")
+                f"architecture mismatch loading {ckpt_path}: {key} is {value!r} in the checkpoint but "
+                f"{current[key]!r} in this run: {fix} (the checkpoint's value), or load a matching checkpoint.")
     only_saved = sorted(set(saved) - set(current) - set(_SPECIAL_ARGS))
     only_current = sorted(set(current) - set(saved) - set(_SPECIAL_ARGS))
     if (only_saved or only_current) and _rank() == 0:
@@ -387,6 +399,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
                               f"{': ' + err if err else ''}; the previous checkpoint is untouched "
                               f"(partial dir {tmp_dir} is removed by the next save)")
 
+    integrity.write_manifest(tmp_dir)  # inside the temp dir: published together with the checkpoint
     final = root / name
     _rank0_then_share(lambda: paths.publish(tmp_dir, final))
     _rank0_then_share(lambda: paths.write_tracker(root, iteration))
@@ -426,7 +439,8 @@ def _saved_contents(ckpt: Path, common: dict) -> set[str]:
 
 def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn.Module], optimizer=None,
                     opt_param_scheduler=None, *, load_optimizer: bool = True, load_rng: bool = True,
-                    strict: bool = True, model_args: dict | None = None) -> LoadedCheckpoint:
+                    strict: bool = True, model_args: dict | None = None,
+                    verify_checksums: bool = True) -> LoadedCheckpoint:
     """Load the latest checkpoint of ``load_dir`` into the given model/optimizer/scheduler. Collective.
 
     Args:
@@ -439,6 +453,8 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
         load_rng: restore per-rank RNG states (only possible when the parallel layout is unchanged).
         strict: every model key must be in the checkpoint and vice versa.
         model_args: this run's architecture flags; any key stored with a different value raises.
+        verify_checksums: check the files against the checksum manifest before reading them
+            (``--no-verify-checkpoint-checksums`` turns it off); the NaN/Inf scan of loaded values always runs.
 
     Returns: LoadedCheckpoint. Raises CheckpointError for a missing/corrupt/incomplete checkpoint, a
     model_args mismatch, missing optimizer state with ``load_optimizer=True``, or tensors that do not fit.
@@ -446,7 +462,10 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     _require_distributed()
     t0 = time.perf_counter()
     ckpt = paths.resolve_checkpoint_dir(load_dir)
+    if verify_checksums:
+        integrity.verify_manifest(ckpt)
     common = _load_common(ckpt)
+    integrity.check_iteration_matches_dir(ckpt, common.get("iteration"))
     saved_args = common.get("model_args") or {}
     info = common.get("checkpoint_info") or {}
     if model_args:
@@ -509,10 +528,13 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
         except (KeyError, ValueError, RuntimeError, IndexError, AssertionError) as e:
             raise _optimizer_error(ckpt, _describe(e), info, optimizer) from e
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:
+            # named flags instead of megatron-core's bare AssertionError (after the optimizer: its errors first)
+            integrity.check_scheduler_matches(ckpt, common["opt_param_scheduler"], opt_param_scheduler)
             opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
             loaded_sched = True
     elif optimizer is not None:
         optimizer.reload_model_params()  # main (fp32) params must follow the loaded model params
+    integrity.check_finite_state(ckpt, models, optimizer if want_opt else None)
     if want_rng:
         restore_rng_state(loaded[RNG_KEY], include_cuda=_cuda_rng())
 

@@ -155,6 +155,8 @@ class CheckpointConfig:
     ckpt_format: str = "torch_dist"
     dist_ckpt_optim_format: str = "fully_reshardable"
     use_checkpoint_args: bool = False           # model flags filled from the checkpoint (checkpoint_args.py)
+    # checkpoint integrity (issue 10): skip the checksum manifest check on load
+    no_verify_checkpoint_checksums: bool = False
 
 
 @dataclasses.dataclass
@@ -354,6 +356,10 @@ def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="take the model flags (architecture, tokenizer, vocab, lengths) stored in the checkpoint "
                         "of --load (else --pretrained-checkpoint); an explicit conflicting flag is an error")
+    # checkpoint integrity (issue 10)
+    g.add_argument("--no-verify-checkpoint-checksums", action="store_true",
+                   help="load without checking the checkpoint's files against the checksum manifest written at "
+                        "save (for huge checkpoints on trusted storage); loaded values are still scanned for NaN/Inf")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)

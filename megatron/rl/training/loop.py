@@ -254,13 +254,15 @@ def _load(cfg: TrainingConfig, load_dir: str | None, model, optimizer, scheduler
     if load_dir is not None:
         loaded = load_checkpoint(load_dir, model, optimizer, scheduler,
                                  load_optimizer=not (c.no_load_optim or c.finetune),
-                                 load_rng=not (c.no_load_rng or c.finetune), model_args=margs)
+                                 load_rng=not (c.no_load_rng or c.finetune), model_args=margs,
+                                 verify_checksums=not c.no_verify_checkpoint_checksums)
         if c.finetune:
             return 0, 0
         return int(loaded.iteration or 0), int(loaded.run_state.get("consumed_samples", 0))
     if c.pretrained_checkpoint:
         load_checkpoint(c.pretrained_checkpoint, model, optimizer, scheduler, load_optimizer=False,
-                        load_rng=False, model_args=margs)
+                        load_rng=False, model_args=margs,
+                        verify_checksums=not c.no_verify_checkpoint_checksums)
     return 0, 0
 
 

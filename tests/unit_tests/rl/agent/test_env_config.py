@@ -252,3 +252,40 @@ def test_cli_flags_provider():
     assert (REPO_ROOT / DEFAULT_ENV_CONFIG).is_file()
     ns = parser.parse_args(["--langrl-env-config", "x.yaml", "--langrl-allow-imports"])
     assert ns.langrl_env_config == "x.yaml" and ns.langrl_allow_imports
+
+
+# -- issue 10 findings 6 and 9: hostile YAML ---------------------------------------------------------------------
+_BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"]
+                  + [f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]"
+                     for p, c in zip("abcdefgh", "bcdefghi")]
+                  + ["environments:", "  - type: arithmetic", "    args: {max_digits: *i}"]) + "\n"
+
+
+def test_yaml_alias_bomb_is_refused_quickly(tmp_path):
+    import time
+
+    assert len(_BOMB) < 600  # 9**9 = 387 million values once expanded
+    p = _write(tmp_path, _BOMB)
+    t = time.perf_counter()
+    with pytest.raises(EnvConfigError, match=r"env\.yaml:2:\d+: invalid YAML: alias \*a is not allowed") as info:
+        load_env_config(p)
+    assert time.perf_counter() - t < 5.0 and len(str(info.value)) < 500
+
+
+def test_any_alias_is_refused_and_long_values_are_shortened(tmp_path):
+    p = _write(tmp_path, "base: &w 2\nenvironments:\n  - type: arithmetic\n    weight: *w\n")
+    with pytest.raises(EnvConfigError, match=r"alias \*w"):
+        load_env_config(p)
+    long_list = "[" + ", ".join(["1"] * 5000) + "]"
+    with pytest.raises(EnvConfigError, match="key 'args' must be a mapping") as info:
+        load_env_config(_write(tmp_path, f"- type: arithmetic\n  args: {long_list}\n"))
+    assert len(str(info.value)) < 500
+    with pytest.raises(EnvConfigError, match="key 'weight'") as info:
+        load_env_config(_write(tmp_path, f"- type: arithmetic\n  weight: '{'9' * 10000}'\n"))
+    assert len(str(info.value)) < 500 and "without quotes" in str(info.value)
+
+
+@pytest.mark.parametrize("text, value", [("1e-3", 1e-3), ("2E2", 200.0), ("+1e0", 1.0), ("0.5", 0.5), ("3", 3)])
+def test_yaml_exponent_floats_are_numbers(tmp_path, text, value):
+    p = _write(tmp_path, f"- type: arithmetic\n  weight: {text}\n- type: countdown\n")
+    assert load_env_config(p)[0].weight == value

@@ -1,6 +1,8 @@
 """RewardOnlyAgent on the deterministic fake backend: token alignment, multi-turn masks, failures, batching,
 determinism, DP sharding and resume."""
 import asyncio
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -206,3 +208,105 @@ def test_basic_evaluate_and_inference_spec_requests():
     backend = agent.resolve_inference(req)
     assert isinstance(backend, FakeInference) and backend.max_seq_len == 512
     assert agent.resolve_inference(req) is backend  # built once per spec
+
+
+# -- issue 10 finding 4: rewards run off the event loop, bounded in time -----------------------------------------
+_LOOP_RAN = threading.Event()
+
+
+class BlockingRewardAgent(LettersAgent):
+    """Problem 0's reward waits (in its thread) until another coroutine on the event loop has run: it can only
+    finish if the loop is free while a reward is being computed."""
+
+    def compute_reward(self, problem, completion):
+        if problem["id"] == "p0":
+            return 1.0 if _LOOP_RAN.wait(timeout=5.0) else -1.0
+        return 0.5
+
+
+def test_a_slow_reward_does_not_stall_the_event_loop():
+    _LOOP_RAN.clear()
+    agent = BlockingRewardAgent(seed=0)
+    req = GroupedRolloutRequest(num_groups=10, rollouts_per_group=2, generation_args=GenerationArgs(max_tokens=4),
+                                inference_interface=FakeInference())
+
+    async def main():
+        async def ticker():
+            await asyncio.sleep(0.05)  # runs only if rewards do not block the loop
+            _LOOP_RAN.set()
+        tick = asyncio.create_task(ticker())
+        out = await agent.generate_grouped_rollouts(req)
+        await tick
+        return out
+
+    out = asyncio.run(main())
+    rewards = {g.problem_id: g.rewards for g in out.groups}
+    assert rewards["p0"] == [1.0, 1.0], rewards  # -1.0: the loop was blocked while the reward ran
+
+
+class SlowRewardAgent(LettersAgent):
+    def compute_reward(self, problem, completion):
+        if problem["id"] == "p1":
+            time.sleep(1.0)
+        return 1.0
+
+
+def test_reward_timeout_fails_the_rollout_not_the_batch():
+    agent = SlowRewardAgent(seed=0, reward_timeout_s=0.2)
+    req = GroupedRolloutRequest(num_groups=10, rollouts_per_group=2, generation_args=GenerationArgs(max_tokens=4),
+                                inference_interface=FakeInference())
+    out = asyncio.run(agent.generate_grouped_rollouts(req))
+    by_id = {g.problem_id: g for g in out.groups}
+    assert all(r.status == "failed" and "reward_timeout_s=0.2" in r.failure_reason for r in by_id["p1"].rollouts)
+    assert all(g.rewards == [1.0, 1.0] for pid, g in by_id.items() if pid != "p1")
+    with pytest.raises(ValueError):
+        SlowRewardAgent(reward_timeout_s=float("nan"))
+
+
+class SteadyRewardAgent(LettersAgent):
+    def compute_reward(self, problem, completion):
+        time.sleep(0.2)
+        return 1.0
+
+
+def test_reward_timeout_counts_from_the_start_not_the_queue(monkeypatch):
+    """Six 0.2 s rewards on one thread take 1.2 s in all; none overran its 0.6 s budget, so none fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import megatron.rl.agent.reward_only_agent as roa
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(roa, "_POOL", pool)
+    agent = SteadyRewardAgent(seed=0, reward_timeout_s=0.6)
+    req = GroupedRolloutRequest(num_groups=3, rollouts_per_group=2, generation_args=GenerationArgs(max_tokens=4),
+                                inference_interface=FakeInference())
+    out = asyncio.run(agent.generate_grouped_rollouts(req))
+    pool.shutdown()
+    assert [r.status for g in out.groups for r in g.rollouts] == ["ok"] * 6
+
+
+class HangingRewardAgent(LettersAgent):
+    def compute_reward(self, problem, completion):
+        if problem["id"] == "p1":
+            time.sleep(3.0)
+        return 1.0
+
+
+def test_rewards_queued_behind_overrunning_ones_fail_instead_of_waiting(monkeypatch):
+    """With every pool thread held by a reward past its timeout, queued rewards fail (named) rather than wait."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import megatron.rl.agent.reward_only_agent as roa
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(roa, "_POOL", pool)
+    monkeypatch.setattr(roa, "_POOL_THREADS", 1)
+    agent = HangingRewardAgent(seed=0, reward_timeout_s=0.3)
+    req = GroupedRolloutRequest(num_groups=10, rollouts_per_group=1, generation_args=GenerationArgs(max_tokens=4),
+                                inference_interface=FakeInference())
+    out = asyncio.run(agent.generate_grouped_rollouts(req))
+    reasons = {g.problem_id: g.rollouts[0].failure_reason for g in out.groups}
+    assert "took longer than reward_timeout_s=0.3" in reasons["p1"], reasons
+    assert any(r and "every reward thread is held" in r for r in reasons.values()), reasons
+    pool.shutdown(wait=True)
+    assert roa._overrunning == [0]  # the overrun is accounted back once the thread returns

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -195,3 +196,96 @@ def test_count_all_failed_resets_on_any_success():
         n = count_all_failed(n, {"failed_rollouts": float(failed)}, 16)
         assert n == expected
     assert count_all_failed(5, {}, 16) == 0  # an iteration without the metric is not a failure
+
+
+# --------------------------------------------------------------------------- issue 10 finding 8: hostile flag values
+@pytest.mark.parametrize("flag, value", [
+    ("--rl-default-temperature", "inf"), ("--rl-default-temperature", "nan"), ("--rl-default-temperature", "0"),
+    ("--rl-default-temperature", "-1"), ("--rl-eval-temperature", "-1"), ("--rl-eval-temperature", "inf"),
+    ("--grpo-clamp-eps-lower", "-1"), ("--grpo-clamp-eps-lower", "2"), ("--grpo-clamp-eps-lower", "1"),
+    ("--grpo-clamp-eps-upper", "-0.1"), ("--grpo-clamp-eps-upper", "inf"),
+    ("--grpo-entropy-term-weight", "nan"), ("--grpo-kl-beta", "inf"), ("--grpo-kl-beta", "nan"),
+    ("--rl-default-top-p", "nan"), ("--rl-importance-sampling-truncation-coef", "inf"),
+    ("--inference-backend", "unknown"),
+])
+def test_hostile_rl_flag_values_are_named_errors(env_yaml, flag, value):
+    with pytest.raises(ConfigError) as e:
+        _rl(env_yaml, flag, value)
+    assert f"{flag}={value}" in str(e.value)
+
+
+def test_legal_edge_values_are_accepted(env_yaml):
+    rl = _rl(env_yaml, "--grpo-clamp-eps-lower", "0", "--grpo-clamp-eps-upper", "0.28", "--rl-eval-temperature",
+             "0", "--rl-default-temperature", "0.7", "--inference-backend", "fake")
+    assert rl.loss.eps_lower == 0 and rl.inference_backend == "fake"
+
+
+def test_train_rl_bad_input_exits_2_with_one_line_before_building_anything(env_yaml, caplog, monkeypatch):
+    """train_rl.py used to print a traceback and exit 1, and caught some values only after the model was built."""
+    import importlib.util
+
+    from tests.conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("train_rl_main", REPO_ROOT / "train_rl.py")
+    train_rl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_rl)
+    import megatron.rl.rl_loop as rl_loop
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the flags were checked")
+
+    monkeypatch.setattr(rl_loop, "run_rl", no_model)
+    argv = [*BASE, "--langrl-env-config", str(env_yaml), "--grpo-prompts-per-step", "4", "--grpo-group-size", "4",
+            "--rl-max-new-tokens", "8"]
+    for bad in (["--grpo-clamp-eps-lower", "2"], ["--inference-backend", "unknown"],
+                ["--rl-default-temperature", "inf"], ["--grpo-entropy-term-weight", "nan"]):
+        caplog.clear()
+        assert train_rl.main([*argv, *bad]) == 2
+        assert [r.getMessage() for r in caplog.records if r.name == "train_rl"][0].startswith(
+            "ConfigError: " + bad[0])
+    bad_env = env_yaml.parent / "bad.yaml"
+    bad_env.write_text("- type: arithmetic\n  weight: -1\n")
+    argv[argv.index(str(env_yaml))] = str(bad_env)
+    from megatron.rl.agent.env_config import load_env_config
+
+    monkeypatch.setattr(rl_loop, "run_rl", lambda cfg, rl: load_env_config(rl.env_config))
+    caplog.clear()
+    assert train_rl.main(argv) == 2
+    assert any(r.getMessage().startswith("EnvConfigError: ") for r in caplog.records if r.name == "train_rl")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--rl-eval-temperature", "-1"], "ConfigError: --rl-eval-temperature=-1.0"),
+    (["--grpo-kl-beta", "0.1"], "ConfigError: --grpo-kl-beta=0.1 needs --pretrained-checkpoint"),  # in run_rl
+])
+def test_train_rl_script_prints_one_line_and_exits_2(env_yaml, bad, message):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    argv = [*BASE, "--langrl-env-config", str(env_yaml), "--grpo-prompts-per-step", "4", "--grpo-group-size", "4",
+            "--rl-max-new-tokens", "8", *bad]
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "train_rl.py"), *argv], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and message in proc.stderr, proc.stderr[-3000:]
+
+
+def test_megatron_backend_generation_is_capped_at_seq_length(env_yaml, monkeypatch):
+    """A prompt + generation longer than --seq-length used to be generated, then fail in packing (finding 8)."""
+    import torch
+
+    import megatron.rl.inference.megatron as backend
+    from megatron.rl.rl_loop import _build_inference
+
+    seen = {}
+    monkeypatch.setattr(backend, "MegatronInference", lambda model, tok, **kw: seen.update(kw) or "engine")
+    model = torch.nn.Linear(1, 1)
+    model.max_sequence_length = 256  # --max-position-embeddings larger than --seq-length
+    rl = _rl(env_yaml)
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(seq_length=64))
+    assert _build_inference(cfg, rl, [model], None) == "engine" and seen["max_sequence_length"] == 64
+    model.max_sequence_length = 32
+    _build_inference(cfg, rl, [model], None)
+    assert seen["max_sequence_length"] == 32

@@ -60,3 +60,22 @@ def test_resolve_load_dir(tmp_path):
     (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text("garbage")
     with pytest.raises(CheckpointError):
         resolve_load_dir(parse_args([*TINY, "--load", str(tmp_path / "ck")], world_size=1))
+
+
+@pytest.mark.slow  # four tiny pretraining runs (~40 s on an idle 2-core machine, 5 min on a busy one)
+def test_resume_with_changed_flags_is_a_named_error(tmp_path):
+    """Issue 10 finding 9: --train-iters changed on resume gave megatron-core's bare AssertionError (exit 1); a
+    --hidden-size change was reported as ffn_hidden_size."""
+    ckpt = str(tmp_path / "ckpt")
+    assert _run([*TINY, "--save", ckpt], cwd=tmp_path).returncode == 0
+    longer = [*TINY[:TINY.index("--train-iters")], "--train-iters", "4", *TINY[TINY.index("--train-iters") + 2:]]
+    proc = _run([*longer, "--load", ckpt], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-4000:]
+    assert "CheckpointError" in out and "(--train-iters)" in out and "--use-checkpoint-opt-param-scheduler" in out
+    proc = _run([*longer, "--load", ckpt, "--use-checkpoint-opt-param-scheduler"], cwd=tmp_path)
+    assert proc.returncode == 0 and "iteration        4/       4" in proc.stdout + proc.stderr
+    wider = [*TINY[:TINY.index("--hidden-size")], "--hidden-size", "64", *TINY[TINY.index("--hidden-size") + 2:]]
+    proc = _run([*wider, "--load", ckpt], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "pass --hidden-size 32" in out, out[-4000:]

@@ -3,9 +3,11 @@
     python rl_cli_cases.py CASES.json OUT.json
 
 CASES.json: ``{name: argv}``. OUT.json: ``{name: {"ok": bool, "error_type": str, "error": str}}``.
-train_rl.main is what ``python train_rl.py`` runs (parse flags, validate, run, destroy_megatron).
+train_rl.main is what ``python train_rl.py`` runs (parse flags, validate, run, destroy_megatron); bad input
+it reports itself (one logged line "ErrorType: message", exit status 2) counts as not ok with that error.
 """
 import json
+import logging
 import os
 import sys
 
@@ -20,11 +22,20 @@ def main() -> int:
     train_rl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_rl)
     cases = json.loads(open(sys.argv[1]).read())
+    reported: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reported.append(record.getMessage())
+    logging.getLogger("train_rl").addHandler(handler)
     out = {}
     for name, argv in cases.items():
+        reported.clear()
         try:
             rc = train_rl.main(argv)
-            out[name] = {"ok": True, "rc": rc}
+            if rc == 2 and reported:
+                error_type, _, error = reported[-1].partition(": ")
+                out[name] = {"ok": False, "rc": rc, "error_type": error_type, "error": error}
+            else:
+                out[name] = {"ok": True, "rc": rc}
         except BaseException as e:  # SystemExit from argparse too
             out[name] = {"ok": False, "error_type": type(e).__name__, "error": str(e)}
         print(f"case {name}: {out[name]}", flush=True)

@@ -182,8 +182,9 @@ def _corrupt_shards(root):
     (_corrupt_tracker, r"corrupt tracker file .*found 'iter_1'"),
     (_tracker_to_missing, r"names 7 but .*iter_0000007 does not exist.*Complete checkpoints present: \[1\]"),
     (_incomplete, r"iter_0000001 is incomplete or corrupt: missing metadata.json"),
-    (_corrupt_common, r"cannot read the common state of checkpoint .*iter_0000001"),
-    (_corrupt_shards, r"loading .*iter_0000001 failed"),
+    # the checksum manifest catches these first (test_checkpoint_integrity.py covers loads without it)
+    (_corrupt_common, r"iter_0000001/common\.pt has 80 bytes.*the checkpoint is corrupt"),
+    (_corrupt_shards, r"iter_0000001/\S+\.distcp has 16 bytes.*the checkpoint is corrupt"),
 ], ids=["no-tracker", "corrupt-tracker", "tracker-to-missing", "incomplete", "corrupt-common", "corrupt-shards"])
 def test_broken_checkpoints_raise(dist1, saved, tmp_path, damage, message):
     root = copy_of(saved, tmp_path)
