@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
+from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from megatron.rl.inference_layout import (InferenceLayoutConfig, add_inference_layout_args,
                                           inference_layout_from_args, validate_inference_layout)
 from megatron.rl.training.config import ConfigError, TrainingConfig
@@ -206,9 +207,13 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
                         ("--grpo-kl-beta", rl.loss.kl_beta), ("--grpo-entropy-term-weight", rl.loss.entropy_weight),
                         ("--rl-importance-sampling-truncation-coef", rl.loss.is_truncation_coef)):
         _need(math.isfinite(value), f"{flag}={value}: must be a finite number.")
-    _need(rl.temperature > 0, f"--rl-default-temperature={rl.temperature}: must be > 0 (the policy samples at "
-                              f"this temperature and the trainer scores log-probs at it).")
-    _need(rl.eval_temperature >= 0, f"--rl-eval-temperature={rl.eval_temperature}: must be >= 0 (0 = greedy).")
+    # Every backend refuses 0 < T < MIN_TEMPERATURE per request (near-zero temperatures overflow the softmax).
+    _need(MIN_TEMPERATURE <= rl.temperature <= MAX_TEMPERATURE,
+          f"--rl-default-temperature={rl.temperature}: must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (the policy "
+          f"samples at this temperature and the trainer scores log-probs at it).")
+    _need(rl.eval_temperature == 0 or MIN_TEMPERATURE <= rl.eval_temperature <= MAX_TEMPERATURE,
+          f"--rl-eval-temperature={rl.eval_temperature}: must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
+          f"{MAX_TEMPERATURE}].")
     _need(0 <= rl.loss.eps_lower < 1, f"--grpo-clamp-eps-lower={rl.loss.eps_lower}: must be in [0, 1) (the clip "
                                       f"keeps the ratio >= 1 - eps_lower > 0).")
     _need(rl.loss.eps_upper >= 0, f"--grpo-clamp-eps-upper={rl.loss.eps_upper}: must be >= 0.")
