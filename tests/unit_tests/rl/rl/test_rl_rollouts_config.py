@@ -202,7 +202,7 @@ def test_count_all_failed_resets_on_any_success():
 @pytest.mark.parametrize("flag, value", [
     ("--rl-default-temperature", "inf"), ("--rl-default-temperature", "nan"), ("--rl-default-temperature", "0"),
     ("--rl-default-temperature", "-1"), ("--rl-eval-temperature", "-1"), ("--rl-eval-temperature", "inf"),
-    ("--rl-default-temperature", "1e-38"), ("--rl-eval-temperature", "1e-5"), ("--rl-default-temperature", "1000"),
+    ("--rl-default-temperature", "1e-38"), ("--rl-eval-temperature", "0.0001"), ("--rl-default-temperature", "1000"),
     ("--grpo-clamp-eps-lower", "-1"), ("--grpo-clamp-eps-lower", "2"), ("--grpo-clamp-eps-lower", "1"),
     ("--grpo-clamp-eps-upper", "-0.1"), ("--grpo-clamp-eps-upper", "inf"),
     ("--grpo-entropy-term-weight", "nan"), ("--grpo-kl-beta", "inf"), ("--grpo-kl-beta", "nan"),
