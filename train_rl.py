@@ -6,6 +6,8 @@
 Takes the Megatron-LM model/parallel/optimizer/checkpoint flags of ``pretrain_gpt.py`` plus the RL flags
 of :mod:`megatron.rl.rl_config` (``python train_rl.py --help`` lists them). ``--train-iters`` counts RL
 iterations; start from ``--pretrained-checkpoint`` and resume with ``--load`` / ``--save``.
+``--eval-only --load CKPT`` evaluates a checkpoint (pass@k per environment) instead of training.
+Bad input exits with status 2 and a one-line message naming what to fix.
 """
 import os
 import sys
@@ -15,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def main(argv=None) -> int:
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
+    from megatron.rl.rl_eval import run_eval_only
     from megatron.rl.rl_loop import run_rl
     from megatron.rl.training.config import parse_args
     from megatron.rl.training.initialize import destroy_megatron
@@ -22,7 +25,10 @@ def main(argv=None) -> int:
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])
     rl = rl_config_from_args(cfg)
     try:
-        run_rl(cfg, rl)
+        if rl.observe.eval_only:
+            run_eval_only(cfg, rl)
+        else:
+            run_rl(cfg, rl)
     finally:
         destroy_megatron()
     return 0
@@ -30,4 +36,6 @@ def main(argv=None) -> int:
 
 # The guard matters: torch_dist checkpoint saving starts a subprocess that re-imports this module.
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.rl.training.cli_errors import run_cli
+
+    sys.exit(run_cli("train_rl.py", main))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
+from megatron.rl.observe_config import ObserveConfig, add_observe_args, observe_config_from_args
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,9 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--langrl-allow-imports", action="store_true",
                    help="Let the env config name agents by 'module:Class' import path (runs user code).")
     g.add_argument("--rl-metrics-jsonl", type=str, default=None,
-                   help="Append one JSON line of metrics per iteration to this file (rank 0).")
+                   help="One JSON line of metrics per iteration in this file (rank 0); on resume, lines past the "
+                        "resumed iteration are dropped.")
+    add_observe_args(parser)  # samples, per-environment metrics, warnings, pass@k, --eval-only
     return parser
 
 
@@ -100,6 +103,7 @@ class RLConfig:
     inference_server_url: str | None
     allow_import_paths: bool
     metrics_jsonl: str | None
+    observe: ObserveConfig = dataclasses.field(default_factory=ObserveConfig)
 
     @property
     def rollouts_per_step(self) -> int:
@@ -132,7 +136,7 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
         max_new_tokens=a.rl_max_new_tokens, prompts_per_eval=a.rl_prompts_per_eval,
         eval_temperature=a.rl_eval_temperature, inference_backend=a.inference_backend,
         inference_server_url=a.inference_server_url, allow_import_paths=a.langrl_allow_imports,
-        metrics_jsonl=a.rl_metrics_jsonl)
+        metrics_jsonl=a.rl_metrics_jsonl, observe=observe_config_from_args(cfg))
     validate_rl_config(rl, cfg)
     return rl
 
