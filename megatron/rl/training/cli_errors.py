@@ -14,6 +14,8 @@ import time
 
 __all__ = ["user_error_types", "report_user_error", "run_cli"]
 
+_GRACE_S = 2.0
+
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """Errors that mean "fix your flags / files", reported without a traceback."""
@@ -58,4 +60,8 @@ def run_cli(program: str, main, argv=None) -> int:
         return main(argv)
     except types as e:
         report_user_error(program, e)
+        if _rank() != 0:
+            # Usually every rank hits the same error; torchrun kills the others as soon as one exits, so the
+            # other ranks give rank 0 a moment to print its line first.
+            time.sleep(_GRACE_S)
         return 2
