@@ -159,6 +159,7 @@ def main(argv=None) -> int:
               f"(mean of the last {min(3, len(evals))} evaluations, up to iteration {evals[-1][0]}); "
               f"change {final - first:+.3f}")
     print(f"reward curve: {png}; metrics: {metrics}; total {time.time() - start:.0f}s")
+    print(f"sample completions: python tools/show_samples.py {metrics} --last 1")
     return 0
 
 
