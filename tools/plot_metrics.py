@@ -19,22 +19,27 @@ from pathlib import Path
 DEFAULT_METRICS = ("reward_mean", "eval/pass@1", "rl_loss", "response_length_mean", "logprob_gap_max")
 
 
-def read_jsonl(path: Path) -> dict[str, list[tuple[int, float]]]:
-    series: dict[str, list[tuple[int, float]]] = {}
-    with path.open() as f:
+def iter_records(path: Path):
+    """The JSON records of a metrics JSONL file, one per non-empty line (an unparsable line is an error)."""
+    with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"{path}:{line_no}: not JSON ({e.msg}); is this a --rl-metrics-jsonl file?")
-            it = record.get("iteration")
-            if it is None:
-                continue
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value):
-                    series.setdefault(key, []).append((int(it), float(value)))
+
+
+def read_jsonl(path: Path) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in iter_records(path):
+        it = record.get("iteration")
+        if it is None:
+            continue
+        for key, value in record.items():
+            if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value):
+                series.setdefault(key, []).append((int(it), float(value)))
     return series
 
 

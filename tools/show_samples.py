@@ -10,24 +10,21 @@ eight spaces prints ``'        '``, not an empty line).
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.plot_metrics import iter_records  # noqa: E402 (needs the repository root on sys.path)
 
 
 def read_samples(path: Path) -> dict[int, list[dict]]:
     """``{iteration: samples}`` from a metrics JSONL file (lines without samples are skipped)."""
     out: dict[int, list[dict]] = {}
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{line_no}: not JSON ({e.msg}); is this a --rl-metrics-jsonl file?")
-            if isinstance(record, dict) and record.get("samples"):
-                out.setdefault(int(record["iteration"]), []).extend(record["samples"])
+    for record in iter_records(path):
+        if isinstance(record, dict) and record.get("samples"):
+            out.setdefault(int(record["iteration"]), []).extend(record["samples"])
     return out
 
 

@@ -9,9 +9,9 @@ from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
 from megatron.rl.agent.weighted_multi_task import TaskEntry, WeightedMultiTaskAgent
 from megatron.rl.inference.api import InferenceInterface, InferenceResponse
 from megatron.rl.observe_config import ObserveConfig
-from megatron.rl.rl_config import add_rl_args, rl_config_from_args
 from megatron.rl.rl_eval import evaluation_request, format_eval_line, format_eval_table, merge_eval_metrics
-from megatron.rl.training.config import ConfigError, parse_args
+from megatron.rl.training.config import ConfigError
+from tests.unit_tests.rl.rl.test_rl_rollouts_config import _rl, env_yaml  # noqa: F401 (a fixture)
 
 N = 8  # samples per prompt
 CORRECT = {"easy": [8, 5, 3, 1, 0], "hard": [0, 1, 0]}  # correct samples of each prompt
@@ -103,22 +103,8 @@ def test_table_and_line():
 # --------------------------------------------------------------------------- flags
 
 
-@pytest.fixture
-def env_yaml(tmp_path):
-    p = tmp_path / "env.yaml"
-    p.write_text("environments: [{type: arithmetic, weight: 1}]\n")
-    return p
-
-
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--micro-batch-size", "4", "--global-batch-size", "16", "--grpo-prompts-per-step", "4",
-        "--grpo-group-size", "4", "--rl-max-new-tokens", "8"]
-
-
 def observe(env, *extra):
-    cfg = parse_args([*BASE, "--langrl-env-config", str(env), *extra], extra_args_providers=[add_rl_args],
-                     world_size=1)
-    return rl_config_from_args(cfg).observe
+    return _rl(env, *extra).observe
 
 
 def test_observe_flags_defaults_and_derived_values(env_yaml):

@@ -382,3 +382,8 @@ def test_dp2_stop_and_resume_is_exact(tmp_path):
     assert sorted(full) == sorted(resumed) == [1, 2, 3]
     assert all(r["num_sequences"] == 16 for r in full.values())
     _assert_same_metrics(resumed, full, [1, 2, 3])
+    for r in full.values():  # per-environment numbers gathered over both DP ranks
+        assert r["env/HashReward/groups"] == 4 and r["env/HashReward/reward_mean"] == pytest.approx(r["reward_mean"])
+    samples = [json.loads(line) for line in full_m.read_text().splitlines() if '"samples"' in line]
+    assert [len(r["samples"]) for r in samples] == [4, 4, 4]
+    assert {s["problem_id"] for r in samples for s in r["samples"]} > {s["problem_id"] for s in samples[0]["samples"]}
