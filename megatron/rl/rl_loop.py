@@ -19,7 +19,7 @@ from megatron.rl.rl_samples import samples_markdown
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
 from megatron.rl.rl_warnings import RunWarnings, WarningThresholds, warning_metrics
 from megatron.rl.training.config import ConfigError, TrainingConfig
-from megatron.rl.training.metrics import MetricsJsonl, metrics_json_line  # noqa: F401 (re-exported)
+from megatron.rl.training.metrics import MetricsJsonl
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss", "loss"),
               ("response_length_mean", "resp len"), ("clip_fraction_low", "clip lo"),
               ("clip_fraction_high", "clip hi"), ("kl_mean", "kl"), ("entropy_mean", "entropy"),
-              ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"), ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
+              ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"),
+              ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
               ("packing_efficiency", "packing"), ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
               ("time_train_s", "t train"))

@@ -29,9 +29,10 @@ def scripted_groups():
     """Two environments. Worked out by hand below."""
     return [
         # "math": group 1 mixed rewards, one failure; group 2 all 0 (same reward)
-        RolloutGroup(env_id="math", rollouts=[tok("math", 1.0, 4, reasons=["stop"]), tok("math", 0.0, 8, reasons=["length"]),
-                                              failed("math")]),
-        RolloutGroup(env_id="math", rollouts=[tok("math", 0.0, 8, reasons=["length"]), tok("math", 0.0, 6, reasons=["stop"])]),
+        RolloutGroup(env_id="math", rollouts=[tok("math", 1.0, 4, reasons=["stop"]),
+                                              tok("math", 0.0, 8, reasons=["length"]), failed("math")]),
+        RolloutGroup(env_id="math", rollouts=[tok("math", 0.0, 8, reasons=["length"]),
+                                              tok("math", 0.0, 6, reasons=["stop"])]),
         # "tool": multi-turn; observation tokens must not count as response length
         RolloutGroup(env_id="tool", rollouts=[
             tok("tool", 0.5, 5, turns=3, reasons=["stop", "stop", "stop"], observation_tokens=7),
