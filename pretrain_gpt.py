@@ -12,7 +12,6 @@ Runs from the repository root without installing: the repo's ``megatron/`` is a 
 the megatron-core wheel's. Bad input (flags, paths, tokenizer, megatron-core version) exits with status 2
 and a one-line message naming what to fix, before any model is built.
 """
-import logging
 import os
 import sys
 
@@ -20,19 +19,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv=None) -> int:
-    from megatron.rl.runtime.cpu_patches import UnsupportedMegatronCoreVersion
-    from megatron.rl.training.checkpoint_paths import CheckpointError
-    from megatron.rl.training.config import ConfigError, parse_args
-    from megatron.rl.training.data import DataError
+    from megatron.rl.training.cli_errors import report_user_error, user_error_types
+    from megatron.rl.training.config import parse_args
     from megatron.rl.training.initialize import destroy_megatron
     from megatron.rl.training.loop import pretrain
-    from megatron.rl.training.tokenizer import TokenizerError
 
     try:
         cfg = parse_args(argv)
         pretrain(cfg)
-    except (ConfigError, CheckpointError, DataError, TokenizerError, UnsupportedMegatronCoreVersion) as e:
-        logging.getLogger("pretrain_gpt").error("%s: %s", type(e).__name__, e)
+    except user_error_types() as e:
+        report_user_error("pretrain_gpt.py", e)
         return 2
     finally:
         destroy_megatron()

@@ -2,6 +2,7 @@
 
     python tools/plot_metrics.py runs/quickstart/metrics.jsonl --out reward_curve.png
     python tools/plot_metrics.py runs/tb --metrics reward_mean eval/pass@1 --out curves.png
+    python tools/plot_metrics.py metrics.jsonl --metrics 'env/*/reward_mean' --out envs.png   # one panel per env
 
 One panel per metric, x = iteration. JSONL records are dicts with an ``iteration`` key (training records
 and evaluation records may be interleaved; each metric is plotted where it is present).
@@ -9,6 +10,7 @@ and evaluation records may be interleaved; each metric is plotted where it is pr
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import sys
@@ -17,22 +19,27 @@ from pathlib import Path
 DEFAULT_METRICS = ("reward_mean", "eval/pass@1", "rl_loss", "response_length_mean", "logprob_gap_max")
 
 
-def read_jsonl(path: Path) -> dict[str, list[tuple[int, float]]]:
-    series: dict[str, list[tuple[int, float]]] = {}
-    with path.open() as f:
+def iter_records(path: Path):
+    """The JSON records of a metrics JSONL file, one per non-empty line (an unparsable line is an error)."""
+    with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield json.loads(line)
             except json.JSONDecodeError as e:
                 raise SystemExit(f"{path}:{line_no}: not JSON ({e.msg}); is this a --rl-metrics-jsonl file?")
-            it = record.get("iteration")
-            if it is None:
-                continue
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value):
-                    series.setdefault(key, []).append((int(it), float(value)))
+
+
+def read_jsonl(path: Path) -> dict[str, list[tuple[int, float]]]:
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in iter_records(path):
+        it = record.get("iteration")
+        if it is None:
+            continue
+        for key, value in record.items():
+            if key != "iteration" and isinstance(value, (int, float)) and math.isfinite(value):
+                series.setdefault(key, []).append((int(it), float(value)))
     return series
 
 
@@ -50,13 +57,22 @@ def load_series(path: Path) -> dict[str, list[tuple[int, float]]]:
     return read_tensorboard(path) if path.is_dir() else read_jsonl(path)
 
 
+def expand_metrics(metrics: list[str], available: list[str]) -> list[str]:
+    """Names, with shell-style patterns (``env/*/reward_mean``) replaced by the matching names, sorted."""
+    out: list[str] = []
+    for m in metrics:
+        matches = sorted(fnmatch.filter(available, m)) if any(c in m for c in "*?[") else [m]
+        out.extend(x for x in matches if x not in out)
+    return out
+
+
 def plot(series: dict[str, list[tuple[int, float]]], metrics: list[str], out: Path, title: str = "") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    present = [m for m in metrics if series.get(m)]
+    present = [m for m in expand_metrics(metrics, list(series)) if series.get(m)]
     if not present:
         raise SystemExit(f"none of {metrics} is in the data; available: {sorted(series)}")
     fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.4 * len(present)), sharex=True, squeeze=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -48,19 +49,44 @@ def launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
 
 
+# Console lines worth showing from a stage's output: iteration lines (whole: they start with the iteration
+# number), evaluations, warnings about the run, and errors.
+_SHOW = (" iteration ", "evaluation", "possible training problem", "error")
+_ERROR = re.compile(r"(\S+\.py: error: .*|\b[A-Za-z]*Error: .*)")
+
+
+def console_line(line: str) -> str | None:
+    """The line to echo to the console for one line of a stage's output (None: only in the log file)."""
+    text = line.rstrip()
+    return text if any(key in text.lower() for key in _SHOW) else None
+
+
+def first_error(lines: list[str]) -> str | None:
+    """The first error message in a stage's output: the one-line report of bad input, else the last line of
+    a Python traceback; torchrun's own failure report (ChildFailedError) is skipped."""
+    found = [m.group(1) for line in lines for m in [_ERROR.search(line)] if m and "ChildFailedError" not in line]
+    reported = [f for f in found if ": error: " in f]
+    return (reported or found or [None])[0]
+
+
 def run(cmd: list[str], log_path: Path) -> None:
-    """Run a stage, teeing its output to a log file; fail with the log's tail."""
+    """Run a stage, teeing its output to a log file; on failure, name the error before the log's path."""
     print("$", " ".join(cmd), flush=True)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             log.write(line)
-            if " iteration " in line or "evaluation" in line or "Error" in line:
-                print("   ", line.rstrip()[-200:], flush=True)
+            lines.append(line)
+            shown = console_line(line)
+            if shown is not None:
+                print("   ", shown, flush=True)
         if proc.wait() != 0:
-            raise SystemExit(f"stage failed (exit {proc.returncode}); full log: {log_path}")
+            error = first_error(lines)
+            raise SystemExit(f"stage failed (exit {proc.returncode})" + (f": {error}" if error else "")
+                             + f"\nfull log: {log_path}")
 
 
 def final_pass_at_1(evals: list[tuple[int, float]]) -> float:
@@ -133,6 +159,7 @@ def main(argv=None) -> int:
               f"(mean of the last {min(3, len(evals))} evaluations, up to iteration {evals[-1][0]}); "
               f"change {final - first:+.3f}")
     print(f"reward curve: {png}; metrics: {metrics}; total {time.time() - start:.0f}s")
+    print(f"sample completions: python tools/show_samples.py {metrics} --last 1")
     return 0
 
 

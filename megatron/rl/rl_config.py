@@ -23,6 +23,7 @@ from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from megatron.rl.inference_layout import (InferenceLayoutConfig, add_inference_layout_args,
                                           inference_layout_from_args, validate_inference_layout)
+from megatron.rl.observe_config import ObserveConfig, add_observe_args, observe_config_from_args
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--langrl-allow-imports", action="store_true",
                    help="Let the env config name agents by 'module:Class' import path (runs user code).")
     g.add_argument("--rl-metrics-jsonl", type=str, default=None,
-                   help="Append one JSON line of metrics per iteration to this file (rank 0).")
+                   help="One JSON line of metrics per iteration in this file (rank 0); on resume, lines past the "
+                        "resumed iteration are dropped.")
     # A broken backend or environment (e.g. a missing kernel) fails every rollout; without a limit the run
     # would go on skipping every update until --train-iters.
     g.add_argument("--rl-max-all-failed-iterations", type=int, default=3,
@@ -95,6 +97,7 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Mean |trainer - inference| log-prob per generated token above which the run stops: the "
                         "server is not serving the trainer's policy (unless --rl-off-policy-server).")
     add_inference_layout_args(g)  # separate inference layout (issue 12): megatron.rl.inference_layout
+    add_observe_args(parser)  # samples, per-environment metrics, warnings, pass@k, --eval-only
     return parser
 
 
@@ -130,6 +133,7 @@ class RLConfig:
     max_policy_logprob_gap: float = 0.1
     # separate inference layout (issue 12); the default (no flags) generates with the training model itself
     inference_layout: InferenceLayoutConfig = InferenceLayoutConfig()
+    observe: ObserveConfig = dataclasses.field(default_factory=ObserveConfig)
 
     @property
     def rollouts_per_step(self) -> int:
@@ -172,7 +176,8 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
         max_all_failed_iterations=a.rl_max_all_failed_iterations,
         metrics_jsonl=a.rl_metrics_jsonl, serve_inference=a.rl_serve_inference,
         serve_inference_wait_s=a.rl_serve_inference_wait_s, off_policy_server=a.rl_off_policy_server,
-        max_policy_logprob_gap=a.rl_max_policy_logprob_gap, inference_layout=inference_layout_from_args(a))
+        max_policy_logprob_gap=a.rl_max_policy_logprob_gap, inference_layout=inference_layout_from_args(a),
+        observe=observe_config_from_args(cfg))
     validate_rl_config(rl, cfg)
     return rl
 

@@ -7,17 +7,20 @@ DP rank), so a resumed run collects the same rollouts the uninterrupted run woul
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
-from pathlib import Path
 
 from megatron.rl import parallel_utils
 from megatron.rl.inference.policy_gap import check_policy_gap
 from megatron.rl.rl_config import RLConfig
-from megatron.rl.rl_utils import StepContext, evaluate, finite_or_raise, rl_iteration
+from megatron.rl.rl_eval import evaluate, format_eval_line
+from megatron.rl.rl_metrics import format_env_line
+from megatron.rl.rl_samples import samples_markdown
+from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
+from megatron.rl.rl_warnings import RunWarnings, WarningThresholds, warning_metrics
 from megatron.rl.training.config import ConfigError, TrainingConfig
+from megatron.rl.training.metrics import MetricsJsonl
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +28,8 @@ log = logging.getLogger(__name__)
 _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss", "loss"),
               ("response_length_mean", "resp len"), ("clip_fraction_low", "clip lo"),
               ("clip_fraction_high", "clip hi"), ("kl_mean", "kl"), ("entropy_mean", "entropy"),
-              ("logprob_gap_mean", "lp gap"), ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
+              ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"),
+              ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
               ("packing_efficiency", "packing"), ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
               ("time_train_s", "t train"), ("time_refit_s", "t refit"))
@@ -42,12 +46,17 @@ def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: fl
     parts = [f" iteration {iteration:6d}/{total:6d}", f"learning rate: {lr:.3E}"]
     for key, name in _LINE_KEYS:
         if key in metrics and math.isfinite(metrics[key]):
+            if key == "turns_per_episode_mean" and metrics[key] == 1.0:
+                continue  # single-turn episodes: nothing to say
             v = metrics[key]
             parts.append(f"{name}: {v:.4g}" if abs(v) < 1e4 else f"{name}: {v:.0f}")
     if metrics.get("failed_rollouts"):
         parts.append(f"failed rollouts: {int(metrics['failed_rollouts'])}")
     if metrics.get("skipped_update"):
         parts.append("update skipped")
+    envs = format_env_line(metrics)
+    if envs:
+        parts.append(envs)
     return " | ".join(parts) + " |"
 
 
@@ -101,13 +110,6 @@ def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_mo
     if c.load is None and c.save is None:
         log.info("no --save: this run will not be resumable")
     return 0, {}
-
-
-def metrics_json_line(record: dict) -> str:
-    """One ``--rl-metrics-jsonl`` line: strict JSON, a non-finite number (e.g. the mean reward of an
-    iteration whose rollouts all failed) written as ``null`` rather than Python's ``NaN``."""
-    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-    return json.dumps(clean, allow_nan=False) + "\n"
 
 
 class AllRolloutsFailedError(RuntimeError):
@@ -168,24 +170,32 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
 
         start_inference_copy(ctx, rl, backend)
     writer = build_metrics_writer(cfg)
-    jsonl = Path(rl.metrics_jsonl) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
-    if jsonl is not None:
-        jsonl.parent.mkdir(parents=True, exist_ok=True)
+    jsonl = MetricsJsonl(rl.metrics_jsonl, iteration) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
+    o = rl.observe
+    checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share, o.warn_logprob_gap),
+                         o.warn_interval, rl.max_new_tokens, report=parallel_utils.is_rank0())
 
     def emit(record: dict) -> None:
         if writer is not None:
             writer.log_scalars({k: v for k, v in record.items() if k != "iteration"}, record["iteration"])
         if jsonl is not None:
-            with jsonl.open("a") as f:
-                f.write(metrics_json_line(record))
+            jsonl.write(record)
+
+    def emit_samples(it: int, result: IterationResult) -> None:
+        samples = result.observations.samples if result.observations is not None else []
+        if not samples:
+            return
+        if writer is not None:
+            writer.log_text("rl/samples", samples_markdown(samples), it)
+        if jsonl is not None:
+            jsonl.write({"iteration": it, "samples": samples})
 
     def run_eval(it: int) -> None:
         start = time.perf_counter()
-        result = {"iteration": it, **evaluate(ctx, rl, it)}
+        result = {"iteration": it, **evaluate(ctx.agent, ctx.inference, rl, ctx.seed)}
         evals.append(result)
         emit(result)
-        log.info(" evaluation at iteration %d | %s | %.1fs", it,
-                 " | ".join(f"{k[5:]}: {v:.4g}" for k, v in result.items() if k.startswith("eval/")),
+        log.info(" evaluation at iteration %d | %s | %.1fs", it, format_eval_line(result),
                  time.perf_counter() - start)
 
     def save(it: int) -> None:
@@ -208,11 +218,14 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
         if rl.inference_layout.enabled:
             refit_after_iteration(backend, result.metrics)  # before the next generation
         iteration += 1
+        findings = checks.check(result.metrics, result.observations)
+        result.metrics.update(warning_metrics(findings))
         record = {"iteration": iteration, **result.metrics}
         history.append(record)
         finite_or_raise(result.metrics)
         if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
             log.info(format_rl_line(iteration, t.train_iters, result.metrics, float(optimizer.param_groups[0]["lr"])))
+        checks.report(findings, iteration)
         emit(record)
         all_failed = count_all_failed(all_failed, result.metrics, rl.rollouts_per_step)
         if rl.max_all_failed_iterations and all_failed >= rl.max_all_failed_iterations:
@@ -222,6 +235,7 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
                 f"raise --rl-max-all-failed-iterations (0 never stops).")
         check_policy_gap(result.metrics, iteration, rl.max_policy_logprob_gap, rl.off_policy_server,
                          rl.inference_backend, first=len(history) == 1)
+        emit_samples(iteration, result)
         if eval_on and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
             run_eval(iteration)
         if control.after_iteration(iteration):

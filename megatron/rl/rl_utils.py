@@ -29,11 +29,12 @@ from typing import Any
 import torch
 
 from megatron.rl import parallel_utils
-from megatron.rl.agent.api import Agent, EvaluationRequest, GroupedRolloutRequest
+from megatron.rl.agent.api import Agent, GroupedRolloutRequest
 from megatron.rl.algorithms import LossNormalizers
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
+from megatron.rl.rl_metrics import RolloutObservations, observe_rollouts
 from megatron.rl.rollouts import CollectionStats, TrainingSequence, groups_to_sequences, split_evenly
 from megatron.rl.sequence_packing_utils import (PackedBatch, build_rank_batch, distribute_bins,
                                                 get_microbatch_dataloader, plan_packing)
@@ -226,6 +227,7 @@ def logprob_gap(steps: list[StepBatch]) -> dict[str, float]:
 class IterationResult:
     iteration: int
     metrics: dict[str, float]
+    observations: RolloutObservations | None = None  # per-environment summaries and sample completions
 
 
 def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationResult:
@@ -234,11 +236,12 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
     t0 = time.perf_counter()
     groups = collect_local_groups(ctx, rl, iteration)
     t_gen = time.perf_counter() - t0
+    observed = observe_rollouts(groups, rl.max_new_tokens, rl.observe.log_samples, _dp()[0])
     sequences, stats = gather_sequences(groups, rl)
     if stats.groups == 0:
         raise RLDataError(f"the agents produced no prompt groups at iteration {iteration}: check "
                           f"--langrl-env-config={rl.env_config} (datasets, weights)")
-    metrics = _collection_metrics(stats, t_gen)
+    metrics = {**_collection_metrics(stats, t_gen), **observed.metrics}
     if not sequences:
         log.warning("iteration %d: nothing to train on (%d groups: %d failed rollouts, %d groups with < 2 ok "
                     "rollouts, %d groups with identical rewards filtered); skipping the update%s", iteration,
@@ -248,7 +251,7 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
         # The schedule counts RL iterations, skipped ones included, so resumed and uninterrupted runs agree.
         ctx.scheduler.step(increment=1)
         metrics.update(skipped_update=1.0, time_total_s=time.perf_counter() - t0)
-        return IterationResult(iteration, metrics)
+        return IterationResult(iteration, metrics, observed)
 
     t1 = time.perf_counter()
     num_steps = rl.rollouts_per_step // ctx.global_batch_size
@@ -291,7 +294,7 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
         packing_efficiency=real_tokens / max(sum(s.num_rows_total for s in steps) * ctx.seq_length, 1),
         train_tokens_per_s=real_tokens * rl.grpo_iterations / max(t_train, 1e-9),
         time_generate_s=t_gen, time_logprobs_s=t_lp, time_train_s=t_train, time_total_s=time.perf_counter() - t0)
-    return IterationResult(iteration, metrics)
+    return IterationResult(iteration, metrics, observed)
 
 
 def _collection_metrics(stats: CollectionStats, t_gen: float) -> dict[str, float]:
@@ -305,40 +308,6 @@ def _collection_metrics(stats: CollectionStats, t_gen: float) -> dict[str, float
         "filtered_groups": float(stats.filtered_same_reward_groups + stats.dropped_groups_too_few_ok),
         "generation_tokens_per_s": sum(lengths) / max(t_gen, 1e-9),
     }
-
-
-# --------------------------------------------------------------------------- evaluation
-
-
-def evaluate(ctx: StepContext, rl: RLConfig, iteration: int) -> dict[str, float]:
-    """Held-out evaluation on ``--rl-prompts-per-eval`` prompts (split over DP ranks); pass@1 and rewards."""
-    dp_group, dp_rank, dp_size = _dp()
-    shard = getattr(ctx.inference, "rollout_shard", None)  # a separate inference layout: split by replica
-    if shard is not None:
-        dp_rank, dp_size = shard.rank, shard.size
-    num_prompts = max(rl.prompts_per_eval // dp_size, 1)
-    args = GenerationArgs(temperature=rl.eval_temperature, max_tokens=rl.max_new_tokens,
-                          seed=derive_seed(ctx.seed, "eval", dp_rank))
-    request = EvaluationRequest(num_prompts=num_prompts, num_samples=1, greedy=rl.eval_temperature == 0,
-                                generation_args=args, inference_interface=ctx.inference)
-    with inference_session(ctx.inference):
-        response = asyncio.run(ctx.agent.evaluate(request))
-    gathered = (shard.gather(response.metrics) if shard is not None
-                else parallel_utils.all_gather_object(response.metrics, dp_group))
-    out: dict[str, float] = {}
-    prompt_keys = [k for k in gathered[0] if k.endswith("num_prompts")]
-    for key in gathered[0]:
-        if key.endswith("num_prompts"):
-            out[f"eval/{key}"] = float(sum(m.get(key, 0.0) for m in gathered))
-            continue
-        weight_key = next((p for p in prompt_keys if key.startswith(p[: -len("num_prompts")])), None)
-        weights = [m.get(weight_key, 1.0) if weight_key else 1.0 for m in gathered]
-        total = sum(weights)
-        out[f"eval/{key}"] = sum(m.get(key, 0.0) * w for m, w in zip(gathered, weights)) / total if total else 0.0
-    accuracy_keys = [k for k in out if k.endswith("greedy_accuracy") or (not request.greedy and k.endswith("pass@1"))]
-    if accuracy_keys:
-        out["eval/pass@1"] = statistics.fmean(out[k] for k in accuracy_keys)
-    return out
 
 
 def finite_or_raise(metrics: dict[str, float], names: tuple[str, ...] = ("rl_loss",)) -> None:

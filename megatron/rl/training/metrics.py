@@ -1,14 +1,19 @@
-"""Metrics writers: TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``), rank 0 only.
+"""Metrics writers: TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``), rank 0 only,
+and the metrics JSONL file (``--rl-metrics-jsonl``).
 
 ``build_metrics_writer(cfg)`` returns None when neither is configured or on ranks other than 0 (every
 caller guards with ``if writer is not None``). A writer takes flat ``{name: float}`` dicts; names use ``/``
-for grouping (``train/lm loss``, ``validation/lm loss``, ``rl/reward_mean``).
+for grouping (``train/lm loss``, ``validation/lm loss``, ``rl/reward_mean``), and text (markdown).
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
-from typing import Mapping
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
 
 from megatron.rl import parallel_utils
 from megatron.rl.training.config import ConfigError, TrainingConfig
@@ -48,6 +53,15 @@ class MetricsWriter:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        """Markdown ``text`` at ``step`` (TensorBoard's text tab; a one-cell table in W&B)."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({tag: wandb.Table(columns=["text"], data=[[text]])}, step=step)
 
     def log_iteration(self, stats, tokens_per_iteration: int) -> None:
         """Standard per-iteration training scalars from a :class:`~megatron.rl.training.loop.IterationStats`."""
@@ -93,3 +107,71 @@ def build_metrics_writer(cfg: TrainingConfig) -> MetricsWriter | None:
                            run_config=_flat_config(cfg))
     log.info("metrics: tensorboard=%s wandb=%s", lg.tensorboard_dir, lg.wandb_project)
     return writer
+
+
+# --------------------------------------------------------------------------- the metrics JSONL file
+
+
+def json_safe(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` with non-finite floats as None, so it serialises as strict JSON."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def metrics_json_line(record: Mapping[str, Any]) -> str:
+    """One metrics JSONL line: strict JSON, a non-finite number (e.g. the mean reward of an iteration whose
+    rollouts all failed) written as ``null`` rather than Python's ``NaN``."""
+    return json.dumps(json_safe(record), allow_nan=False) + "\n"
+
+
+def _keep_line(line: str, resume_iteration: int) -> bool:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False  # the torn last line of a killed run
+    it = record.get("iteration") if isinstance(record, dict) else None
+    return isinstance(it, int) and (it < resume_iteration or (it == resume_iteration and resume_iteration > 0))
+
+
+def truncate_metrics_jsonl(path: str | os.PathLike, resume_iteration: int) -> tuple[int, int]:
+    """Make ``path`` hold only what the run resumed at ``resume_iteration`` will not write again.
+
+    Keeps records with ``iteration < resume_iteration``, and those of ``resume_iteration`` itself when it
+    is > 0 (its training and evaluation records were written before its checkpoint); a fresh start (0)
+    keeps nothing, since its iteration-0 evaluation runs again. Unparsable lines (a line torn by a kill)
+    are dropped. The file is rewritten atomically (temporary file, fsync, rename), so a crash leaves either
+    the old or the new file; the old one is kept beside it as ``<name>.prev``. Returns ``(kept, dropped)``
+    line counts.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0, 0
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.strip()]
+    kept = [line if line.endswith("\n") else line + "\n" for line in lines if _keep_line(line, resume_iteration)]
+    if len(kept) == len(lines):
+        return len(kept), 0
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.copyfile(path, path.with_name(path.name + ".prev"))
+    os.replace(tmp, path)
+    return len(kept), len(lines) - len(kept)
+
+
+class MetricsJsonl:
+    """The ``--rl-metrics-jsonl`` file of one run: opened for a start at ``resume_iteration`` (dropping the
+    lines a previous attempt wrote past it, see :func:`truncate_metrics_jsonl`), then appended to with one
+    flushed line per record."""
+
+    def __init__(self, path: str | os.PathLike, resume_iteration: int) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept, dropped = truncate_metrics_jsonl(self.path, resume_iteration)
+        if dropped:
+            log.info("%s: dropped %d line(s) an earlier attempt wrote past iteration %d (kept %d; the old file "
+                     "is %s.prev)", self.path, dropped, resume_iteration, kept, self.path.name)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(metrics_json_line(record))

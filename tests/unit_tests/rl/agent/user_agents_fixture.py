@@ -1,11 +1,11 @@
 """A user-defined agent in the user's own module, exactly as examples/rl/README.md shows (used by tests)."""
-from megatron.rl.agent import Agent, RewardOnlyAgent
+from megatron.rl.agent import Agent, PassAtEvaluationAgent
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "grape"]
 
 
 @Agent.register_subclass("reverse_word")
-class ReverseWordAgent(RewardOnlyAgent):
+class ReverseWordAgent(PassAtEvaluationAgent):
     """Reverse a word: "Reverse apple:" -> " elppa"."""
 
     stop: list[str] = ["\n"]

@@ -3,9 +3,9 @@
 HashReward: a reward that varies between samples even for a random-weight model (a function of the
 completion's bytes), so advantages, losses and gradients are non-zero from the first iteration.
 NaNReward: a broken reward function. LongPrompt: prompts longer than any tiny --seq-length.
-EmptyDataset: a dataset with no problems.
+EmptyDataset: a dataset with no problems. HashPassAt: HashReward with pass@k evaluation (correct: reward >= 0.5).
 """
-from megatron.rl.agent import RewardOnlyAgent
+from megatron.rl.agent import PassAtEvaluationAgent, RewardOnlyAgent
 
 
 class HashReward(RewardOnlyAgent):
@@ -48,3 +48,7 @@ class HalfConstant(HashReward):
 
     def compute_reward(self, problem: dict, completion: str) -> float:
         return 0.5 if problem["constant"] else super().compute_reward(problem, completion)
+
+
+class HashPassAt(PassAtEvaluationAgent, HashReward):
+    correct_threshold: float = 0.5

@@ -221,7 +221,7 @@ def test_legal_edge_values_are_accepted(env_yaml):
     assert rl.loss.eps_lower == 0 and rl.inference_backend == "fake"
 
 
-def test_train_rl_bad_input_exits_2_with_one_line_before_building_anything(env_yaml, caplog, monkeypatch):
+def test_train_rl_bad_input_exits_2_with_one_line_before_building_anything(env_yaml, capsys, monkeypatch):
     """train_rl.py used to print a traceback and exit 1, and caught some values only after the model was built."""
     import importlib.util
 
@@ -240,19 +240,20 @@ def test_train_rl_bad_input_exits_2_with_one_line_before_building_anything(env_y
             "--rl-max-new-tokens", "8"]
     for bad in (["--grpo-clamp-eps-lower", "2"], ["--inference-backend", "unknown"],
                 ["--rl-default-temperature", "inf"], ["--grpo-entropy-term-weight", "nan"]):
-        caplog.clear()
+        capsys.readouterr()
         assert train_rl.main([*argv, *bad]) == 2
-        assert [r.getMessage() for r in caplog.records if r.name == "train_rl"][0].startswith(
-            "ConfigError: " + bad[0])
+        err = capsys.readouterr().err.splitlines()
+        assert [x for x in err if x.startswith("train_rl.py: error: ")][0].startswith(
+            "train_rl.py: error: ConfigError: " + bad[0]), err
     bad_env = env_yaml.parent / "bad.yaml"
     bad_env.write_text("- type: arithmetic\n  weight: -1\n")
     argv[argv.index(str(env_yaml))] = str(bad_env)
     from megatron.rl.agent.env_config import load_env_config
 
     monkeypatch.setattr(rl_loop, "run_rl", lambda cfg, rl: load_env_config(rl.env_config))
-    caplog.clear()
+    capsys.readouterr()
     assert train_rl.main(argv) == 2
-    assert any(r.getMessage().startswith("EnvConfigError: ") for r in caplog.records if r.name == "train_rl")
+    assert "train_rl.py: error: EnvConfigError: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -110,26 +110,77 @@ def test_train_rl_end_to_end(full_run):
         assert rec["optimizer_steps"] == 2 and rec["num_sequences"] == 16 and rec["failed_rollouts"] == 0
         assert 0 < rec["packing_efficiency"] <= 1 and rec["grad_norm"] > 0
         assert 1 <= rec["response_length_mean"] <= 8
+        # one environment: its per-environment numbers are the run's, computed separately
+        assert rec["env/HashReward/groups"] == 4 and rec["env/HashReward/failed_rollouts"] == 0, rec
+        assert rec["env/HashReward/reward_mean"] == pytest.approx(rec["reward_mean"], abs=1e-12)
+        assert rec["env/HashReward/response_length_mean"] == pytest.approx(rec["response_length_mean"], abs=1e-12)
+        assert rec["turns_per_episode_mean"] == 1.0
+        # a random policy rarely emits EOS: most responses hit the 8-token cap, and the run says so
+        assert rec["length_capped_fraction"] > 0.5 and rec["warn/length_cap"] == 1.0, rec
+    assert log.count("of responses stopped at the length cap (--rl-max-new-tokens=8)") == 1  # rate-limited
     assert any(abs(r["rl_loss"]) > 1e-4 for r in recs.values())
     lines = [json.loads(line) for line in full_run["metrics"].read_text().splitlines()]
     evals = [rec for rec in lines if any(k.startswith("eval/") for k in rec)]
     assert [e["iteration"] for e in evals] == [0, 2, 3]
+    samples = [rec for rec in lines if "samples" in rec]
+    assert [r["iteration"] for r in samples] == [1, 2, 3]  # --rl-log-samples defaults to 4
+    for r in samples:
+        assert len(r["samples"]) == 4
+        assert [s["reward"] for s in r["samples"]] == sorted(s["reward"] for s in r["samples"])  # spread, low first
+        for s in r["samples"]:
+            assert s["env"] == "HashReward" and re.fullmatch(r"Q\d+:", s["prompt"]) and s["status"] == "ok"
+            # the logged reward is the reward of the logged completion (HashReward's formula)
+            assert s["reward"] == (sum(s["completion"].encode("utf-8", "replace")) % 11) / 10.0, s
     assert sorted(p.name for p in full_run["ckpt"].glob("iter_*")) == [f"iter_000000{i}" for i in (1, 2, 3)]
 
 
 def test_resume_from_saved_checkpoint_is_exact(full_run, tmp_path):
-    """Resume from the full run's iteration-1 checkpoint (copied alone) and finish: the same metrics, bit-exact."""
+    """Resume from the full run's iteration-1 checkpoint (copied alone) and finish: the same metrics, bit-exact.
+
+    The metrics file is the full run's, as if that run had died after iteration 3 but its checkpoints 2 and 3
+    were lost: the resumed run must drop what the earlier attempt wrote past iteration 1 (marked stale here)
+    instead of appending a second copy of iterations 2 and 3."""
     load = tmp_path / "ckpt"
     load.mkdir()
     shutil.copytree(full_run["ckpt"] / "iter_0000001", load / "iter_0000001")
     (load / "latest_checkpointed_iteration.txt").write_text("1")
     metrics = tmp_path / "resumed.jsonl"
+    old = [json.loads(line) for line in full_run["metrics"].read_text().splitlines()]
+    metrics.write_text("".join(json.dumps({**r, "stale": r["iteration"] > 1}) + "\n" for r in old) + '{"iterat')
     log = _run(_cmd(full_run["env"], "--rl-metrics-jsonl", metrics, "--load", load, "--save", load,
-                    "--save-interval", "1"))
+                    "--save-interval", "1", "--eval-interval", "2", "--rl-prompts-per-eval", "8"))
     assert "resumed from" in log
-    resumed = _records(metrics)
-    assert sorted(resumed) == [2, 3]
-    _assert_same_metrics(resumed, full_run["records"], [2, 3])
+    resumed = _records(metrics)  # asserts no iteration is logged twice
+    assert sorted(resumed) == [1, 2, 3]
+    _assert_same_metrics(resumed, full_run["records"], [1, 2, 3])
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert not any(r.get("stale") for r in lines), "lines past the resumed iteration were kept"
+    assert [r["iteration"] for r in lines if any(k.startswith("eval/") for k in r)] == [0, 2, 3]
+    assert [r["iteration"] for r in lines if "samples" in r] == [1, 2, 3]
+    assert (tmp_path / "resumed.jsonl.prev").read_text().count("\n") == len(old)  # the old file is kept aside
+
+
+def test_eval_only_prints_a_pass_at_k_table(full_run, tmp_path):
+    """--eval-only on the full run's last checkpoint: one row per environment, pass@k columns, no training."""
+    env = tmp_path / "eval.yaml"
+    env.write_text(f'environments:\n  - {{type: "{AGENTS}:HashPassAt", name: hash, weight: 1}}\n'
+                   f'  - {{type: "{AGENTS}:HashReward", name: plain, weight: 1}}\n')
+    out = tmp_path / "eval.json"
+    flags = [f for f in FLAGS if f not in ("--train-iters", str(N_ITERS))]
+    log = _run([sys.executable, str(REPO_ROOT / "train_rl.py"), *flags, "--langrl-env-config", str(env), "--eval-only",
+                "--load", str(full_run["ckpt"]), "--rl-prompts-per-eval", "6", "--rl-eval-pass-at-k", "1", "2", "4",
+                "--rl-eval-temperature", "1.0", "--rl-eval-output", str(out)])
+    assert f"evaluation of {full_run['ckpt']}/iter_0000003 (iteration 3)" in log
+    result = json.loads(out.read_text())
+    header = re.search(r"^environment +prompts +pass@1 +pass@2 +pass@4 +mean reward +failed$", log, re.M)
+    assert header, log[-3000:]
+    rows = {m.group(1): m.group(2).split() for m in re.finditer(r"^(hash|plain|mean) +(.*)$", log, re.M)}
+    h = [result[f"eval/hash/{k}"] for k in ("num_prompts", "pass@1", "pass@2", "pass@4", "mean_reward")]
+    assert rows["hash"][:5] == [f"{h[0]:.0f}", *(f"{v:.3f}" for v in h[1:])], (rows, result)
+    assert h[0] == 6 and h[1] <= h[2] <= h[3]  # pass@k grows with k
+    assert rows["plain"][1:4] == ["-", "-", "-"]  # a RewardOnlyAgent reports no pass@k
+    assert rows["mean"][0] == "12" and result["eval/pass@4"] == result["eval/hash/pass@4"]
+    assert " iteration " not in log and not (full_run["ckpt"] / "iter_0000004").exists()
 
 
 # --------------------------------------------------------------------------- bad input through the CLI
@@ -293,10 +344,9 @@ def test_sigkill_mid_step_then_resume_is_exact(full_run, tmp_path):
     assert last in (1, 2)
     log = _resume_to_end(full_run, ckpt, metrics)
     assert f"resumed from {ckpt}/iter_000000{last}" in log
-    lines = [json.loads(l) for l in metrics.read_text().splitlines()]
-    after = {r["iteration"]: r for r in lines[len(killed):] if "reward_mean" in r}
-    assert sorted(after) == list(range(last + 1, N_ITERS + 1))
-    _assert_same_metrics(after, full_run["records"], after)
+    recs = _records(metrics)  # lines the killed run wrote past its checkpoint were dropped, not duplicated
+    assert sorted(recs) == list(range(1, N_ITERS + 1))
+    _assert_same_metrics(recs, full_run["records"], recs)
 
 
 @pytest.mark.slow
@@ -318,10 +368,9 @@ def test_sigkill_mid_save_then_resume_is_exact(full_run, tmp_path):
     assert sorted(killed) == [1, 2]  # iteration 2 trained and logged, its checkpoint never completed
     log = _resume_to_end(full_run, ckpt, metrics)
     assert f"resumed from {ckpt}/iter_0000001" in log
-    lines = [json.loads(l) for l in metrics.read_text().splitlines()]
-    after = {r["iteration"]: r for r in lines[len(killed):] if "reward_mean" in r}
-    assert sorted(after) == [2, 3]
-    _assert_same_metrics(after, full_run["records"], [2, 3])
+    recs = _records(metrics)  # the killed run's iteration-2 line was dropped, not duplicated
+    assert sorted(recs) == [1, 2, 3]
+    _assert_same_metrics(recs, full_run["records"], [1, 2, 3])
     assert (ckpt / "iter_0000003").is_dir() and not any(ckpt.glob("*.tmp-*"))
 
 
@@ -343,3 +392,8 @@ def test_dp2_stop_and_resume_is_exact(tmp_path):
     assert sorted(full) == sorted(resumed) == [1, 2, 3]
     assert all(r["num_sequences"] == 16 for r in full.values())
     _assert_same_metrics(resumed, full, [1, 2, 3])
+    for r in full.values():  # per-environment numbers gathered over both DP ranks
+        assert r["env/HashReward/groups"] == 4 and r["env/HashReward/reward_mean"] == pytest.approx(r["reward_mean"])
+    samples = [json.loads(line) for line in full_m.read_text().splitlines() if '"samples"' in line]
+    assert [len(r["samples"]) for r in samples] == [4, 4, 4]
+    assert {s["problem_id"] for r in samples for s in r["samples"]} > {s["problem_id"] for s in samples[0]["samples"]}

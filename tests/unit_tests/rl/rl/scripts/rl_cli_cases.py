@@ -4,10 +4,10 @@
 
 CASES.json: ``{name: argv}``. OUT.json: ``{name: {"ok": bool, "error_type": str, "error": str}}``.
 train_rl.main is what ``python train_rl.py`` runs (parse flags, validate, run, destroy_megatron); bad input
-it reports itself (one logged line "ErrorType: message", exit status 2) counts as not ok with that error.
+it reports itself (one line "train_rl.py: error: ErrorType: message", exit status 2) counts as not ok with
+that error.
 """
 import json
-import logging
 import os
 import sys
 
@@ -22,10 +22,16 @@ def main() -> int:
     train_rl = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_rl)
     cases = json.loads(open(sys.argv[1]).read())
+    from megatron.rl.training import cli_errors
+
     reported: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: reported.append(record.getMessage())
-    logging.getLogger("train_rl").addHandler(handler)
+    report = cli_errors.report_user_error
+
+    def capture(program, error, stream=None):
+        reported.append(f"{type(error).__name__}: {error}")
+        return report(program, error, stream)
+
+    cli_errors.report_user_error = capture
     out = {}
     for name, argv in cases.items():
         reported.clear()

@@ -1,0 +1,67 @@
+"""Bad input at an entry point (``train_rl.py``, ``pretrain_gpt.py``): one clear line, not a buried traceback.
+
+Under torchrun a failing worker's message is followed by torchrun's own failure report, which says only
+"To enable traceback see ..." unless the worker wrote an error file. :func:`report_user_error` prints the
+error as one line on stderr (global rank 0, or every rank outside torchrun) and records it in torchrun's
+error file (``$TORCHELASTIC_ERROR_FILE``), so the report's root cause names it too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+__all__ = ["user_error_types", "report_user_error", "run_cli"]
+
+_GRACE_S = 2.0
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Errors that mean "fix your flags / files", reported without a traceback."""
+    from megatron.rl.agent.env_config import EnvConfigError
+    from megatron.rl.runtime.cpu_patches import UnsupportedMegatronCoreVersion
+    from megatron.rl.training.checkpoint_paths import CheckpointError
+    from megatron.rl.training.config import ConfigError
+    from megatron.rl.training.data import DataError
+    from megatron.rl.training.tokenizer import TokenizerError
+
+    return (ConfigError, CheckpointError, DataError, TokenizerError, UnsupportedMegatronCoreVersion, EnvConfigError)
+
+
+def _rank() -> int:
+    from megatron.rl.logging import current_rank
+
+    return current_rank()
+
+
+def report_user_error(program: str, error: BaseException, stream=None) -> str:
+    """Print ``<program>: error: <Type>: <message>`` (rank 0 only) and write torchrun's error file; returns
+    the line."""
+    line = f"{program}: error: {type(error).__name__}: {error}"
+    if _rank() == 0:
+        print(line, file=stream or sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # The format torch.distributed.elastic's ErrorHandler writes; torchrun's report shows "py_callstack".
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass  # the report then falls back to its generic text; the line above was printed already
+    return line
+
+
+def run_cli(program: str, main, argv=None) -> int:
+    """``main(argv)``, with user errors reported by :func:`report_user_error` and exit status 2."""
+    types = user_error_types()
+    try:
+        return main(argv)
+    except types as e:
+        report_user_error(program, e)
+        if _rank() != 0:
+            # Usually every rank hits the same error; torchrun kills the others as soon as one exits, so the
+            # other ranks give rank 0 a moment to print its line first.
+            time.sleep(_GRACE_S)
+        return 2

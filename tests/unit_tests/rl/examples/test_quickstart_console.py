@@ -1,0 +1,49 @@
+"""The quickstart's console: whole iteration lines, and a failed stage names its error (not torchrun's report)."""
+import sys
+
+import pytest
+
+from examples.rl.quickstart import console_line, first_error, run
+
+PRETRAIN_LINE = ("[2026-11-22 17:00:00] [rank 0] INFO megatron.rl.training.loop:  iteration      575/     600 | "
+                 "consumed samples:        18400 | elapsed time per iteration (ms): 101.3 | learning rate: 3.123E-04 | "
+                 "global batch size:    32 | lm loss: 1.234567E+00 | grad norm: 0.812 | tokens/s: 20211 | "
+                 "number of skipped iterations:   0 |\n")
+
+TORCHRUN_FAILURE = """[2026-11-22 17:00:00] [rank 0] INFO megatron.rl.training.initialize: initialised megatron
+train_rl.py: error: CheckpointError: vocabulary mismatch loading /ck: the checkpoint was saved with padded vocab 384
+E1122 17:00:01.000000 1 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 2) local_rank: 0
+Traceback (most recent call last):
+  File "/venv/bin/torchrun", line 8, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+Root Cause (first observed failure):
+  traceback : train_rl.py: error: CheckpointError: vocabulary mismatch loading /ck: the checkpoint was saved
+============================================================
+"""
+
+
+def test_iteration_lines_are_kept_whole():
+    assert len(PRETRAIN_LINE) > 200
+    assert console_line(PRETRAIN_LINE) == PRETRAIN_LINE.rstrip()  # the iteration number survives
+    assert console_line("[..] INFO megatron.rl.rl_loop:  evaluation at iteration 10 | pass@1: 0.5 | 1.0s") is not None
+    assert console_line("[..] WARNING megatron.rl.rl_warnings: iteration 3: possible training problem:") is not None
+    assert console_line("[..] INFO megatron.rl.training.checkpointing: saved checkpoint /x") is None
+
+
+def test_first_error_prefers_the_one_line_report_over_torchruns():
+    lines = TORCHRUN_FAILURE.splitlines(keepends=True)
+    assert first_error(lines) == ("train_rl.py: error: CheckpointError: vocabulary mismatch loading /ck: the "
+                                  "checkpoint was saved with padded vocab 384")
+    crash = ["Traceback (most recent call last):\n", '  File "x.py", line 1\n', "ZeroDivisionError: division by zero\n"]
+    assert first_error(crash) == "ZeroDivisionError: division by zero"
+    assert first_error(["all good\n"]) is None
+
+
+def test_a_failed_stage_names_its_error(tmp_path, capsys):
+    cmd = [sys.executable, "-c", "import sys; print('x.py: error: ConfigError: --foo=1: bad', file=sys.stderr); "
+                                 "sys.exit(2)"]
+    with pytest.raises(SystemExit) as e:
+        run(cmd, tmp_path / "logs" / "stage.log")
+    assert str(e.value).startswith("stage failed (exit 2): x.py: error: ConfigError: --foo=1: bad\nfull log: ")
+    assert "x.py: error: ConfigError" in capsys.readouterr().out  # echoed as it happened, too
