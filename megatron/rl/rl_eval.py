@@ -182,8 +182,12 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     model = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer)
     loaded = load_checkpoint(source, model, None, None, load_optimizer=False, load_rng=False,
                              model_args=checkpoint_model_args(cfg, tokenizer))
-    agent.set_data_parallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
-    inference = _build_inference(rl, model, tokenizer)
+    inference = _build_inference(cfg, rl, model, tokenizer)
+    shard = getattr(inference, "rollout_shard", None)  # a separate inference layout: prompts split by replica
+    agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
+                              else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
+    if rl.inference_layout.enabled:
+        inference.refit_if_stale()  # the copy starts from the loaded weights
     agent.bind_inference(inference)
     try:
         metrics = evaluate(agent, inference, rl, cfg.train.seed)

@@ -93,7 +93,8 @@ def _diffs(a, b):
 
 # Same weights and data (scoring and the first step): 1e-6. After one Adam step at lr 1e-2, fp32 rounding
 # differences in near-zero gradient entries are amplified (Adam divides by sqrt(v)), so quantities that
-# depend on the updated weights get 1e-5 (the observed worst case is ~7e-6 for the after-update log-probs).
+# depend on the updated weights get 2e-5 (observed worst cases: ~7e-6, and 1.03e-5 for mbs1x8 vs mbs8x1 on the
+# 2026-11 CI machines, the same at the commit that introduced the test: summation order, not a regression).
 _FIRST = ("logprob_gap_mean", "loss0", "grad_norm0")
 
 
@@ -112,7 +113,7 @@ def test_packing_and_micro_batching_do_not_change_the_step(one_process_runs, nam
     runs = one_process_runs[1]
     d = _diffs(runs[name], runs[ref])
     assert max(d[k] for k in _FIRST) <= 1e-6, d
-    assert max(d.values()) <= 1e-5, d
+    assert max(d.values()) <= 2e-5, d
 
 
 def test_micro_batch_layouts_really_differ(one_process_runs):
