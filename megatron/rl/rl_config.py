@@ -72,6 +72,15 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Let the env config name agents by 'module:Class' import path (runs user code).")
     g.add_argument("--rl-metrics-jsonl", type=str, default=None,
                    help="Append one JSON line of metrics per iteration to this file (rank 0).")
+    # GRPO step speed: which passes run and the shapes they run at
+    g.add_argument("--rl-recompute-old-logprobs", action="store_true",
+                   help="Always score old-policy log-probs in a separate forward pass. By default, when an "
+                        "iteration's rollouts feed exactly one optimizer step and one pass (and no dropout), they "
+                        "are taken (detached) from the training forward itself: the same numbers, one pass fewer.")
+    g.add_argument("--rl-fixed-microbatch-shapes", action="store_true",
+                   help="Run every micro-batch at [--micro-batch-size, --seq-length] even without pipeline "
+                        "parallelism. By default each micro-batch drops its padding-only rows and positions "
+                        "(pipeline parallelism always keeps the fixed shape).")
     return parser
 
 
@@ -100,6 +109,10 @@ class RLConfig:
     inference_server_url: str | None
     allow_import_paths: bool
     metrics_jsonl: str | None
+    # GRPO step speed (see --rl-recompute-old-logprobs, --rl-fixed-microbatch-shapes)
+    recompute_old_logprobs: bool = False
+    fixed_microbatch_shapes: bool = False
+    deterministic_forward: bool = True  # no dropout: a training forward scores what a scoring pass would
 
     @property
     def rollouts_per_step(self) -> int:
@@ -132,7 +145,9 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
         max_new_tokens=a.rl_max_new_tokens, prompts_per_eval=a.rl_prompts_per_eval,
         eval_temperature=a.rl_eval_temperature, inference_backend=a.inference_backend,
         inference_server_url=a.inference_server_url, allow_import_paths=a.langrl_allow_imports,
-        metrics_jsonl=a.rl_metrics_jsonl)
+        metrics_jsonl=a.rl_metrics_jsonl,
+        recompute_old_logprobs=a.rl_recompute_old_logprobs, fixed_microbatch_shapes=a.rl_fixed_microbatch_shapes,
+        deterministic_forward=cfg.model.hidden_dropout == 0 and cfg.model.attention_dropout == 0)
     validate_rl_config(rl, cfg)
     return rl
 

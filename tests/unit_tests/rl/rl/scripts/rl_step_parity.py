@@ -49,7 +49,7 @@ def run_variant(argv, ckpt, save_ckpt):
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_loss import training_forward_step
     from megatron.rl.rollouts import groups_to_sequences
-    from megatron.rl.sequence_packing_utils import get_microbatch_dataloader
+    from megatron.rl.microbatches import get_microbatch_dataloader
     from megatron.rl.training.checkpointing import load_checkpoint, save_checkpoint
     from megatron.rl.training.config import parse_args
     from megatron.rl.training.initialize import initialize_megatron
