@@ -21,28 +21,11 @@ def run_variant(argv, ckpt, save_ckpt):
     import torch
 
     from megatron.rl import rl_utils
-    from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rollouts import groups_to_sequences
-    from megatron.rl.training.checkpointing import load_checkpoint, save_checkpoint
-    from megatron.rl.training.config import parse_args
-    from megatron.rl.training.initialize import initialize_megatron
-    from megatron.rl.training.model_provider import build_model, unwrap_model
-    from megatron.rl.training.optimizer import build_optimizer
-    from rl_step_parity import fixed_groups
+    from megatron.rl.training.model_provider import unwrap_model
+    from rl_step_parity import build_from_weights, fixed_groups
 
-    cfg = parse_args(argv, extra_args_providers=[add_rl_args])
-    rl = rl_config_from_args(cfg)
-    runtime = initialize_megatron(cfg)
-    model = build_model(cfg)
-    optimizer, scheduler = build_optimizer(cfg, model)
-    if save_ckpt:
-        save_checkpoint(ckpt, 0, model, None, None, model_args=cfg.model_args())
-    load_checkpoint(ckpt, model, None, None, load_optimizer=False, load_rng=False, model_args=cfg.model_args())
-    ref_model = None
-    if rl.loss.needs_ref_logprobs:
-        ref_model = build_model(cfg, wrap_with_ddp=False)
-        load_checkpoint(ckpt, ref_model, None, None, load_optimizer=False, load_rng=False,
-                        model_args=cfg.model_args())
+    cfg, rl, runtime, model, optimizer, scheduler, ref_model = build_from_weights(argv, ckpt, save_ckpt)
 
     sequences, _ = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
     t = cfg.train
