@@ -21,6 +21,9 @@ Sides:
   at ``[micro-batch, seq-length]`` and a separate scoring pass: how the step ran before), for the packing
   efficiency and the cost of those two choices.
 
+CPU s/step is the process's CPU time (all threads) per step: steadier than wall time on a shared machine
+(time spent descheduled is not counted), so its ratio is the fairer one under load.
+
 TRL is optional (``pip install -e ".[bench]"``); without it the ``trl`` side prints "TRL not installed"
 and is skipped.
 
@@ -97,15 +100,29 @@ def run_ours(shape: Shape, steps: int, fixed: bool) -> list[dict]:
     from megatron.rl.rl_loop import run_rl
     from megatron.rl.training.config import parse_args
 
+    from megatron.rl import rl_loop
+
     C.quiet()
     cfg = parse_args(our_argv(shape, steps, fixed), extra_args_providers=[add_rl_args], world_size=1)
+    cpu: list[float] = []
+    iteration = rl_loop.rl_iteration
+
+    def timed_iteration(*args, **kwargs):  # CPU seconds of the process (all threads) per iteration
+        c0 = time.process_time()
+        try:
+            return iteration(*args, **kwargs)
+        finally:
+            cpu.append(time.process_time() - c0)
+
+    rl_loop.rl_iteration = timed_iteration
     try:
         result = run_rl(cfg, rl_config_from_args(cfg))
     finally:
+        rl_loop.rl_iteration = iteration
         C.teardown()
-    return [{"total": h["time_total_s"], "generate": h["time_generate_s"], "logprobs": h["time_logprobs_s"],
+    return [{"total": h["time_total_s"], "cpu": c, "generate": h["time_generate_s"], "logprobs": h["time_logprobs_s"],
              "train": h["time_train_s"], "packing_efficiency": h["packing_efficiency"],
-             "completion_tokens": h["response_length_mean"]} for h in result.history]
+             "completion_tokens": h["response_length_mean"]} for h, c in zip(result.history, cpu)]
 
 
 # --------------------------------------------------------------------------- TRL
@@ -182,11 +199,11 @@ def run_trl(shape: Shape, steps: int, workdir: str) -> list[dict]:
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
-            clock.update(generate=0.0, prepare=0.0, start=time.perf_counter())
+            clock.update(generate=0.0, prepare=0.0, start=time.perf_counter(), cpu=time.process_time())
 
         def on_step_end(self, *_a, **_k):
             total = time.perf_counter() - clock["start"]
-            records.append({"total": total, "generate": clock["generate"],
+            records.append({"total": total, "cpu": time.process_time() - clock["cpu"], "generate": clock["generate"],
                             "logprobs": clock["prepare"] - clock["generate"], "train": total - clock["prepare"]})
 
     trainer.add_callback(StepTimer())
@@ -231,7 +248,7 @@ def run_side(side: str, shape: str, steps: int, threads: int) -> list[dict]:
 
 
 def summarize(name: str, records: list[dict]) -> dict:
-    out = {k: C.median([r[k] for r in records]) for k in ("total", "generate", "logprobs", "train")}
+    out = {k: C.median([r[k] for r in records]) for k in ("total", "cpu", "generate", "logprobs", "train")}
     if records and "packing_efficiency" in records[0]:
         out["packing_efficiency"] = C.median([r["packing_efficiency"] for r in records])
     out["steps"] = len(records)
@@ -262,10 +279,11 @@ def run(a) -> dict:
             m = summary[s]
             eff = f"{m['packing_efficiency']:.3f}" if "packing_efficiency" in m else "-"
             ratio = f"{summary['trl']['total'] / m['total']:.2f}x" if "trl" in summary else "-"
+            cpu_ratio = f"{summary['trl']['cpu'] / m['cpu']:.2f}x" if "trl" in summary else "-"
             rows.append([s, f"{m['total']:.3f}", f"{m['generate']:.3f}", f"{m['logprobs']:.3f}", f"{m['train']:.3f}",
-                         eff, ratio])
+                         eff, ratio, f"{m['cpu']:.3f}", cpu_ratio])
         print(C.format_table(["side", "s/step (median)", "generate", "log-probs / score", "train (fwd+bwd+opt)",
-                              "packing eff.", "TRL s/step / this"], rows,
+                              "packing eff.", "TRL s/step / this", "CPU s/step", "TRL CPU s / this"], rows,
                              title=f"GRPO step, {shape} shape"))
     return results
 

@@ -114,7 +114,7 @@ def test_grpo_vs_trl_without_trl_skips_its_column(monkeypatch, capsys):
     monkeypatch.setattr(grpo_vs_trl, "trl_available", lambda: False)
     ran = []
     monkeypatch.setattr(grpo_vs_trl, "run_side", lambda side, *a: ran.append(side) or [
-        {"total": 1.0, "generate": 0.5, "logprobs": 0.0, "train": 0.5, "packing_efficiency": 0.9}])
+        {"total": 1.0, "cpu": 1.5, "generate": 0.5, "logprobs": 0.0, "train": 0.5, "packing_efficiency": 0.9}])
     results = grpo_vs_trl.run(grpo_vs_trl.parse(["--shapes", "tiny", "--rounds", "1", "--steps", "2"]))
     out = capsys.readouterr().out
     assert "TRL not installed" in out
