@@ -43,6 +43,8 @@ setup(
         "math": ["sympy"],
         "data": ["datasets"],  # Parquet / Arrow / JSON files for HuggingFaceDatasetAgent (JSONL needs nothing)
         "plot": ["matplotlib"],
+        # benchmarks/grpo_vs_trl.py: TRL's GRPOTrainer as the peer (pulls datasets/accelerate; keeps torch)
+        "bench": ["trl", "datasets"],
         "dev": ["pytest>=7", "hypothesis", "transformers>=4.40", "tokenizers", "safetensors", "sympy", "datasets",
                 "matplotlib", "jinja2"],
     },

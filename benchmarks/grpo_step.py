@@ -6,7 +6,8 @@ dynamic inference engine generating the rollouts from the policy's own weights. 
 the time of its three phases (see :func:`megatron.rl.rl_utils.rl_iteration`):
 
 - generate: rollout collection (engine generation + environment scoring);
-- log-probs: the forward-only pass recomputing old-policy log-probs of every packed sequence;
+- log-probs: the forward-only pass recomputing old-policy log-probs of every packed sequence (~0 when
+  one optimizer step consumes the rollouts: they then come from the training forward itself);
 - train: ``--grpo-iterations`` passes of optimizer steps (forward + backward + optimizer).
 
 The first iteration is a warm-up (engine and allocator first-call costs) and is left out; the table

@@ -15,7 +15,10 @@ room the prompt leaves in ``--seq-length``. That is the shape of GRPO rollouts w
 ``--rl-max-new-tokens``: a few rollouts use the budget, most stop far earlier.
 
 tokens/s counts real (non-padding) tokens: ``sum(len(sequence))`` per step / step time. Packing efficiency
-= real tokens / (rows * seq_length), rows including the empty rows that fill the last micro-batch. The
+= real tokens / positions computed. Without pipeline parallelism each micro-batch is cropped to its rows'
+real extent (:mod:`megatron.rl.microbatches`), so padded rows cost their micro-batch's longest sequence,
+not ``--seq-length``; ``--fixed-shapes`` runs both layouts at ``[micro-batch, seq-length]`` (the
+``--rl-fixed-microbatch-shapes`` layout, also what pipeline parallelism uses). The
 two layouts alternate within every round (order swapped each round), median step time per layout.
 
     python benchmarks/training_packing.py [--seq-length 1024 --num-seqs 64 --rounds 3]
@@ -70,14 +73,14 @@ def build_argv(a) -> list[str]:
             + ["--langrl-env-config", str(C.ARITHMETIC_ENV), "--grpo-prompts-per-step", str(a.num_seqs // 8),
                "--grpo-group-size", "8", "--rl-use-sequence-packing",
                "--rl-sequence-packing-max-sequences-per-bin", str(a.max_seqs_per_bin),
-               "--rl-max-new-tokens", str(a.seq_length - PROMPT_RANGE[0])])
+               "--rl-max-new-tokens", str(a.seq_length - PROMPT_RANGE[0])]
+            + (["--rl-fixed-microbatch-shapes"] if a.fixed_shapes else []))
 
 
 def run(a) -> dict:
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_loss import training_forward_step
     from megatron.rl.rl_utils import StepContext, build_step_batches, schedule_shape, score
-    from megatron.rl.sequence_packing_utils import get_microbatch_dataloader
     from megatron.rl.training.loop import train_step
 
     if a.num_seqs % 8:
@@ -103,7 +106,7 @@ def run(a) -> dict:
         rl, step = layouts[name]
         fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
                                     grad_scale=float(step.num_microbatches), device=ctx.device, use_thd=False)
-        loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
+        loader = step.microbatches(ctx.micro_batch_size)
         return C.timed_wall_cpu(lambda: train_step(fwd, iter(loader), ctx.model, ctx.optimizer, ctx.scheduler,
                                                    step.num_microbatches, **schedule_shape(ctx)))
 
@@ -123,13 +126,13 @@ def run(a) -> dict:
     for name, (rl, step) in layouts.items():
         wall = C.median([w for w, _ in times[name]])
         cpu = C.median([c for _, c in times[name]])
-        eff = step.num_real_tokens / (step.num_rows_total * a.seq_length)
+        eff = step.num_real_tokens / step.num_token_slots
         result["layouts"][name] = dict(rows=step.num_rows_total, microbatches=step.num_microbatches, efficiency=eff,
                                        step_s=wall, step_cpu_s=cpu, tokens_per_s=real_tokens / wall,
                                        tokens_per_cpu_s=real_tokens / cpu, times=times[name])
         rows.append([name, step.num_rows_total, step.num_microbatches, f"{100 * eff:.1f}%", f"{wall:.2f}",
                      f"{cpu:.2f}", f"{real_tokens / wall:,.0f}", f"{real_tokens / cpu:,.0f}",
-                     f"{step.num_rows_total * a.seq_length / cpu:,.0f}"])
+                     f"{step.num_token_slots / cpu:,.0f}"])
     lay = result["layouts"]
     speedup = lay["packed"]["tokens_per_s"] / lay["padded"]["tokens_per_s"]
     speedup_cpu = lay["packed"]["tokens_per_cpu_s"] / lay["padded"]["tokens_per_cpu_s"]
@@ -171,6 +174,8 @@ def parse(argv=None):
     p.add_argument("--response-sigma", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fixed-shapes", action="store_true",
+                   help="every micro-batch at [--micro-batch-size, --seq-length] (no cropping of padding)")
     return p.parse_args(argv)
 
 

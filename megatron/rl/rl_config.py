@@ -98,6 +98,15 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "server is not serving the trainer's policy (unless --rl-off-policy-server).")
     add_inference_layout_args(g)  # separate inference layout (issue 12): megatron.rl.inference_layout
     add_observe_args(parser)  # samples, per-environment metrics, warnings, pass@k, --eval-only
+    # GRPO step speed: which passes run and the shapes they run at
+    g.add_argument("--rl-recompute-old-logprobs", action="store_true",
+                   help="Always score old-policy log-probs in a separate forward pass. By default, when an "
+                        "iteration's rollouts feed exactly one optimizer step and one pass (and no dropout), they "
+                        "are taken (detached) from the training forward itself: the same numbers, one pass fewer.")
+    g.add_argument("--rl-fixed-microbatch-shapes", action="store_true",
+                   help="Run every micro-batch at [--micro-batch-size, --seq-length] even without pipeline "
+                        "parallelism. By default each micro-batch drops its padding-only rows and positions "
+                        "(pipeline parallelism always keeps the fixed shape).")
     return parser
 
 
@@ -134,6 +143,10 @@ class RLConfig:
     # separate inference layout (issue 12); the default (no flags) generates with the training model itself
     inference_layout: InferenceLayoutConfig = InferenceLayoutConfig()
     observe: ObserveConfig = dataclasses.field(default_factory=ObserveConfig)
+    # GRPO step speed (see --rl-recompute-old-logprobs, --rl-fixed-microbatch-shapes)
+    recompute_old_logprobs: bool = False
+    fixed_microbatch_shapes: bool = False
+    deterministic_forward: bool = True  # no dropout: a training forward scores what a scoring pass would
 
     @property
     def rollouts_per_step(self) -> int:
@@ -177,7 +190,9 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
         metrics_jsonl=a.rl_metrics_jsonl, serve_inference=a.rl_serve_inference,
         serve_inference_wait_s=a.rl_serve_inference_wait_s, off_policy_server=a.rl_off_policy_server,
         max_policy_logprob_gap=a.rl_max_policy_logprob_gap, inference_layout=inference_layout_from_args(a),
-        observe=observe_config_from_args(cfg))
+        observe=observe_config_from_args(cfg),
+        recompute_old_logprobs=a.rl_recompute_old_logprobs, fixed_microbatch_shapes=a.rl_fixed_microbatch_shapes,
+        deterministic_forward=cfg.model.hidden_dropout == 0 and cfg.model.attention_dropout == 0)
     validate_rl_config(rl, cfg)
     return rl
 

@@ -39,6 +39,11 @@ def _logits(output: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
     return output.reshape(mb.num_rows, mb.seq_length, -1)
 
 
+def _store(target: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """Write masked log-probs into a micro-batch's value view (it lands in the rank's full batch)."""
+    target.copy_(logprobs.reshape(target.shape).to(target.dtype).to(target.device))
+
+
 def scoring_forward_step(value_name: str, temperature: float, device: torch.device, use_thd: bool) -> Callable:
     """Forward-only step writing per-token log-probs into ``mb.values[value_name]`` (last stage only).
 
@@ -48,8 +53,7 @@ def scoring_forward_step(value_name: str, temperature: float, device: torch.devi
     def loss_func(mb: PackedBatch, output: torch.Tensor):
         with torch.no_grad():
             lp = token_logprobs(_logits(output, mb), mb.labels.to(device), temperature)
-            target = mb.values[value_name]
-            target.copy_((lp * mb.loss_mask.to(device)).to(target.dtype).to(target.device))
+            _store(mb.values[value_name], lp * mb.loss_mask.to(device))
         return torch.zeros((), device=device), {}
 
     def forward_step(data_iterator, model):
@@ -60,20 +64,25 @@ def scoring_forward_step(value_name: str, temperature: float, device: torch.devi
 
 
 def compute_rl_loss(logits: torch.Tensor, mb: PackedBatch, loss_cfg: PolicyLossConfig, aggregation: str,
-                    normalizers: LossNormalizers, temperature: float,
+                    normalizers: LossNormalizers, temperature: float, old_logprobs_from_forward: bool = False,
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's share of the step loss and its report.
 
     logits: [rows, S, V/TP]. ``mb.values`` holds ``advantages`` and ``old_logprobs`` (and
     ``ref_logprobs`` / ``inference_logprobs`` when used), all [rows, S] label-aligned.
+    ``old_logprobs_from_forward``: the old-policy log-probs are this forward's own, detached (the step
+    runs on the policy that sampled); they are written into ``mb.values["old_logprobs"]`` exactly as
+    :func:`scoring_forward_step` would, and the loss uses them from there.
     Returns (loss scalar: sums over micro-batches and DP ranks to the global loss, report dict of
     ``[weighted sum, weight]`` pairs).
     """
     device = logits.device
     labels = mb.labels.to(device)
     mask = mb.loss_mask.to(device).reshape(-1)
-    values = {k: v.to(device).reshape(-1) for k, v in mb.values.items()}
     logprobs = token_logprobs(logits, labels, temperature).reshape(-1)
+    if old_logprobs_from_forward:
+        _store(mb.values["old_logprobs"], logprobs.detach() * mask)
+    values = {k: v.to(device).reshape(-1) for k, v in mb.values.items()}
     entropy = token_entropy(logits, temperature).reshape(-1) if loss_cfg.needs_entropy else None
     token_loss, stats = compute_token_loss(
         loss_cfg, logprobs, values["old_logprobs"], values["advantages"], mask,
@@ -90,11 +99,14 @@ def compute_rl_loss(logits: torch.Tensor, mb: PackedBatch, loss_cfg: PolicyLossC
 
 
 def training_forward_step(loss_cfg: PolicyLossConfig, aggregation: str, normalizers: LossNormalizers,
-                          temperature: float, grad_scale: float, device: torch.device, use_thd: bool) -> Callable:
-    """Forward step whose loss back-propagates the GRPO/PPO objective (see the module doc for ``grad_scale``)."""
+                          temperature: float, grad_scale: float, device: torch.device, use_thd: bool,
+                          old_logprobs_from_forward: bool = False) -> Callable:
+    """Forward step whose loss back-propagates the GRPO/PPO objective (see the module doc for ``grad_scale``;
+    :func:`compute_rl_loss` for ``old_logprobs_from_forward``)."""
 
     def loss_func(mb: PackedBatch, output: torch.Tensor):
-        loss, report = compute_rl_loss(_logits(output, mb), mb, loss_cfg, aggregation, normalizers, temperature)
+        loss, report = compute_rl_loss(_logits(output, mb), mb, loss_cfg, aggregation, normalizers, temperature,
+                                       old_logprobs_from_forward)
         return loss * grad_scale, torch.tensor(1, dtype=torch.int), report
 
     def forward_step(data_iterator, model):

@@ -11,8 +11,14 @@ only moves data between them and the process groups:
 3. The list is split into optimizer steps of ``--global-batch-size`` sequences; each step is packed
    (or laid out one sequence per row) with the same plan on every rank, and its bins dealt to DP ranks.
 4. Old-policy log-probs (and reference log-probs when ``--grpo-kl-beta > 0``) are recomputed by a
-   forward-only pass *before any update*; the train-inference log-prob gap is measured there.
+   forward-only pass *before any update*; the train-inference log-prob gap is measured there. When the
+   rollouts feed exactly one optimizer step and one pass, the old-policy log-probs are the training
+   forward's own (detached; it runs before the update), so that pass is skipped
+   (:func:`old_logprobs_from_training_forward`).
 5. ``--grpo-iterations`` passes of optimizer steps with the GRPO/PPO loss.
+
+Without pipeline parallelism every micro-batch runs at the shape its rows need (no padding-only rows or
+positions, :mod:`megatron.rl.microbatches`); with it, at the fixed ``[micro_batch_size, seq_length]``.
 """
 from __future__ import annotations
 
@@ -36,8 +42,8 @@ from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
 from megatron.rl.rl_metrics import RolloutObservations, observe_rollouts
 from megatron.rl.rollouts import CollectionStats, TrainingSequence, groups_to_sequences, split_evenly
-from megatron.rl.sequence_packing_utils import (PackedBatch, build_rank_batch, distribute_bins,
-                                                get_microbatch_dataloader, plan_packing)
+from megatron.rl.microbatches import MicrobatchDataLoader, get_microbatch_dataloader, token_slots
+from megatron.rl.sequence_packing_utils import PackedBatch, build_rank_batch, distribute_bins, plan_packing
 from megatron.rl.training.loop import train_step
 
 log = logging.getLogger(__name__)
@@ -141,6 +147,27 @@ class StepBatch:
     normalizers: LossNormalizers
     num_real_tokens: int  # over all ranks
     num_rows_total: int  # over all ranks, padding rows included
+    num_token_slots: int  # positions computed per forward over all ranks, padding included
+    dynamic_shapes: bool = False  # micro-batches cropped to their rows' real extent
+    length_multiple: int = 1
+
+    def microbatches(self, micro_batch_size: int) -> MicrobatchDataLoader:
+        return get_microbatch_dataloader(self.batch, micro_batch_size, self.dynamic_shapes, self.length_multiple)
+
+
+def microbatch_shapes(ctx: StepContext, rl: RLConfig) -> tuple[bool, int]:
+    """(dynamic shapes, length multiple) for this run's micro-batches.
+
+    Fixed shapes with pipeline parallelism (the p2p buffers are sized from them) or
+    ``--rl-fixed-microbatch-shapes``; the length multiple is the TP size with sequence parallelism.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    if rl.fixed_microbatch_shapes or ps.get_pipeline_model_parallel_world_size() > 1:
+        return False, 1
+    sequence_parallel = getattr(get_model_config(ctx.model[0]), "sequence_parallel", False)
+    return True, ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
 
 
 def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: StepContext, num_steps: int,
@@ -152,6 +179,7 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
         raise RLDataError("--rl-inference-logprobs-is-correction needs log-probs from the inference backend, "
                           "but some rollouts have none (does the server return logprobs?)")
     max_per_bin = rl.max_sequences_per_bin if rl.use_sequence_packing else 1
+    dynamic, multiple = microbatch_shapes(ctx, rl)
     steps = []
     for rng in split_evenly(len(sequences), num_steps):
         chunk = [sequences[i] for i in rng]
@@ -173,7 +201,9 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
                                LossNormalizers(num_tokens=float(num_tokens), num_sequences=float(num_seqs),
                                                max_len=float(rl.max_new_tokens)),
                                num_real_tokens=sum(len(s.token_ids) for s in chunk),
-                               num_rows_total=dist_plan.num_microbatches * ctx.micro_batch_size * dp_size))
+                               num_rows_total=dist_plan.num_microbatches * ctx.micro_batch_size * dp_size,
+                               num_token_slots=token_slots(info, dist_plan, dynamic, multiple),
+                               dynamic_shapes=dynamic, length_multiple=multiple))
     return steps
 
 
@@ -193,7 +223,7 @@ def score(model: list, step: StepBatch, value_name: str, temperature: float, ctx
         chunk.eval()
     try:
         with torch.no_grad():
-            loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
+            loader = step.microbatches(ctx.micro_batch_size)
             train_step(scoring_forward_step(value_name, temperature, ctx.device, ctx.use_thd), iter(loader), model,
                        None, None, step.num_microbatches, forward_only=True, **schedule_shape(ctx))
     finally:
@@ -232,7 +262,6 @@ class IterationResult:
 
 def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationResult:
     """Run one RL iteration (all ranks); returns the metrics (identical on every rank)."""
-    _, _, dp_size = _dp()
     t0 = time.perf_counter()
     groups = collect_local_groups(ctx, rl, iteration)
     t_gen = time.perf_counter() - t0
@@ -253,15 +282,43 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
         metrics.update(skipped_update=1.0, time_total_s=time.perf_counter() - t0)
         return IterationResult(iteration, metrics, observed)
 
-    t1 = time.perf_counter()
     num_steps = rl.rollouts_per_step // ctx.global_batch_size
+    steps = build_step_batches(sequences, rl, ctx, num_steps, rl.loss.needs_ref_logprobs)
+    metrics.update(update_policy(ctx, rl, steps))
+    metrics.update(num_sequences=float(len(sequences)), time_generate_s=t_gen, time_total_s=time.perf_counter() - t0)
+    return IterationResult(iteration, metrics, observed)
+
+
+def old_logprobs_from_training_forward(rl: RLConfig, num_steps: int) -> bool:
+    """Whether the old-policy log-probs can come from the training forward instead of a scoring pass.
+
+    Only when the rollouts are consumed by exactly one optimizer step in one pass: that step's forward
+    runs before any update, on the weights that a scoring pass would use, in the same micro-batches, so
+    its detached log-probs are the scoring pass's numbers. Not with dropout (the training forward is
+    stochastic), several steps or passes (later ones need the pre-update policy), with a separate inference
+    layout (its copy generated the rollouts: the scoring pass stays the check of the refit), or when
+    ``--rl-recompute-old-logprobs`` asks for the pass. Reference log-probs still get their own pass.
+    """
+    return (rl.grpo_iterations == 1 and num_steps == 1 and rl.deterministic_forward
+            and not rl.recompute_old_logprobs and not rl.inference_layout.enabled)
+
+
+def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch]) -> dict[str, float]:
+    """Score old (and reference) log-probs, then ``--grpo-iterations`` passes of optimizer steps.
+
+    Returns the training metrics (losses and loss stats, grad norm, log-prob gap, packing efficiency,
+    timings), identical on every rank.
+    """
+    _, _, dp_size = _dp()
+    t1 = time.perf_counter()
     need_ref = rl.loss.needs_ref_logprobs
-    steps = build_step_batches(sequences, rl, ctx, num_steps, need_ref)
+    from_forward = old_logprobs_from_training_forward(rl, len(steps))
     for step in steps:
-        score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
+        if not from_forward:
+            score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
         if need_ref:
             score(ctx.ref_model, step, "ref_logprobs", rl.temperature, ctx)
-    metrics.update(logprob_gap(steps))
+    metrics = {} if from_forward else logprob_gap(steps)
     t_lp = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -274,15 +331,16 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
             last = pass_index * len(steps) + step_index == total_updates - 1
             fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
                                         grad_scale=float(step.num_microbatches * dp_size), device=ctx.device,
-                                        use_thd=ctx.use_thd)
-            loader = get_microbatch_dataloader(step.batch, ctx.micro_batch_size)
-            report, grad_norm, was_skipped = train_step(fwd, iter(loader), ctx.model, ctx.optimizer, ctx.scheduler,
-                                                        step.num_microbatches, scheduler_increment=int(last),
-                                                        **schedule_shape(ctx))
+                                        use_thd=ctx.use_thd, old_logprobs_from_forward=from_forward)
+            report, grad_norm, was_skipped = train_step(fwd, iter(step.microbatches(ctx.micro_batch_size)), ctx.model,
+                                                        ctx.optimizer, ctx.scheduler, step.num_microbatches,
+                                                        scheduler_increment=int(last), **schedule_shape(ctx))
             reports.append(report)
             if grad_norm is not None:
                 grad_norms.append(grad_norm)
             skipped += int(was_skipped)
+    if from_forward:  # the training forward filled old_logprobs (before its update): the same gap
+        metrics.update(logprob_gap(steps))
     t_train = time.perf_counter() - t2
 
     for key in reports[0]:
@@ -290,11 +348,10 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
     real_tokens = sum(s.num_real_tokens for s in steps)
     metrics.update(
         grad_norm=statistics.fmean(grad_norms) if grad_norms else float("nan"), optimizer_steps=float(len(reports)),
-        skipped_steps=float(skipped), num_sequences=float(len(sequences)),
-        packing_efficiency=real_tokens / max(sum(s.num_rows_total for s in steps) * ctx.seq_length, 1),
+        skipped_steps=float(skipped), packing_efficiency=real_tokens / max(sum(s.num_token_slots for s in steps), 1),
         train_tokens_per_s=real_tokens * rl.grpo_iterations / max(t_train, 1e-9),
-        time_generate_s=t_gen, time_logprobs_s=t_lp, time_train_s=t_train, time_total_s=time.perf_counter() - t0)
-    return IterationResult(iteration, metrics, observed)
+        time_logprobs_s=t_lp, time_train_s=t_train)
+    return metrics
 
 
 def _collection_metrics(stats: CollectionStats, t_gen: float) -> dict[str, float]:

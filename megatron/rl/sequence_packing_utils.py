@@ -13,9 +13,10 @@ Packing places several sequences in one row ("bin") of ``--seq-length`` tokens:
    every sequence start), loss mask and per-token values aligned with the labels, sequence ids, and
    the boundaries for attention: ``packed_seq_params()`` (megatron-core ``PackedSeqParams``,
    ``qkv_format="thd"``) or ``attention_mask()`` (block-diagonal causal, for the local layer spec).
-4. :func:`get_microbatch_dataloader` iterates a rank's rows micro-batch by micro-batch.
-5. :func:`pack_per_token` / :func:`unpack_per_token` move per-token values (log-probs) between the
+4. :func:`pack_per_token` / :func:`unpack_per_token` move per-token values (log-probs) between the
    packed layout and per-sequence tensors.
+
+Micro-batches of a rank's rows (and their shapes) are :mod:`megatron.rl.microbatches`.
 
 Layouts. A sequence ``s`` has ``L_s`` tokens. Its *predicted layout* has ``L_s - 1`` entries: entry
 ``j - 1`` belongs to token ``j`` (its log-prob given tokens ``< j``); token 0 is never predicted. In a
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -261,6 +262,28 @@ class PackedBatch:
                            {k: v[start:stop] for k, v in self.values.items()}, self.bin_ids[start:stop],
                            self.row_segments[start:stop], self.info)
 
+    def crop(self, num_rows: int, length: int) -> "PackedBatch":
+        """The first ``num_rows`` rows cut to their first ``length`` positions (views, no copies).
+
+        Only padding may be cut: every sequence of the kept rows must end within ``length``; the padding
+        segment of each row is shortened (or dropped) to match.
+        """
+        segments = []
+        for row in self.row_segments[:num_rows]:
+            kept, total = [], 0
+            for n in row:
+                if total < length:
+                    kept.append(min(n, length - total))
+                    total += kept[-1]
+            segments.append(tuple(kept))
+        cut = self.seq_ids[:num_rows, length:]
+        if cut.numel() and bool((cut >= 0).any()):
+            raise ValueError(f"cropping to {num_rows} rows x {length} positions would cut real tokens")
+        return PackedBatch(self.tokens[:num_rows, :length], self.labels[:num_rows, :length],
+                           self.position_ids[:num_rows, :length], self.loss_mask[:num_rows, :length],
+                           self.seq_ids[:num_rows, :length], {k: v[:num_rows, :length] for k, v in self.values.items()},
+                           self.bin_ids[:num_rows], tuple(segments), self.info)
+
     def to(self, device: torch.device | str) -> "PackedBatch":
         """A copy with every tensor on ``device`` (plans and segment lengths are host-side metadata)."""
         return PackedBatch(self.tokens.to(device), self.labels.to(device), self.position_ids.to(device),
@@ -416,35 +439,7 @@ def build_rank_batch(info: PackingInfo, distribution: BinDistribution, rank: int
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Micro-batches
-# ----------------------------------------------------------------------------------------------
-class MicrobatchDataLoader:
-    """Re-iterable: each ``iter()`` yields the micro-batches (``micro_batch_size`` rows each) again,
-    so ``--grpo-iterations`` passes and megatron's ``forward_backward_func`` (which calls ``next()``
-    ``num_microbatches`` times) can share it."""
-
-    def __init__(self, batch: PackedBatch, micro_batch_size: int):
-        if micro_batch_size < 1 or batch.num_rows % micro_batch_size:
-            raise ValueError(f"{batch.num_rows} packed rows cannot be split into micro-batches of "
-                             f"--micro-batch-size={micro_batch_size}")
-        self.batch = batch
-        self.micro_batch_size = micro_batch_size
-
-    def __len__(self) -> int:
-        return self.batch.num_rows // self.micro_batch_size
-
-    def __iter__(self) -> Iterator[PackedBatch]:
-        for i in range(len(self)):
-            yield self.batch.rows(i * self.micro_batch_size, (i + 1) * self.micro_batch_size)
-
-
-def get_microbatch_dataloader(batch: PackedBatch, micro_batch_size: int) -> MicrobatchDataLoader:
-    """Micro-batches of ``micro_batch_size`` consecutive rows of ``batch`` (see :class:`MicrobatchDataLoader`)."""
-    return MicrobatchDataLoader(batch, micro_batch_size)
-
-
-# ----------------------------------------------------------------------------------------------
-# 5. Per-token values <-> sequences
+# 4. Per-token values <-> sequences
 # ----------------------------------------------------------------------------------------------
 def pack_per_token(values: Sequence[torch.Tensor], info: PackingInfo, bin_ids: Sequence[Optional[int]],
                    fill: float = 0.0) -> torch.Tensor:

@@ -13,54 +13,77 @@ import threading
 import torch
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
-    """cache [num_blocks, block_size, heads, dim], block ids of one request -> [length, heads, dim]."""
-    block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    return cache[block_ids[:num_blocks].long()].reshape(-1, *cache.shape[2:])[:length]
-
-
-def _expand_kv_heads(k: torch.Tensor, v: torch.Tensor, num_q_heads: int, head_dim_axis: int):
-    """Grouped-query attention: repeat each KV head for the query heads that share it."""
-    num_kv_heads = k.shape[head_dim_axis]
-    if num_kv_heads == num_q_heads:
-        return k, v
-    rep = num_q_heads // num_kv_heads
-    return k.repeat_interleave(rep, dim=head_dim_axis), v.repeat_interleave(rep, dim=head_dim_axis)
-
-
-def _attend(q, k, v, scale: float, causal: bool) -> torch.Tensor:
-    """q [Lq, h, d], k/v [Lk, h_kv, d] -> [Lq, h, d]."""
-    k, v = _expand_kv_heads(k, v, q.shape[1], head_dim_axis=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
-    if causal:
-        lq, lk = q.shape[0], k.shape[0]
-        allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
-
-
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                            softmax_scale=None, causal=False, block_table=None, **_unused):
     """Variable-length attention over concatenated sequences.
 
     q: [total_q, heads, dim]; k/v: [total_k, kv_heads, dim], or paged caches
     [num_blocks, block_size, kv_heads, dim] when ``block_table`` [batch, max_blocks] is given.
+
+    A prefill step holds every newly admitted request (128 prompts in an RL rollout phase): the requests
+    are padded into batches of at most ``_PREFILL_BATCH_ELEMENTS`` attention scores and each batch is one
+    fused SDPA call (a Python loop of per-request attention cost ~8 small ops per request and layer).
     """
     scale = softmax_scale or q.shape[-1] ** -0.5
     out = torch.zeros_like(q)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(len(cq) - 1):
-        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        if lq <= 0 or lk <= 0:
-            continue
-        if block_table is not None:
-            kb, vb = _gather_blocks(k, block_table[b], lk), _gather_blocks(v, block_table[b], lk)
-        else:
-            kb, vb = k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
-        out[cq[b]:cq[b + 1]] = _attend(q[cq[b]:cq[b + 1]], kb, vb, scale, causal)
+    lens_q = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
+    lens_k = [ck[b + 1] - ck[b] for b in range(len(ck) - 1)]
+    todo = [b for b in range(len(lens_q)) if lens_q[b] > 0 and lens_k[b] > 0]
+    heads = q.shape[1]
+    start = 0
+    while start < len(todo):
+        stop, max_q, max_k = start, 0, 0
+        while stop < len(todo):
+            b = todo[stop]
+            mq, mk = max(max_q, lens_q[b]), max(max_k, lens_k[b])
+            if stop > start and (stop - start + 1) * heads * mq * mk > _PREFILL_BATCH_ELEMENTS:
+                break
+            max_q, max_k, stop = mq, mk, stop + 1
+        _attend_padded(q, k, v, out, todo[start:stop], cq, ck, lens_q, lens_k, max_q, max_k, scale, causal,
+                       block_table)
+        start = stop
     return out
+
+
+# Most attention scores (batch x heads x query x key) one padded prefill SDPA call may hold (128 MB in fp32).
+_PREFILL_BATCH_ELEMENTS = 32 * 1024 * 1024
+
+
+def _attend_padded(q, k, v, out, rows, cq, ck, lens_q, lens_k, max_q, max_k, scale, causal, block_table):
+    """Attention of requests ``rows`` as one padded batch; writes their outputs into ``out`` (packed rows)."""
+    device = q.device
+    n = len(rows)
+    row_t = torch.tensor(rows, dtype=torch.long, device=device)
+    lq = torch.tensor([lens_q[b] for b in rows], dtype=torch.long, device=device)
+    lk = torch.tensor([lens_k[b] for b in rows], dtype=torch.long, device=device)
+    qpos = torch.arange(max_q, device=device)
+    kpos = torch.arange(max_k, device=device)
+    q_valid = qpos[None, :] < lq[:, None]  # [n, Lq]
+    q_index = (torch.tensor([cq[b] for b in rows], device=device)[:, None] + qpos[None, :])[q_valid]
+    qb = q.new_zeros(n, max_q, *q.shape[1:])
+    qb[q_valid] = q[q_index]
+    if block_table is not None:
+        block_size = k.shape[1]
+        num_blocks = (max_k + block_size - 1) // block_size
+        ids = block_table[row_t, :num_blocks].long().clamp(min=0).reshape(-1)  # -1 marks unused blocks
+        kb = k.index_select(0, ids).view(n, num_blocks * block_size, *k.shape[2:])[:, :max_k]
+        vb = v.index_select(0, ids).view(n, num_blocks * block_size, *v.shape[2:])[:, :max_k]
+    else:
+        k_index = (torch.tensor([ck[b] for b in rows], device=device)[:, None] + kpos[None, :])
+        k_index = torch.minimum(k_index, torch.tensor(k.shape[0] - 1, device=device))  # padding reads any row
+        kb, vb = k[k_index], v[k_index]
+    key_valid = kpos[None, :] < lk[:, None]  # [n, Lk]
+    # Cache slots past a request's length hold whatever was there (NaN in the tests): 0 * NaN would leak.
+    kb = kb.masked_fill(~key_valid[:, :, None, None], 0.0)
+    vb = vb.masked_fill(~key_valid[:, :, None, None], 0.0)
+    allowed = key_valid[:, None, :]  # [n, 1, Lk]
+    if causal:  # bottom-right aligned: query i of a request sees keys <= i + (lk - lq)
+        allowed = allowed & (kpos[None, None, :] <= (qpos[None, :, None] + (lk - lq)[:, None, None]))
+    attn = torch.nn.functional.scaled_dot_product_attention(
+        qb.transpose(1, 2), kb.transpose(1, 2).to(q.dtype), vb.transpose(1, 2).to(q.dtype),
+        attn_mask=allowed[:, None], scale=scale, enable_gqa=kb.shape[2] != q.shape[1])
+    out[q_index] = attn.transpose(1, 2)[q_valid].to(out.dtype)
 
 
 _BUFFERS = threading.local()

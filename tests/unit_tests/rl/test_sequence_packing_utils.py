@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from megatron.rl.algorithms import LossNormalizers, PolicyLossConfig, aggregate_loss, compute_token_loss
+from megatron.rl.microbatches import get_microbatch_dataloader
 from megatron.rl.sequence_packing_utils import (PACKING_ALGOS, align_generated_values, build_packed_batch,
-                                                build_rank_batch, distribute_bins, get_microbatch_dataloader,
-                                                pack_per_token, plan_packing, unpack_per_token)
+                                                build_rank_batch, distribute_bins, pack_per_token, plan_packing,
+                                                unpack_per_token)
 
 
 def ref_ffd(lengths, cap, max_seqs):

@@ -60,6 +60,8 @@ def test_training_packing_table():
     rows = table_rows(out)
     assert {"packed", "padded", "packed / padded"} <= set(rows)
     # Efficiencies equal what the packing plan gives for the same seeded lengths, computed here directly.
+    # Micro-batches are cropped to their rows (no pipeline parallelism): the positions are counted per
+    # micro-batch as rows up to the last non-empty one x its longest row.
     from megatron.rl.sequence_packing_utils import distribute_bins, plan_packing
 
     lengths = [p + r for p, r in training_packing.sample_lengths(16, 256, 0, 16.0, 1.0)]
@@ -68,7 +70,11 @@ def test_training_packing_table():
         plan = distribute_bins(info.num_bins, 1, 2)
         rows_total = plan.num_microbatches * 2
         assert rows[name][0] == str(rows_total)
-        assert rows[name][2] == f"{100 * sum(lengths) / (rows_total * 256):.1f}%"
+        slots = 0
+        for mb in plan.assignment[0]:
+            used = [sum(lengths[s] for s in info.bins[b]) for b in mb if b is not None]
+            slots += len(used) * max(used)
+        assert rows[name][2] == f"{100 * sum(lengths) / slots:.1f}%"
     assert int(rows["padded"][0]) == 16 > int(rows["packed"][0])
     for ratio_row in ("packed / padded", "packed / padded, per-round median"):
         assert all(re.fullmatch(r"[0-9.]+x", c) for c in rows[ratio_row][5:7]), rows[ratio_row]
@@ -100,3 +106,33 @@ def test_grpo_step_table():
         assert phase in rows, out
     parts = sum(float(rows[p][0]) for p in ("generate", "log-probs", "train", "other (gather, packing, metrics)"))
     assert parts == pytest.approx(float(rows["total"][0]), abs=2e-3)
+
+
+def test_grpo_vs_trl_without_trl_skips_its_column(monkeypatch, capsys):
+    import grpo_vs_trl
+
+    monkeypatch.setattr(grpo_vs_trl, "trl_available", lambda: False)
+    ran = []
+    monkeypatch.setattr(grpo_vs_trl, "run_side", lambda side, *a: ran.append(side) or [
+        {"total": 1.0, "cpu": 1.5, "generate": 0.5, "logprobs": 0.0, "train": 0.5, "packing_efficiency": 0.9}])
+    results = grpo_vs_trl.run(grpo_vs_trl.parse(["--shapes", "tiny", "--rounds", "1", "--steps", "2"]))
+    out = capsys.readouterr().out
+    assert "TRL not installed" in out
+    assert set(ran) == {"ours", "ours-fixed"} and set(results["tiny"]) == {"ours", "ours-fixed"}
+    assert "| trl" not in out
+
+
+@pytest.mark.slow
+def test_grpo_vs_trl_table():
+    import grpo_vs_trl
+
+    out = run_bench("grpo_vs_trl.py", "--shapes", "tiny", "--rounds", "1", "--steps", "2")
+    rows = table_rows(out)
+    assert {"ours", "ours-fixed"} <= set(rows), out
+    if grpo_vs_trl.trl_available():
+        assert re.fullmatch(r"[0-9.]+x", rows["ours"][5]), rows
+    else:
+        assert "TRL not installed" in out
+    # cropped micro-batches compute fewer positions than [micro-batch, seq-length] ones
+    assert float(rows["ours"][4]) > float(rows["ours-fixed"][4])
+    assert float(rows["ours"][2]) < 0.05 * float(rows["ours-fixed"][2]) + 1e-3  # no scoring pass

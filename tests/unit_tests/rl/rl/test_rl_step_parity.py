@@ -93,9 +93,11 @@ def _diffs(a, b):
 
 # Same weights and data (scoring and the first step): 1e-6. After one Adam step at lr 1e-2, fp32 rounding
 # differences in near-zero gradient entries are amplified (Adam divides by sqrt(v)), so quantities that
-# depend on the updated weights get 2e-5 (observed worst cases: ~7e-6, and 1.03e-5 for mbs1x8 vs mbs8x1 on the
-# 2026-11 CI machines, the same at the commit that introduced the test: summation order, not a regression).
+# depend on the updated weights get 1e-5 (the observed worst case is ~7e-6 for the after-update log-probs),
+# 3e-5 between micro-batch sizes: without pipeline parallelism each micro-batch is cropped to its rows, so
+# the layouts also differ in matmul shapes (observed 1.5e-5 for mbs 1x8 vs 8x1 after two steps).
 _FIRST = ("logprob_gap_mean", "loss0", "grad_norm0")
+_AFTER_ONE_PROCESS = 3e-5
 
 
 def test_reference_is_nontrivial(one_process_runs):
@@ -113,7 +115,7 @@ def test_packing_and_micro_batching_do_not_change_the_step(one_process_runs, nam
     runs = one_process_runs[1]
     d = _diffs(runs[name], runs[ref])
     assert max(d[k] for k in _FIRST) <= 1e-6, d
-    assert max(d.values()) <= 2e-5, d
+    assert max(d.values()) <= _AFTER_ONE_PROCESS, d
 
 
 def test_micro_batch_layouts_really_differ(one_process_runs):

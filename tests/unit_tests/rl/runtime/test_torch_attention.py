@@ -91,3 +91,31 @@ def test_kvcache_decode_matches_sdpa():
     for b in range(3):
         ref = _sdpa_reference(q[b], ks[b], vs[b], causal_offset=lens[b] - 1)
         torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_varlen_prefill_batches_many_mixed_requests(monkeypatch):
+    """Many requests (some empty, some chunked against a longer cache), split over several padded batches."""
+    monkeypatch.setattr(ta, "_PREFILL_BATCH_ELEMENTS", 4 * 2 * 10 * 16)  # a few requests per batch
+    g = torch.Generator().manual_seed(4)
+    heads, kv_heads, d, block = 4, 2, 8, 4
+    k_lens = [7, 12, 0, 1, 16, 9, 3, 5]
+    q_lens = [3, 12, 0, 1, 10, 9, 0, 5]
+    ks = [torch.randn(max(n, 1), kv_heads, d, generator=g)[:n] for n in k_lens]
+    vs = [torch.randn(max(n, 1), kv_heads, d, generator=g)[:n] for n in k_lens]
+    qs = [torch.randn(max(n, 1), heads, d, generator=g)[:n] for n in q_lens]
+    k_cache, table = _paged([k if len(k) else torch.zeros(1, kv_heads, d) for k in ks], block, num_blocks=40)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for b, vv in enumerate(vs):
+        for j in range((len(vv) + block - 1) // block):
+            chunk = vv[j * block:(j + 1) * block]
+            v_cache[table[b, j], :len(chunk)] = chunk
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = ta.flash_attn_varlen_func(torch.cat(qs), k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
+                                    causal=True, block_table=table)
+    assert torch.isfinite(out).all()
+    for b in range(len(k_lens)):
+        if q_lens[b] == 0:
+            continue
+        ref = _sdpa_reference(qs[b], ks[b], vs[b], causal_offset=k_lens[b] - q_lens[b])
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], ref, atol=1e-5, rtol=1e-5)

@@ -45,8 +45,8 @@ def main(modes: list[str]):
 
     from megatron.rl.algorithms import (LossNormalizers, PolicyLossConfig, aggregate_loss, compute_token_loss,
                                         token_logprobs)
-    from megatron.rl.sequence_packing_utils import (build_packed_batch, build_rank_batch, distribute_bins,
-                                                    get_microbatch_dataloader, plan_packing)
+    from megatron.rl.microbatches import get_microbatch_dataloader
+    from megatron.rl.sequence_packing_utils import build_packed_batch, build_rank_batch, distribute_bins, plan_packing
 
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel()

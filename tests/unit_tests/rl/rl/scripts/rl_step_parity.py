@@ -42,18 +42,16 @@ def fixed_groups(num_groups: int = 4, group_size: int = 4, seed: int = 20260):
     return groups
 
 
-def run_variant(argv, ckpt, save_ckpt):
+def build_from_weights(argv, ckpt, save_ckpt):
+    """Parse the flags (the real RL flag path), initialise megatron, build model + optimizer, load ``ckpt``
+    (saved first from this fresh model when ``save_ckpt``, 1 process only) and, when the loss needs one,
+    the reference model. Returns (cfg, rl, runtime, model, optimizer, scheduler, ref_model)."""
     import torch.distributed as dist
 
-    from megatron.rl import rl_utils
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
-    from megatron.rl.rl_loss import training_forward_step
-    from megatron.rl.rollouts import groups_to_sequences
-    from megatron.rl.sequence_packing_utils import get_microbatch_dataloader
     from megatron.rl.training.checkpointing import load_checkpoint, save_checkpoint
     from megatron.rl.training.config import parse_args
     from megatron.rl.training.initialize import initialize_megatron
-    from megatron.rl.training.loop import train_step
     from megatron.rl.training.model_provider import build_model
     from megatron.rl.training.optimizer import build_optimizer
 
@@ -66,12 +64,21 @@ def run_variant(argv, ckpt, save_ckpt):
         assert dist.get_world_size() == 1, "save the reference weights from a 1-process run"
         save_checkpoint(ckpt, 0, model, None, None, model_args=cfg.model_args())
     load_checkpoint(ckpt, model, None, None, load_optimizer=False, load_rng=False, model_args=cfg.model_args())
-
     ref_model = None
     if rl.loss.needs_ref_logprobs:  # the reference policy: the same starting weights, never trained
         ref_model = build_model(cfg, wrap_with_ddp=False)
         load_checkpoint(ckpt, ref_model, None, None, load_optimizer=False, load_rng=False,
                         model_args=cfg.model_args())
+    return cfg, rl, runtime, model, optimizer, scheduler, ref_model
+
+
+def run_variant(argv, ckpt, save_ckpt):
+    from megatron.rl import rl_utils
+    from megatron.rl.rl_loss import training_forward_step
+    from megatron.rl.rollouts import groups_to_sequences
+    from megatron.rl.training.loop import train_step
+
+    cfg, rl, runtime, model, optimizer, scheduler, ref_model = build_from_weights(argv, ckpt, save_ckpt)
 
     sequences, stats = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
     assert len(sequences) == rl.rollouts_per_step, (len(sequences), rl.rollouts_per_step)
@@ -94,7 +101,7 @@ def run_variant(argv, ckpt, save_ckpt):
             fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
                                         grad_scale=float(step.num_microbatches * dp), device=runtime.device,
                                         use_thd=False)
-            loader = get_microbatch_dataloader(step.batch, t.micro_batch_size)
+            loader = step.microbatches(t.micro_batch_size)
             report, grad_norm, skipped = train_step(fwd, iter(loader), model, optimizer, scheduler,
                                                     step.num_microbatches, seq_length=cfg.model.seq_length,
                                                     micro_batch_size=t.micro_batch_size)

@@ -1,0 +1,318 @@
+"""GRPO step time: ``train_rl.py`` next to TRL's ``GRPOTrainer`` on the same model shape and workload, in one run.
+
+Both sides train a Qwen2-shaped decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention, tied embeddings,
+fp32, random weights) built locally, with the same byte-level vocabulary (nothing is downloaded), on the
+arithmetic environment's prompts (``Q: 12+7=? A:``) and its strict reward, sampling at T = 1 with beta = 0
+and one optimizer step per iteration (TRL: ``num_iterations=1``, ``steps_per_generation=1``; ours: one
+``--global-batch-size`` of all rollouts, ``--grpo-iterations 1``). Each side runs in its own fresh process
+with the same number of torch threads; the sides alternate within every round (order swapped each round)
+so a shared machine's load hits them alike. The first step of every run is a warm-up and left out; the
+table shows the median over the measured steps of all rounds.
+
+Sides:
+
+- ``trl``: ``GRPOTrainer`` on ``transformers``' ``Qwen2ForCausalLM`` (plain HF ``generate``). Phases:
+  generate (``model.generate``), score (the rest of TRL's ``_generate_and_score_completions``: rewards,
+  advantages, old log-probs when it needs them), train (forward + backward + optimizer).
+- ``ours``: ``train_rl.py``'s driver (:func:`megatron.rl.rl_loop.run_rl`) with the in-process megatron-core
+  engine, at its defaults: old-policy log-probs from the training forward, micro-batches cropped to their
+  rows. Phases: generate (rollouts + rewards), log-probs (the scoring pass; ~0 when skipped), train.
+- ``ours-fixed``: the same with ``--rl-fixed-microbatch-shapes --rl-recompute-old-logprobs`` (every micro-batch
+  at ``[micro-batch, seq-length]`` and a separate scoring pass: how the step ran before), for the packing
+  efficiency and the cost of those two choices.
+
+CPU s/step is the process's CPU time (all threads) per step: steadier than wall time on a shared machine
+(time spent descheduled is not counted), so its ratio is the fairer one under load.
+
+TRL is optional (``pip install -e ".[bench]"``); without it the ``trl`` side prints "TRL not installed"
+and is skipped.
+
+    python benchmarks/grpo_vs_trl.py [--shapes small large] [--rounds 2] [--steps 4] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+SIDES = ("ours", "trl", "ours-fixed")
+BOS, EOD, PAD = 258, 256, 257  # megatron's ByteLevelTokenizer: bytes are ids 0..255
+VOCAB = 384  # its 259 ids padded to a multiple of 128 (--make-vocab-size-divisible-by), on both sides
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_groups: int
+    ffn: int
+    prompts: int
+    group_size: int
+    new_tokens: int
+    seq_length: int
+
+    def describe(self) -> str:
+        return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads / {self.kv_groups} KV groups, "
+                f"FFN {self.ffn}; {self.prompts} prompts x {self.group_size} rollouts, <= {self.new_tokens} "
+                f"new tokens")
+
+
+SHAPES = {
+    "small": Shape(hidden=256, layers=4, heads=4, kv_groups=2, ffn=688, prompts=16, group_size=8, new_tokens=16,
+                   seq_length=64),
+    "large": Shape(hidden=512, layers=8, heads=8, kv_groups=4, ffn=1376, prompts=8, group_size=8, new_tokens=64,
+                   seq_length=128),
+    "tiny": Shape(hidden=64, layers=2, heads=4, kv_groups=2, ffn=128, prompts=2, group_size=4, new_tokens=8,
+                  seq_length=32),  # smoke tests
+}
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def our_argv(shape: Shape, steps: int, fixed: bool) -> list[str]:
+    rollouts = shape.prompts * shape.group_size
+    argv = (C.model_flags(shape.hidden, shape.layers, shape.heads, shape.seq_length)
+            + C.optim_flags(rollouts, rollouts, train_iters=steps)
+            + ["--group-query-attention", "--num-query-groups", str(shape.kv_groups),
+               "--ffn-hidden-size", str(shape.ffn),
+               "--langrl-env-config", str(C.ARITHMETIC_ENV), "--grpo-prompts-per-step", str(shape.prompts),
+               "--grpo-group-size", str(shape.group_size), "--rl-max-new-tokens", str(shape.new_tokens),
+               "--rl-default-temperature", "1.0", "--rl-prompts-per-eval", "0", "--inference-backend", "megatron"])
+    if fixed:
+        argv += ["--rl-fixed-microbatch-shapes", "--rl-recompute-old-logprobs"]
+    return argv
+
+
+def run_ours(shape: Shape, steps: int, fixed: bool) -> list[dict]:
+    from megatron.rl.rl_config import add_rl_args, rl_config_from_args
+    from megatron.rl.rl_loop import run_rl
+    from megatron.rl.training.config import parse_args
+
+    from megatron.rl import rl_loop
+
+    C.quiet()
+    cfg = parse_args(our_argv(shape, steps, fixed), extra_args_providers=[add_rl_args], world_size=1)
+    cpu: list[float] = []
+    iteration = rl_loop.rl_iteration
+
+    def timed_iteration(*args, **kwargs):  # CPU seconds of the process (all threads) per iteration
+        c0 = time.process_time()
+        try:
+            return iteration(*args, **kwargs)
+        finally:
+            cpu.append(time.process_time() - c0)
+
+    rl_loop.rl_iteration = timed_iteration
+    try:
+        result = run_rl(cfg, rl_config_from_args(cfg))
+    finally:
+        rl_loop.rl_iteration = iteration
+        C.teardown()
+    return [{"total": h["time_total_s"], "cpu": c, "generate": h["time_generate_s"], "logprobs": h["time_logprobs_s"],
+             "train": h["time_train_s"], "packing_efficiency": h["packing_efficiency"],
+             "completion_tokens": h["response_length_mean"]} for h, c in zip(result.history, cpu)]
+
+
+# --------------------------------------------------------------------------- TRL
+
+
+def byte_tokenizer():
+    """A ``transformers`` fast tokenizer with megatron's ByteLevelTokenizer ids (byte b -> id b), built locally."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(256)}
+    vocab.update({"<eod>": EOD, "<pad>": PAD, "<bos>": BOS})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eod>", pad_token="<pad>", bos_token="<bos>",
+                                   padding_side="left")
+
+
+def hf_model(shape: Shape):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.kv_groups, max_position_embeddings=shape.seq_length,
+                         tie_word_embeddings=True, bos_token_id=BOS, eos_token_id=EOD, pad_token_id=PAD,
+                         attention_dropout=0.0, dtype=torch.float32)
+    return Qwen2ForCausalLM(config).float()
+
+
+def run_trl(shape: Shape, steps: int, workdir: str) -> list[dict]:
+    import random
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from examples.rl.environments.arithmetic import arithmetic_reward, make_problem
+
+    C.quiet()
+    rng = random.Random(1)
+    problems = [make_problem(rng) for _ in range(shape.prompts * (steps + 1))]
+    dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in problems])
+
+    def reward(prompts, completions, answer, **_):
+        return [arithmetic_reward(c, a) for c, a in zip(completions, answer)]
+
+    rollouts = shape.prompts * shape.group_size
+    args = GRPOConfig(output_dir=workdir, per_device_train_batch_size=rollouts, gradient_accumulation_steps=1,
+                      steps_per_generation=1, num_generations=shape.group_size, num_iterations=1, beta=0.0,
+                      max_completion_length=shape.new_tokens, temperature=1.0, learning_rate=1e-5, max_steps=steps,
+                      lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=10 ** 6, save_strategy="no",
+                      report_to="none", use_cpu=True, bf16=False, disable_tqdm=True, seed=1,
+                      dataloader_num_workers=0)
+    model = hf_model(shape)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=byte_tokenizer())
+    clock = {"generate": 0.0, "prepare": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[key] += time.perf_counter() - t0
+        return wrapper
+
+    model.generate = timed(model.generate, "generate")
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "prepare")
+    records: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_a, **_k):
+            clock.update(generate=0.0, prepare=0.0, start=time.perf_counter(), cpu=time.process_time())
+
+        def on_step_end(self, *_a, **_k):
+            total = time.perf_counter() - clock["start"]
+            records.append({"total": total, "cpu": time.process_time() - clock["cpu"], "generate": clock["generate"],
+                            "logprobs": clock["prepare"] - clock["generate"], "train": total - clock["prepare"]})
+
+    trainer.add_callback(StepTimer())
+    trainer.train()
+    return records
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def child(a) -> int:
+    """One side, one run, in this process: per-step phase times as JSON to ``--out``."""
+    import torch
+
+    torch.set_num_threads(a.threads)
+    shape = SHAPES[a.shape]
+    if a.side == "trl":
+        with tempfile.TemporaryDirectory() as work:
+            records = run_trl(shape, a.steps, work)
+    else:
+        records = run_ours(shape, a.steps, fixed=a.side == "ours-fixed")
+    Path(a.out).write_text(json.dumps(records))
+    return 0
+
+
+def trl_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None and importlib.util.find_spec("datasets") is not None
+
+
+def run_side(side: str, shape: str, steps: int, threads: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "records.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(C.REPO)}
+        cmd = [sys.executable, __file__, "--child", "--side", side, "--shape", shape, "--steps", str(steps),
+               "--threads", str(threads), "--out", str(out)]
+        proc = subprocess.run(cmd, cwd=C.REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{side} on {shape} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        return json.loads(out.read_text())[1:]  # the first step is a warm-up
+
+
+def summarize(name: str, records: list[dict]) -> dict:
+    out = {k: C.median([r[k] for r in records]) for k in ("total", "cpu", "generate", "logprobs", "train")}
+    if records and "packing_efficiency" in records[0]:
+        out["packing_efficiency"] = C.median([r["packing_efficiency"] for r in records])
+    out["steps"] = len(records)
+    return out
+
+
+def run(a) -> dict:
+    sides = [s for s in a.sides if s != "trl" or trl_available()]
+    if "trl" in a.sides and "trl" not in sides:
+        print("TRL not installed (pip install -e '.[bench]'): the trl column is skipped")
+    if a.steps < 2:
+        raise SystemExit(f"--steps={a.steps}: need >= 2 (the first step of each run is a warm-up)")
+    results = {}
+    for shape in a.shapes:
+        records: dict[str, list[dict]] = {s: [] for s in sides}
+        for r in range(a.rounds):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
+                records[side] += run_side(side, shape, a.steps, a.threads)
+                print(f"[{shape}] round {r + 1}/{a.rounds} {side}: "
+                      f"{C.median([x['total'] for x in records[side]]):.3f} s/step so far", file=sys.stderr, flush=True)
+        summary = {s: summarize(s, records[s]) for s in sides}
+        results[shape] = summary
+        print(f"\nshape {shape}: {SHAPES[shape].describe()}; {a.threads} threads; median of {a.rounds} rounds x "
+              f"{a.steps - 1} measured steps")
+        print(C.machine_line())
+        rows = []
+        for s in sides:
+            m = summary[s]
+            eff = f"{m['packing_efficiency']:.3f}" if "packing_efficiency" in m else "-"
+            ratio = f"{summary['trl']['total'] / m['total']:.2f}x" if "trl" in summary else "-"
+            cpu_ratio = f"{summary['trl']['cpu'] / m['cpu']:.2f}x" if "trl" in summary else "-"
+            rows.append([s, f"{m['total']:.3f}", f"{m['generate']:.3f}", f"{m['logprobs']:.3f}", f"{m['train']:.3f}",
+                         eff, ratio, f"{m['cpu']:.3f}", cpu_ratio])
+        print(C.format_table(["side", "s/step (median)", "generate", "log-probs / score", "train (fwd+bwd+opt)",
+                              "packing eff.", "TRL s/step / this", "CPU s/step", "TRL CPU s / this"], rows,
+                             title=f"GRPO step, {shape} shape"))
+    return results
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["small", "large"], choices=sorted(SHAPES))
+    p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4, help="steps per run (the first is a warm-up)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=str, default=None, help="also write the summary here")
+    # child mode (one side in a fresh process)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
+    p.add_argument("--shape", choices=sorted(SHAPES), help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.child:
+        return child(a)
+    results = run(a)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Micro-batches of a rank's packed rows, each at the shape it needs.
+
+A :class:`~megatron.rl.sequence_packing_utils.PackedBatch` has ``--seq-length`` positions per row and
+``num_microbatches * micro_batch_size`` rows, the last ones possibly empty bins that only complete a
+micro-batch. With pipeline parallelism every micro-batch must keep that fixed shape: megatron's schedule
+allocates the tensors sent between stages from ``(seq_length, micro_batch_size)``. Without it the schedule
+never looks at the shape, so each micro-batch can drop what is only padding (*dynamic shapes*): its
+trailing empty rows and the positions after its longest row. Real tokens never attend to padding (it is a
+segment of its own) and padding has loss mask 0, so the loss and gradients are those of the fixed shape
+up to float rounding of differently shaped matmuls.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+from megatron.rl.sequence_packing_utils import BinDistribution, PackedBatch, PackingInfo
+
+
+def microbatch_shape(info: PackingInfo, bin_ids: Sequence[Optional[int]], length_multiple: int = 1) -> tuple[int, int]:
+    """(rows, positions) a micro-batch holding bins ``bin_ids`` needs with dynamic shapes.
+
+    Rows: up to its last non-empty bin (at least one, so every rank still runs the micro-batch).
+    Positions: its fullest bin's tokens rounded up to ``length_multiple`` (sequence parallelism splits
+    the sequence dimension over tensor-parallel ranks), at least 1, at most the bin capacity.
+    """
+    used = [0 if b is None else sum(info.seq_lengths[s] for s in info.bins[b]) for b in bin_ids]
+    rows = max((i + 1 for i, n in enumerate(used) if n), default=1)
+    length = max(max(used[:rows], default=0), 1)
+    length = -(-length // length_multiple) * length_multiple
+    return rows, min(length, info.bin_capacity)
+
+
+class MicrobatchDataLoader:
+    """Re-iterable: each ``iter()`` yields the micro-batches (``micro_batch_size`` rows each, cropped with
+    ``dynamic_shapes``) again, so ``--grpo-iterations`` passes and megatron's ``forward_backward_func``
+    (which calls ``next()`` ``num_microbatches`` times) can share it. Micro-batches are views into
+    ``batch``: values written into ``mb.values`` land in the batch."""
+
+    def __init__(self, batch: PackedBatch, micro_batch_size: int, dynamic_shapes: bool = False,
+                 length_multiple: int = 1):
+        if micro_batch_size < 1 or batch.num_rows % micro_batch_size:
+            raise ValueError(f"{batch.num_rows} packed rows cannot be split into micro-batches of "
+                             f"--micro-batch-size={micro_batch_size}")
+        self.batch = batch
+        self.micro_batch_size = micro_batch_size
+        self.dynamic_shapes = dynamic_shapes
+        self.length_multiple = length_multiple
+
+    def __len__(self) -> int:
+        return self.batch.num_rows // self.micro_batch_size
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        for i in range(len(self)):
+            mb = self.batch.rows(i * self.micro_batch_size, (i + 1) * self.micro_batch_size)
+            if self.dynamic_shapes:
+                mb = mb.crop(*microbatch_shape(mb.info, mb.bin_ids, self.length_multiple))
+            yield mb
+
+
+def get_microbatch_dataloader(batch: PackedBatch, micro_batch_size: int, dynamic_shapes: bool = False,
+                              length_multiple: int = 1) -> MicrobatchDataLoader:
+    """Micro-batches of ``micro_batch_size`` consecutive rows of ``batch`` (see :class:`MicrobatchDataLoader`)."""
+    return MicrobatchDataLoader(batch, micro_batch_size, dynamic_shapes, length_multiple)
+
+
+def token_slots(info: PackingInfo, distribution: BinDistribution, dynamic_shapes: bool,
+                length_multiple: int = 1) -> int:
+    """Positions the model computes for one optimizer step over all ranks (padding included): the
+    denominator of the packing efficiency."""
+    if not dynamic_shapes:
+        return distribution.dp_size * distribution.num_microbatches * distribution.micro_batch_size * info.bin_capacity
+    total = 0
+    for rank in distribution.assignment:
+        for mb in rank:
+            rows, length = microbatch_shape(info, mb, length_multiple)
+            total += rows * length
+    return total
