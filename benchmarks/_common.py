@@ -81,6 +81,28 @@ def teardown() -> None:
     destroy_megatron()
 
 
+def measured_rl_iterations(argv: list[str], iters: int) -> list[dict]:
+    """Run ``train_rl.py``'s driver in this process on ``argv``; the metrics of the iterations after the first
+    (a warm-up: engine and allocator first-call costs) that updated the policy."""
+    from megatron.rl.rl_config import add_rl_args, rl_config_from_args
+    from megatron.rl.rl_loop import run_rl
+    from megatron.rl.training.config import parse_args
+
+    if iters < 2:
+        raise SystemExit(f"--iters={iters}: need >= 2 (the first iteration is a warm-up, left out)")
+    quiet()
+    cfg = parse_args(argv, extra_args_providers=[add_rl_args], world_size=1)
+    rl = rl_config_from_args(cfg)
+    try:
+        result = run_rl(cfg, rl)
+    finally:
+        teardown()
+    measured = [h for h in result.history[1:] if not h.get("skipped_update")]
+    if not measured:
+        raise SystemExit("every measured iteration skipped its update; nothing to report")
+    return measured
+
+
 def matmul_params(model_chunks: list, vocab_size: int, hidden: int) -> int:
     """Parameters that take part in a matmul per token: every 2-D weight of the decoder layers plus the
     output projection (``vocab x hidden``, counted once whether tied to the embedding or not). The input

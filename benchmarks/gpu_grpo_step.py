@@ -63,15 +63,6 @@ def env_config(max_tokens: int) -> Path:
 def run(a) -> dict:
     import torch
 
-    from megatron.rl.rl_config import add_rl_args, rl_config_from_args
-    from megatron.rl.rl_loop import run_rl
-    from megatron.rl.training.config import parse_args
-
-    if a.iters < 2:
-        raise SystemExit(f"--iters={a.iters}: need >= 2 (the first iteration is a warm-up, left out)")
-    C.quiet()
-    cfg = parse_args(build_argv(a), extra_args_providers=[add_rl_args], world_size=1)
-    rl = rl_config_from_args(cfg)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -81,10 +72,7 @@ def run(a) -> dict:
 
         profiler = cProfile.Profile()
         profiler.enable()
-    try:
-        result = run_rl(cfg, rl)
-    finally:
-        C.teardown()
+    measured = C.measured_rl_iterations(build_argv(a), a.iters)
     if profiler is not None:
         import pstats
 
@@ -93,9 +81,6 @@ def run(a) -> dict:
             pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
     params = parameter_count(**QWEN25_05B)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-    measured = [h for h in result.history[1:] if not h.get("skipped_update")]
-    if not measured:
-        raise SystemExit("every measured iteration skipped its update; nothing to report")
 
     med = {k: C.median([h[k] for h in measured]) for k in
            ("time_total_s", "time_generate_s", "time_logprobs_s", "time_train_s", "generation_tokens_per_s",

@@ -39,22 +39,7 @@ def build_argv(a) -> list[str]:
 
 
 def run(a) -> dict:
-    from megatron.rl.rl_config import add_rl_args, rl_config_from_args
-    from megatron.rl.rl_loop import run_rl
-    from megatron.rl.training.config import parse_args
-
-    if a.iters < 2:
-        raise SystemExit(f"--iters={a.iters}: need >= 2 (the first iteration is a warm-up, left out)")
-    C.quiet()
-    cfg = parse_args(build_argv(a), extra_args_providers=[add_rl_args], world_size=1)
-    rl = rl_config_from_args(cfg)
-    try:
-        result = run_rl(cfg, rl)
-    finally:
-        C.teardown()
-    measured = [h for h in result.history[1:] if not h.get("skipped_update")]
-    if not measured:
-        raise SystemExit("every measured iteration skipped its update; nothing to report")
+    measured = C.measured_rl_iterations(build_argv(a), a.iters)
 
     total = C.median([h["time_total_s"] for h in measured])
     rows, out = [], {"iterations": measured}
