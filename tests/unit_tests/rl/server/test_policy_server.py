@@ -198,6 +198,6 @@ def test_remote_environment_trains_against_the_served_policy(tmp_path):
     rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
     assert len(rewards) == 12 and not any(r.get("failed_rollouts") for r in records)
     # the rollouts came through HTTP from the trainer's engine: its log-probs are the trainer's own (fp32)
-    assert max(r["logprob_gap_max"] for r in records) < 1e-4
+    assert max(r["logprob_gap_max"] for r in records if "logprob_gap_max" in r) < 1e-4  # (not sample lines)
     first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
     assert last > first + 0.2 and last > 2 * first, f"reward did not rise: {rewards}"
