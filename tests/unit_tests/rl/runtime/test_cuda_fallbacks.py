@@ -52,3 +52,13 @@ def test_fallback_decode_matches_dense_attention():
         scores = torch.einsum("hd,khd->hk", q[b, 0], k) * dim ** -0.5
         ref = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
         torch.testing.assert_close(out[b, 0], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_runtime_flushes_subnormals_to_zero():
+    """Subnormal floats hit x86's slow path (~100x per op); the quickstart slowed 20-30x once weights drifted there."""
+    from megatron.rl.runtime import setup_runtime
+
+    setup_runtime()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in fp32
+    assert float(tiny * 1.0) == 0.0
+    assert float(torch.tensor([1e-37]) * 1.0) > 0  # normal numbers are untouched
