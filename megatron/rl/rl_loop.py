@@ -123,6 +123,13 @@ def count_all_failed(previous: int, metrics: dict[str, float], rollouts_per_step
 
 def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     """Run ``--train-iters`` RL iterations (all ranks). Initialises megatron; returns the metrics."""
+    from megatron.rl.runtime import flush_denormals
+
+    with flush_denormals():
+        return _run_rl(cfg, rl)
+
+
+def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     from megatron.core import parallel_state as ps
 
     from megatron.rl.agent.env_config import build_agent_from_config

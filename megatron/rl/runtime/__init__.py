@@ -7,6 +7,8 @@ the pure-torch kernels (:mod:`megatron.rl.runtime.cuda_fallbacks`); on a CPU-onl
 """
 from __future__ import annotations
 
+import contextlib
+
 from megatron.rl.runtime.device import RuntimeInfo, choose_backend, choose_device, cuda_usable
 
 _INFO: RuntimeInfo | None = None
@@ -21,7 +23,6 @@ def setup_runtime() -> RuntimeInfo:
             from megatron.rl.runtime import cpu_patches
 
             cpu_patches.install()
-            _flush_denormals()
         else:
             from megatron.rl.runtime import cuda_fallbacks
 
@@ -31,21 +32,29 @@ def setup_runtime() -> RuntimeInfo:
         from megatron.rl.runtime import cpu_patches
 
         cpu_patches.enter_cpu_mode()  # a new thread needs the (thread-local) device mode too
-        _flush_denormals()
     return _INFO
 
 
-def _flush_denormals() -> None:
-    """Treat subnormal floats as zero on CPU (the calling thread and the threads it starts later).
+@contextlib.contextmanager
+def flush_denormals():
+    """Treat subnormal floats as zero on CPU while a training run computes (this thread and the threads it starts).
 
     x86 runs arithmetic on subnormals (|x| < 1.2e-38 in fp32) through a microcode slow path, ~100x per op.
-    RL weights and Adam states drift into that range over a run: the quickstart's iterations went from ~0.5 s
-    to 10-30 s at iteration ~70 (generation and training alike), and back to ~0.5 s with this flag on the same
-    checkpoint. Values that small change no result we compute.
+    RL weights and optimizer states drift into that range over a run: the quickstart's iterations went from
+    ~0.5 s to 10-30 s at iteration ~70 (generation and training alike), and back to ~0.5 s with the flag on
+    the same checkpoint. Scoped to the run, not the process: the flag also zeroes subnormal Python floats
+    (a request's temperature of 1e-308 would parse as 0), which the request validation must still see.
     """
     import torch
 
+    if cuda_usable():
+        yield
+        return
     torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
-__all__ = ["RuntimeInfo", "setup_runtime", "choose_device", "choose_backend", "cuda_usable"]
+__all__ = ["RuntimeInfo", "setup_runtime", "flush_denormals", "choose_device", "choose_backend", "cuda_usable"]

@@ -54,11 +54,14 @@ def test_fallback_decode_matches_dense_attention():
         torch.testing.assert_close(out[b, 0], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_cpu_runtime_flushes_subnormals_to_zero():
-    """Subnormal floats hit x86's slow path (~100x per op); the quickstart slowed 20-30x once weights drifted there."""
-    from megatron.rl.runtime import setup_runtime
+def test_training_runs_flush_subnormals_to_zero_and_restore():
+    """Subnormal floats hit x86's slow path (~100x per op); the quickstart slowed 20-30x once weights drifted there.
+    The flag is scoped to the run: outside it, subnormal Python floats (request validation) keep their value."""
+    from megatron.rl.runtime import flush_denormals
 
-    setup_runtime()
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in fp32
-    assert float(tiny * 1.0) == 0.0
-    assert float(torch.tensor([1e-37]) * 1.0) > 0  # normal numbers are untouched
+    with flush_denormals():
+        assert float(tiny * 1.0) == 0.0
+        assert float(torch.tensor([1e-37]) * 1.0) > 0  # normal numbers are untouched
+    assert float(tiny * 1.0) > 0
+    assert 0.0 < float("5e-324")
