@@ -162,7 +162,7 @@ def run_trl(shape: Shape, steps: int, workdir: str) -> list[dict]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from examples.rl.environments.arithmetic import arithmetic_reward, make_problem
+    from megatron.rl.environments.arithmetic import arithmetic_reward, make_problem
 
     C.quiet()
     rng = random.Random(1)

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     start = time.time()
 
     if not corpus.exists():
-        from examples.rl.environments.arithmetic import write_pretraining_corpus
+        from megatron.rl.environments.arithmetic import write_pretraining_corpus
 
         write_pretraining_corpus(corpus, num_documents=4000, examples_per_document=16, noise=args.noise, seed=7, **TASK)
         print(f"wrote the pretraining corpus {corpus}")

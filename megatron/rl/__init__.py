@@ -22,12 +22,12 @@ _EXPORTS = {
     "RewardOnlyAgent": "megatron.rl.agent.reward_only_agent",
     "PassAtEvaluationAgent": "megatron.rl.agent.pass_at_evaluation_agent",
     "WeightedMultiTaskAgent": "megatron.rl.agent.weighted_multi_task",
-    "TypeLookupable": "megatron.rl.agent.type_lookupable",
+    "TypeLookupable": "megatron.rl.base.type_lookupable",
     "build_agent_from_config": "megatron.rl.agent.env_config",
     # rollouts
-    "Rollout": "megatron.rl.types",
-    "TokenRollout": "megatron.rl.types",
-    "RolloutGroup": "megatron.rl.types",
+    "Rollout": "megatron.rl.base.types",
+    "TokenRollout": "megatron.rl.base.types",
+    "RolloutGroup": "megatron.rl.base.types",
     # inference
     "InferenceInterface": "megatron.rl.inference.api",
     "InferenceRequest": "megatron.rl.inference.api",

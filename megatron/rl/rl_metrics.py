@@ -24,7 +24,7 @@ from typing import Sequence
 
 from megatron.rl import parallel_utils
 from megatron.rl.rl_samples import sample_candidates, select_samples
-from megatron.rl.types import RolloutGroup
+from megatron.rl.base.types import RolloutGroup
 
 __all__ = ["EnvSummary", "RolloutObservations", "summarize_groups", "merge_summaries", "summary_metrics",
            "format_env_line", "is_length_capped", "observe_rollouts"]

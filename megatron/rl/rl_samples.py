@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from megatron.rl.types import RolloutGroup
+from megatron.rl.base.types import RolloutGroup
 
 __all__ = ["rollout_sample", "sample_candidates", "select_samples", "spread_indices", "truncate_middle",
            "samples_markdown", "PROMPT_MAX_CHARS", "COMPLETION_MAX_CHARS"]

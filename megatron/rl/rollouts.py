@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from megatron.rl.algorithms import compute_advantages
-from megatron.rl.types import RolloutGroup, TokenRollout
+from megatron.rl.base.types import RolloutGroup, TokenRollout
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from megatron.rl.algorithms.registry import Registry
+from megatron.rl.base.registry import Registry
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,8 @@ import dataclasses
 import logging
 from typing import Any, ClassVar
 
+from megatron.rl.base.registry import Registry
+
 log = logging.getLogger(__name__)
 
 
@@ -188,16 +190,15 @@ class Family:
                 "initializer_range": model.init_method_std}
 
 
-_FAMILIES: dict[str, Family] = {}
+_FAMILIES: Registry[Family] = Registry("model_type")
 
 
 def register_family(cls: type[Family]) -> type[Family]:
-    """Class decorator: make ``cls`` the converter for each of its ``model_types``."""
+    """Class decorator: make ``cls`` the converter for each of its ``model_types`` (a model_type another
+    family already converts raises :class:`~megatron.rl.base.registry.DuplicateNameError`)."""
     inst = cls()
     for mt in cls.model_types:
-        if mt in _FAMILIES:
-            raise ValueError(f"model_type {mt!r} registered twice ({_FAMILIES[mt].name}, {cls.name})")
-        _FAMILIES[mt] = inst
+        _FAMILIES.add(mt, inst)
     return cls
 
 
@@ -214,12 +215,12 @@ def family_for_config(cfg: dict) -> Family:
         raise UnsupportedModelError(
             f"model_type {mt!r} (architectures {cfg.get('architectures')}) is not supported by the converter; "
             f"supported model_type values: {', '.join(sorted(_FAMILIES))}")
-    return _FAMILIES[mt]
+    return _FAMILIES.get(mt)
 
 
 def family_by_name(name: str) -> Family:
     _import_families()
-    for fam in _FAMILIES.values():
+    for fam in _FAMILIES.registered().values():
         if fam.name == name or name in fam.model_types:
             return fam
     raise UnsupportedModelError(f"unknown model family {name!r}; supported: {', '.join(sorted(_FAMILIES))}")

@@ -1,7 +1,7 @@
 """Agents (environments): the registry-backed Agent API and the built-in agent types.
 
-Names are resolved lazily so that ``megatron.rl.types`` (which needs only :mod:`.type_lookupable`) and the
-agent modules can import each other's pieces without cycles.
+Names are resolved lazily, so ``import megatron.rl.agent`` loads an agent module (and its optional
+dependencies) only when one of its names is used.
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "TypeLookupable": "megatron.rl.agent.type_lookupable",
-    "TypeLookupError": "megatron.rl.agent.type_lookupable",
+    "TypeLookupable": "megatron.rl.base.type_lookupable",
+    "TypeLookupError": "megatron.rl.base.type_lookupable",
     "Agent": "megatron.rl.agent.api",
     "AgentError": "megatron.rl.agent.api",
     "AgentRequest": "megatron.rl.agent.api",

@@ -1,7 +1,7 @@
 """The agent (environment) API: requests, responses and the :class:`Agent` base class.
 
 An agent owns a task: it picks prompts, asks an :class:`~megatron.rl.inference.api.InferenceInterface` to
-generate, scores the results and returns :class:`~megatron.rl.types.Rollout` objects. It never sees the
+generate, scores the results and returns :class:`~megatron.rl.base.types.Rollout` objects. It never sees the
 trainer, tokenizers or process groups. Agents are pydantic models registered by decorator, so a YAML
 entry (``type: arithmetic`` plus ``args``) or a JSON request body selects and configures one::
 
@@ -20,9 +20,10 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SerializeAsAny, model_validator
 
 from megatron.rl.agent.prompt_stream import PromptStream
-from megatron.rl.agent.type_lookupable import TypeLookupable, TypeLookupError
+from megatron.rl.base.registry import Registry
+from megatron.rl.base.type_lookupable import TypeLookupable, TypeLookupError
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, build_inference_interface
-from megatron.rl.types import Rollout, RolloutGroup
+from megatron.rl.base.types import Rollout, RolloutGroup
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,18 @@ class EvaluationResponse(AgentResponse):
 
 
 # -- agents --------------------------------------------------------------------------------------------------
+# Built-in agent types, imported on first use of their name (so sympy, datasets, ... load only when needed).
+BUILTIN_AGENT_MODULES = {
+    "huggingface_dataset": "megatron.rl.agent.huggingface_dataset_agent",
+    "weighted_multi_task": "megatron.rl.agent.weighted_multi_task",
+    "remote": "megatron.rl.agent.remote_agent",
+    "arithmetic": "megatron.rl.environments.arithmetic",
+    "countdown": "megatron.rl.environments.countdown",
+    "math": "megatron.rl.environments.math_task",
+    "calculator": "megatron.rl.environments.calculator",
+}
+
+
 class Agent(TypeLookupable):
     """Base class of all agents (environments).
 
@@ -163,7 +176,8 @@ class Agent(TypeLookupable):
     seed: seeds the prompt order (and generated problems); the same seed gives the same prompts.
     """
 
-    _type_registry: ClassVar[dict[str, type]] = {}
+    _type_registry: ClassVar[Registry[type]] = Registry("Agent type", builtins=BUILTIN_AGENT_MODULES,
+                                                        error=TypeLookupError)
 
     env_id: str | None = None
     seed: int = 1234

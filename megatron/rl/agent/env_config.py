@@ -37,8 +37,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from megatron.rl.agent.api import Agent
-from megatron.rl.agent.type_lookupable import TypeLookupError
+from megatron.rl.agent.api import BUILTIN_AGENT_MODULES, Agent
+from megatron.rl.base.type_lookupable import TypeLookupError
 from megatron.rl.agent.weighted_multi_task import TaskEntry, WeightedMultiTaskAgent
 
 logger = logging.getLogger(__name__)
@@ -49,16 +49,6 @@ __all__ = ["EnvConfigError", "load_env_config", "build_agent_from_config", "impo
 # The embedded default task (relative to the repository root).
 DEFAULT_ENV_CONFIG = "examples/rl/environment_configs/arithmetic.yaml"
 
-# Built-in agent types live in modules imported on demand (examples/ needs the repository root on sys.path).
-BUILTIN_AGENT_MODULES = {
-    "huggingface_dataset": "megatron.rl.agent.huggingface_dataset_agent",
-    "weighted_multi_task": "megatron.rl.agent.weighted_multi_task",
-    "remote": "megatron.rl.agent.remote_agent",
-    "arithmetic": "examples.rl.environments.arithmetic",
-    "countdown": "examples.rl.environments.countdown",
-    "math": "examples.rl.environments.math_task",
-    "calculator": "examples.rl.environments.calculator",
-}
 _ENTRY_KEYS = ("type", "args", "weight", "evaluation_only", "name")
 _WEIGHT_HINT = " (a string: write a plain number such as 0.5 or 1e-3, without quotes)"
 _IMPORT_HINT = "pass allow_imports=True (train_rl.py: --langrl-allow-imports) to allow importing user code"
@@ -94,18 +84,7 @@ def _short(value: Any) -> str:
 
 def import_builtin_agents() -> dict[str, str]:
     """Import the built-in agent modules; returns ``{type: error}`` for those that could not be imported."""
-    failed = {}
-    for name, module in BUILTIN_AGENT_MODULES.items():
-        if name in Agent._type_registry:
-            continue
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            hint = ("; the example environments are imported from the repository checkout: run from the "
-                    "repository root or add it to PYTHONPATH") if module.startswith("examples.") else ""
-            failed[name] = f"{type(e).__name__}: {e}{hint}"
-            logger.debug("built-in agent %r unavailable: %s", name, e)
-    return failed
+    return Agent._type_registry.load_builtins()
 
 
 def _import_module(name: str, where: str) -> Any:

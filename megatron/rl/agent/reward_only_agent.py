@@ -2,7 +2,7 @@
 
 A subclass provides problems and a reward; this class draws prompts (deterministic, resumable, sharded by
 data-parallel rank), generates concurrently through the inference backend, runs multi-turn episodes when
-the environment answers with observations, and builds :class:`~megatron.rl.types.TokenRollout` objects::
+the environment answers with observations, and builds :class:`~megatron.rl.base.types.TokenRollout` objects::
 
     @Agent.register_subclass("my_task")
     class MyTask(RewardOnlyAgent):
@@ -37,7 +37,7 @@ from megatron.rl.agent.api import (Agent, EvaluationRequest, EvaluationResponse,
 from megatron.rl.agent.prompt_stream import PromptStream
 from megatron.rl.inference.api import (ChatMessage, GenerationArgs, InferenceInterface, InferenceRequest,
                                        InferenceResponse)
-from megatron.rl.types import Rollout, RolloutGroup, TokenRollout
+from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from megatron.rl.algorithms.importance_sampling import logprob_gap_stats, trunca
 from megatron.rl.algorithms.logprobs import logprob_temperature, token_logprobs
 from megatron.rl.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
 from megatron.rl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig, compute_token_loss, ppo_clip_loss
-from megatron.rl.algorithms.registry import Registry
+from megatron.rl.base.registry import Registry
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "Registry",

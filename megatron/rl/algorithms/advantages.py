@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from megatron.rl.algorithms.registry import Registry
+from megatron.rl.base.registry import Registry
 
 AdvantageFn = Callable[..., torch.Tensor]
 

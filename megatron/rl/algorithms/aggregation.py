@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron.rl.algorithms.registry import Registry
+from megatron.rl.base.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron.rl.algorithms.registry import Registry
+from megatron.rl.base.registry import Registry
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

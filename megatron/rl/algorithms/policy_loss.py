@@ -18,7 +18,7 @@ import torch
 from megatron.rl.algorithms.entropy import entropy_bonus
 from megatron.rl.algorithms.importance_sampling import logprob_gap_stats, truncated_is_weights
 from megatron.rl.algorithms.kl import kl_penalty
-from megatron.rl.algorithms.registry import Registry
+from megatron.rl.base.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import importlib
 import logging
 import threading
 from typing import Any, Callable, ClassVar, Literal, Sequence, TypeVar
@@ -23,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # One rule for every backend and the trainer: greedy (T = 0) log-probs are reported under T = 1.
 from megatron.rl.algorithms.logprobs import logprob_temperature
-from megatron.rl.inference.validation import (SEED_MAX, ChatRole, MaxTokens, NumSamples, Seed, StopString,
+from megatron.rl.base.registry import Registry
+from megatron.rl.base.chat import ChatMessage  # re-exported: requests carry chat messages
+from megatron.rl.inference.validation import (SEED_MAX, MaxTokens, NumSamples, Seed, StopString,
                                               Temperature, Text, TopK, TopP, request_error, sample_count)
 
 logger = logging.getLogger(__name__)
@@ -80,13 +81,6 @@ class GenerationArgs(BaseModel):
             return [v]
         return v
 
-
-
-class ChatMessage(BaseModel):
-    """One chat turn: ``role`` is one of ``validation.CHAT_ROLES`` (system, developer, user, assistant, tool)."""
-
-    role: ChatRole
-    content: Text
 
 
 class InferenceRequest(BaseModel):
@@ -166,7 +160,8 @@ class InferenceInterface(abc.ABC):
     ``@InferenceInterface.register("name")`` and build it with ``build_inference_interface("name", ...)``.
     """
 
-    _registry: ClassVar[dict[str, type["InferenceInterface"]]] = {}
+    _registry: ClassVar[Registry[type["InferenceInterface"]]] = Registry(
+        "inference backend", builtins=_BUILTIN_BACKEND_MODULES, error=InferenceError)
     name: ClassVar[str] = ""
     #: True when the backend merges concurrent ``agenerate`` calls itself (continuous batching, e.g. a
     #: dynamic engine). The inference server then forwards each HTTP request as soon as it arrives instead
@@ -196,19 +191,15 @@ class InferenceInterface(abc.ABC):
 
     @classmethod
     def register(cls, name: str) -> Callable[[_T], _T]:
-        """Class decorator registering a backend under ``name`` (a duplicate name is an error)."""
+        """Class decorator registering a backend under ``name`` (a different class under a taken name raises
+        :class:`~megatron.rl.base.registry.DuplicateNameError`)."""
 
         def deco(backend_cls: _T) -> _T:
             if not (isinstance(backend_cls, type) and issubclass(backend_cls, InferenceInterface)):
                 raise TypeError(f"@InferenceInterface.register({name!r}) needs an InferenceInterface subclass, "
                                 f"got {backend_cls!r}")
-            existing = InferenceInterface._registry.get(name)
-            if existing is not None and existing is not backend_cls and \
-                    (existing.__module__, existing.__qualname__) != (backend_cls.__module__, backend_cls.__qualname__):
-                raise ValueError(f"inference backend name {name!r} is already registered to "
-                                 f"{existing.__module__}.{existing.__qualname__}")
+            InferenceInterface._registry.add(name, backend_cls)
             backend_cls.name = name
-            InferenceInterface._registry[name] = backend_cls
             return backend_cls
 
         return deco
@@ -279,24 +270,15 @@ def run_sync(coro: Any) -> Any:
 
 def registered_backends() -> list[str]:
     """Names of all registered backends, importing the built-in ones that can be imported."""
-    for name, module in _BUILTIN_BACKEND_MODULES.items():
-        if name not in InferenceInterface._registry:
-            try:
-                importlib.import_module(module)
-            except ImportError as e:  # an optional dependency or a module not written yet
-                logger.debug("inference backend %r unavailable: %s", name, e)
-    return sorted(InferenceInterface._registry)
+    InferenceInterface._registry.load_builtins()  # an optional dependency or a module not written yet: skipped
+    return list(InferenceInterface._registry)
 
 
 def backend_class(name: str) -> type[InferenceInterface]:
-    """The class registered as ``name`` (importing a built-in backend's module on first use)."""
-    if name not in InferenceInterface._registry and name in _BUILTIN_BACKEND_MODULES:
-        importlib.import_module(_BUILTIN_BACKEND_MODULES[name])  # let a real ImportError surface
-    if name not in InferenceInterface._registry:
-        # list built-in names without importing them (the megatron backend pulls in megatron-core)
-        known = sorted(set(InferenceInterface._registry) | set(_BUILTIN_BACKEND_MODULES))
-        raise InferenceError(f"unknown inference backend {name!r}; registered backends: {', '.join(known)}")
-    return InferenceInterface._registry[name]
+    """The class registered as ``name`` (importing a built-in backend's module on first use; a real
+    ImportError surfaces). Unknown names list the built-in ones without importing them (the megatron
+    backend pulls in megatron-core)."""
+    return InferenceInterface._registry.get(name)
 
 
 def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:

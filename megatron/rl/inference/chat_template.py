@@ -4,7 +4,7 @@ Order of preference:
 1. a ``transformers`` tokenizer whose ``chat_template`` is set: its Jinja template;
 2. one of our :class:`megatron.rl.training.tokenizer.Tokenizer` objects: its ``apply_chat_template``
    (which itself uses the HF template when it wraps a tokenizer that has one, the built-in one otherwise);
-3. otherwise the built-in template of :func:`megatron.rl.training.tokenizer.render_builtin_chat_template`
+3. otherwise the built-in template of :func:`megatron.rl.base.chat.render_builtin_chat_template`
    (one definition shared with the trainer, so prompts rendered here and there never drift)::
 
     <|system|>
@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Sequence
 
-from megatron.rl.training.tokenizer import render_builtin_chat_template
+from megatron.rl.base.chat import render_builtin_chat_template
 
 __all__ = ["render_chat", "builtin_chat_template", "messages_as_dicts"]
 

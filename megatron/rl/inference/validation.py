@@ -21,6 +21,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
 
+# The chat vocabulary lives in the base package (rollouts use it too); re-exported here with the other rules.
+from megatron.rl.base.chat import CHAT_ROLES, ChatRole, Text, check_unicode
+
 __all__ = [
     "SEED_MAX", "MIN_TEMPERATURE", "MAX_TEMPERATURE", "MAX_TOP_K", "MAX_N", "MAX_TOKENS", "CHAT_ROLES",
     "ChatRole", "Text", "Temperature", "TopP", "TopK", "Seed", "NumSamples", "MaxTokens", "StopString",
@@ -38,28 +41,12 @@ MAX_TOP_K = 2**31 - 1
 MAX_TOKENS = 2**31 - 1
 #: samples of one request; a server caps it far lower (RequestLimits.max_n)
 MAX_N = 65536
-#: roles a chat template is rendered with; anything else could smuggle template markup into the prompt
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def check_unicode(value: str) -> str:
-    """``value`` unchanged when it is valid Unicode text; a lone surrogate (JSON ``"\\ud800"``) raises."""
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"not valid Unicode text (lone surrogate at index {e.start})") from None
-    return value
-
-
 def _check_temperature(value: float) -> float:
     if 0.0 < value < MIN_TEMPERATURE:
         raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
     return value
 
 
-Text = Annotated[str, AfterValidator(check_unicode)]
-ChatRole = Literal[CHAT_ROLES]  # type: ignore[valid-type]
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
                                      description=f"0 = greedy, else {MIN_TEMPERATURE}..{MAX_TEMPERATURE}"),
                         AfterValidator(_check_temperature)]

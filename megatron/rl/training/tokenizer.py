@@ -14,13 +14,8 @@ Both also satisfy what megatron-core's inference stack calls on a tokenizer
 engine may hand the tokenizer to a spawned coordinator process) and what megatron-core's
 ``GPTDataset`` reads (``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``).
 
-Built-in chat template (used when a tokenizer has no chat template of its own, e.g. the byte tokenizer)::
-
-    <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}\\n ...
-
-i.e. each message is rendered as ``"<|" + role + "|>\\n" + content + "\\n"``, and
-``add_generation_prompt=True`` appends ``"<|assistant|>\\n"``. The markers are plain text (no special ids),
-so any tokenizer can encode them; the end of the assistant's turn is the tokenizer's ``eod``.
+Chat messages are rendered with the tokenizer's own chat template when it has one, else with the built-in
+template of :mod:`megatron.rl.base.chat`; the end of the assistant's turn is the tokenizer's ``eod``.
 
 New tokenizer types register with :func:`register_tokenizer`; :func:`build_tokenizer` builds one by name.
 """
@@ -33,6 +28,9 @@ import os
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Callable, Dict, List, Optional, Sequence, Set, Type
+
+from megatron.rl.base import chat
+from megatron.rl.base.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -57,22 +55,11 @@ class TokenizerError(ValueError):
 
 
 def render_builtin_chat_template(messages: Sequence[Dict[str, str]], add_generation_prompt: bool = True) -> str:
-    """Render ``messages`` with the built-in template described in the module docstring.
-
-    Args:
-        messages: ``[{"role": ..., "content": ...}, ...]``; both keys are required.
-        add_generation_prompt: append ``"<|assistant|>\\n"`` so the model continues as the assistant.
-    """
-    parts = []
-    for i, message in enumerate(messages):
-        if "role" not in message or "content" not in message:
-            raise TokenizerError(
-                f"chat message {i} must have 'role' and 'content' keys, got keys {sorted(message)}"
-            )
-        parts.append(f"<|{message['role']}|>\n{message['content']}\n")
-    if add_generation_prompt:
-        parts.append("<|assistant|>\n")
-    return "".join(parts)
+    """:func:`megatron.rl.base.chat.render_builtin_chat_template`, raising :class:`TokenizerError` for bad messages."""
+    try:
+        return chat.render_builtin_chat_template(messages, add_generation_prompt)
+    except chat.ChatFormatError as e:
+        raise TokenizerError(str(e)) from None
 
 
 class Tokenizer(ABC):
@@ -130,27 +117,21 @@ class Tokenizer(ABC):
         return OrderedDict([("class", type(self).__name__)])
 
 
-_REGISTRY: Dict[str, Type[Tokenizer]] = {}
+_REGISTRY: Registry[Type[Tokenizer]] = Registry("tokenizer type", "--tokenizer-type", error=TokenizerError)
 
 
 def register_tokenizer(name: str) -> Callable[[Type[Tokenizer]], Type[Tokenizer]]:
     """Class decorator: make ``cls`` buildable as ``build_tokenizer(name, model)``.
 
-    The class is constructed as ``cls(tokenizer_model)``.
+    The class is constructed as ``cls(tokenizer_model)``. A different class under a taken name raises
+    (a :class:`TokenizerError` and :class:`~megatron.rl.base.registry.DuplicateNameError`).
     """
-
-    def decorator(cls: Type[Tokenizer]) -> Type[Tokenizer]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise TokenizerError(f"tokenizer type {name!r} is already registered by {_REGISTRY[name].__name__}")
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorator
+    return _REGISTRY.register(name)
 
 
 def known_tokenizer_types() -> List[str]:
     """Names accepted by ``--tokenizer-type``."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 @register_tokenizer("ByteLevelTokenizer")
@@ -311,12 +292,12 @@ def build_tokenizer(tokenizer_type: str = DEFAULT_TOKENIZER_TYPE, tokenizer_mode
     Raises:
         TokenizerError: unknown type (the message lists the known ones) or an unusable ``tokenizer_model``.
     """
-    cls = _REGISTRY.get(tokenizer_type)
-    if cls is None:
+    if tokenizer_type not in _REGISTRY:
         raise TokenizerError(
             f"--tokenizer-type {tokenizer_type!r} is not a known tokenizer type; known types: "
             f"{', '.join(known_tokenizer_types())}"
         )
+    cls = _REGISTRY.get(tokenizer_type)
     tokenizer = cls(tokenizer_model)
     logger.info("built tokenizer %s (vocab_size=%d, eod=%d, pad=%d, bos=%s)", tokenizer_type,
                 tokenizer.vocab_size, tokenizer.eod, tokenizer.pad, tokenizer.bos)

@@ -53,7 +53,7 @@ def _check(model, rollout, temperature):
 
 
 def test_arithmetic_rollouts_on_megatron_engine(backend):
-    from examples.rl.environments.arithmetic import ArithmeticAgent
+    from megatron.rl.environments.arithmetic import ArithmeticAgent
 
     model, b = backend
     out = asyncio.run(ArithmeticAgent().generate_grouped_rollouts(GroupedRolloutRequest(

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from examples.rl.environments.arithmetic import ArithmeticAgent
+from megatron.rl.environments.arithmetic import ArithmeticAgent
 from megatron.rl.agent.api import Agent, EvaluationRequest, GroupedRolloutRequest
 from megatron.rl.agent.reward_only_agent import RewardOnlyAgent
 from megatron.rl.inference.api import GenerationArgs, build_inference_interface
-from megatron.rl.types import TokenRollout
+from megatron.rl.base.types import TokenRollout
 from tests.unit_tests.rl.inference.tiny_hf import build_tiny_hf_model
 
 

@@ -11,7 +11,7 @@ from megatron.rl.agent.api import Agent, GroupedRolloutRequest, RolloutRequest
 from megatron.rl.agent.reward_only_agent import RewardOnlyAgent, merge_turn_tokens
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, InferenceResponse
 from megatron.rl.inference.fake import FakeInference
-from megatron.rl.types import TokenRollout
+from megatron.rl.base.types import TokenRollout
 
 
 class CountingBackend(InferenceInterface):

@@ -6,7 +6,7 @@ import pytest
 
 from megatron.rl.rl_metrics import (format_env_line, is_length_capped, merge_summaries, observe_rollouts,
                                     summarize_groups, summary_metrics)
-from megatron.rl.types import Rollout, RolloutGroup, TokenRollout
+from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
 CAP = 8
 

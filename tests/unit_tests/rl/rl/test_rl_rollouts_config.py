@@ -11,7 +11,7 @@ from megatron.rl.algorithms import compute_advantages
 from megatron.rl.rl_config import add_rl_args, rl_config_from_args
 from megatron.rl.rollouts import groups_to_sequences, split_evenly
 from megatron.rl.training.config import ConfigError, parse_args
-from megatron.rl.types import Rollout, RolloutGroup, TokenRollout
+from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
 
 def _tok(reward: float, n_prompt: int = 3, n_gen: int = 2, env: str = "e", base: int = 10) -> TokenRollout:

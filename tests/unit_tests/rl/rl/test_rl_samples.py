@@ -1,7 +1,7 @@
 """Which sample completions get logged, and how they look."""
 from megatron.rl.rl_samples import (COMPLETION_MAX_CHARS, rollout_sample, sample_candidates, samples_markdown,
                                     select_samples, spread_indices, truncate_middle)
-from megatron.rl.types import Rollout, RolloutGroup, TokenRollout
+from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
 
 def cand(env, reward, status="ok", name=""):

@@ -6,7 +6,7 @@ import pytest
 from megatron.rl.rl_metrics import RolloutObservations, summarize_groups
 from megatron.rl.rl_warnings import (RunWarnings, WarningLimiter, WarningThresholds, check_failure_points,
                                      warning_metrics)
-from megatron.rl.types import RolloutGroup, TokenRollout
+from megatron.rl.base.types import RolloutGroup, TokenRollout
 
 T = WarningThresholds(same_reward_share=0.9, length_cap_share=0.5, logprob_gap=1.0)
 

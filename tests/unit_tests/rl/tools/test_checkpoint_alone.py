@@ -38,7 +38,7 @@ def _run(cmd, cwd):
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    from examples.rl.environments.arithmetic import write_pretraining_corpus
+    from megatron.rl.environments.arithmetic import write_pretraining_corpus
 
     root = tmp_path_factory.mktemp("alone")
     corpus = root / "arithmetic.jsonl"

@@ -22,7 +22,7 @@ def fixed_groups(num_groups: int = 4, group_size: int = 4, seed: int = 20260):
     """Deterministic token rollouts of mixed lengths (prompt 3..9 tokens, 2..24 generated)."""
     import torch
 
-    from megatron.rl.types import RolloutGroup, TokenRollout
+    from megatron.rl.base.types import RolloutGroup, TokenRollout
 
     g = torch.Generator().manual_seed(seed)
     groups = []

@@ -14,7 +14,7 @@ from megatron.rl.agent.api import EvaluationRequest, GroupedRolloutRequest
 from megatron.rl.agent.remote_agent import RemoteAgent, RemoteAgentError
 from megatron.rl.inference.api import GenerationArgs
 from megatron.rl.inference.fake import FakeInference
-from megatron.rl.types import TokenRollout
+from megatron.rl.base.types import TokenRollout
 from tests.conftest import REPO_ROOT, free_port
 from tests.unit_tests.rl.agent.user_agents_fixture import ReverseWordAgent
 

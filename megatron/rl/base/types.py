@@ -1,6 +1,6 @@
 """What agents hand to the trainer: rollouts, token-level rollouts and groups of them.
 
-All are pydantic models registered in one :class:`~megatron.rl.agent.type_lookupable.TypeLookupable`
+All are pydantic models registered in one :class:`~megatron.rl.base.type_lookupable.TypeLookupable`
 registry rooted at :class:`Rollout`, so they cross process boundaries as JSON (remote agents) and come back
 as the same classes: ``Rollout.model_validate(token_rollout.model_dump())`` is a :class:`TokenRollout`.
 
@@ -25,10 +25,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 
-from megatron.rl.agent.type_lookupable import TypeLookupable
-from megatron.rl.inference.api import ChatMessage, GenerationArgs  # re-exported: part of the agents' vocabulary
+from megatron.rl.base.chat import ChatMessage  # re-exported: part of the agents' vocabulary
+from megatron.rl.base.type_lookupable import TypeLookupable
 
-__all__ = ["Rollout", "TokenRollout", "RolloutGroup", "ChatMessage", "GenerationArgs", "RolloutStatus"]
+__all__ = ["Rollout", "TokenRollout", "RolloutGroup", "ChatMessage", "RolloutStatus"]
 
 RolloutStatus = Literal["ok", "failed"]
 

@@ -2,7 +2,7 @@
 import pytest
 from pydantic import ValidationError
 
-from megatron.rl.types import Rollout, RolloutGroup, TokenRollout
+from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
 
 def _tok(**kw):

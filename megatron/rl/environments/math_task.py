@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from examples.rl.environments.math_answers import math_reward
+from megatron.rl.environments.math_answers import math_reward
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.huggingface_dataset_agent import HuggingFaceDatasetAgent
 

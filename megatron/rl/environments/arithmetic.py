@@ -22,7 +22,7 @@ from typing import Iterator
 
 from pydantic import Field, model_validator
 
-from examples.rl.environments.safe_expr import ParseOptions, evaluate_exact, parse
+from megatron.rl.environments.safe_expr import ParseOptions, evaluate_exact, parse
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
 
@@ -157,7 +157,7 @@ def write_pretraining_corpus(path: str | Path, num_documents: int, examples_per_
     return path
 
 
-if __name__ == "__main__":  # python -m examples.rl.environments.arithmetic OUT.jsonl N [noise]
+if __name__ == "__main__":  # python -m megatron.rl.environments.arithmetic OUT.jsonl N [noise]
     import sys
 
     out, n = sys.argv[1], int(sys.argv[2])

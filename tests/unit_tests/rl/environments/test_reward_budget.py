@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from examples.rl.environments.math_answers import expansion_budget, extract_answer, math_reward
-from examples.rl.environments.safe_expr import parse
+from megatron.rl.environments.math_answers import expansion_budget, extract_answer, math_reward
+from megatron.rl.environments.safe_expr import parse
 from tests.conftest import REPO_ROOT
 
 # (completion, reference, expected reward)
@@ -30,7 +30,7 @@ BOMBS = [
 _CHILD = r"""
 import json, resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (1 << 31, 1 << 31))  # 2 GiB: the power tower needed 3.4 GB
-from examples.rl.environments.math_answers import math_reward
+from megatron.rl.environments.math_answers import math_reward
 out = []
 for completion, reference in json.loads(sys.argv[1]):
     t = time.perf_counter()
@@ -68,7 +68,7 @@ def test_expansion_budget_bounds():
 
 
 def _opts():
-    from examples.rl.environments import math_answers
+    from megatron.rl.environments import math_answers
 
     return math_answers._OPTS
 

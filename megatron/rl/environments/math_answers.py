@@ -24,7 +24,7 @@ import math
 import random
 import re
 
-from examples.rl.environments.safe_expr import (ExprError, Node, ParseOptions, evaluate_exact, evaluate_float,
+from megatron.rl.environments.safe_expr import (ExprError, Node, ParseOptions, evaluate_exact, evaluate_float,
                                                 parse)
 
 logger = logging.getLogger(__name__)

@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from examples.rl.environments.arithmetic import (ArithmeticAgent, arithmetic_reward, format_example, make_problem,
+from megatron.rl.environments.arithmetic import (ArithmeticAgent, arithmetic_reward, format_example, make_problem,
                                                  pretraining_text, write_pretraining_corpus)
-from examples.rl.environments.calculator import CalculatorAgent, calculator_observation, calculator_reward
-from examples.rl.environments.countdown import CountdownAgent, countdown_reward
-from examples.rl.environments.math_answers import extract_answer, is_equivalent, math_reward
-from examples.rl.environments.math_task import MathAgent
-from examples.rl.environments.safe_expr import ExprError, ParseOptions, evaluate_exact, parse
+from megatron.rl.environments.calculator import CalculatorAgent, calculator_observation, calculator_reward
+from megatron.rl.environments.countdown import CountdownAgent, countdown_reward
+from megatron.rl.environments.math_answers import extract_answer, is_equivalent, math_reward
+from megatron.rl.environments.math_task import MathAgent
+from megatron.rl.environments.safe_expr import ExprError, ParseOptions, evaluate_exact, parse
 from megatron.rl.agent.reward_only_agent import Turn
 
 ADVERSARIAL = [
@@ -225,7 +225,7 @@ def test_calculator_tool_and_reward():
 
 
 def test_math_equivalence_without_sympy(monkeypatch):
-    import examples.rl.environments.math_answers as ma
+    import megatron.rl.environments.math_answers as ma
 
     monkeypatch.setattr(ma, "sympy", None)  # numeric comparison at random points instead
     assert ma.math_reward("\\boxed{x^2+2x+1}", "(x+1)^2") == 1.0

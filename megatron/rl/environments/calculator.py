@@ -20,8 +20,8 @@ import re
 
 from pydantic import Field
 
-from examples.rl.environments.arithmetic import make_problem
-from examples.rl.environments.safe_expr import ExprError, ParseOptions, evaluate_exact, parse
+from megatron.rl.environments.arithmetic import make_problem
+from megatron.rl.environments.safe_expr import ExprError, ParseOptions, evaluate_exact, parse
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
 from megatron.rl.agent.reward_only_agent import Turn

@@ -1,6 +1,6 @@
 """TypeLookupable: pydantic models that know their registered subclass, for polymorphic JSON and YAML.
 
-A *registry root* (for example :class:`~megatron.rl.agent.api.Agent` or :class:`~megatron.rl.types.Rollout`)
+A *registry root* (for example :class:`~megatron.rl.agent.api.Agent` or :class:`~megatron.rl.base.types.Rollout`)
 owns a name -> class table. Subclasses join it with a decorator::
 
     @Agent.register_subclass()          # name = the class's ``type_name`` default, else the class name
@@ -26,6 +26,8 @@ from typing import Any, Callable, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from megatron.rl.base.registry import Registry, RegistryError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["TypeLookupable", "TypeLookupError"]
@@ -37,7 +39,7 @@ _T = TypeVar("_T", bound=type)
 _IN_INIT: contextvars.ContextVar[bool] = contextvars.ContextVar("type_lookupable_in_init", default=False)
 
 
-class TypeLookupError(LookupError, ValueError):
+class TypeLookupError(RegistryError):
     """Unknown or duplicate registered type name."""
 
 
@@ -45,17 +47,31 @@ class TypeLookupable(BaseModel):
     """Base of registry-backed pydantic models; see the module docstring.
 
     A subclass becomes a *registry root* (with its own, separate name table) by declaring
-    ``_type_registry: ClassVar[dict[str, type]] = {}`` in its body.
+    ``_type_registry: ClassVar[dict[str, type]] = {}`` in its body (or a
+    :class:`~megatron.rl.base.registry.Registry`, e.g. one with built-in names imported on first use);
+    the table becomes a :class:`~megatron.rl.base.registry.Registry` with its rule for duplicate names.
     """
 
     # Extras are allowed so an object parsed as its base type keeps the subclass's fields until unwrap().
     model_config = ConfigDict(extra="allow", arbitrary_types_allowed=True)
 
-    _type_registry: ClassVar[dict[str, type]] = {}
+    _type_registry: ClassVar[Registry[type]] = Registry("TypeLookupable type", error=TypeLookupError)
 
     type_name: str | None = None
 
     # -- registry ---------------------------------------------------------------------------------------
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        declared = vars(cls).get("_type_registry")
+        if isinstance(declared, dict):  # a new root: its name table becomes a Registry
+            registry: Registry[type] = Registry(f"{cls.__name__} type", error=TypeLookupError)
+            for key, sub in declared.items():
+                registry.add(key, sub)
+            cls._type_registry = registry
+        elif isinstance(declared, Registry) and declared.error is None:
+            declared.error = TypeLookupError
+
     @classmethod
     def _registry_owner(cls) -> type:
         for klass in cls.__mro__:
@@ -67,9 +83,10 @@ class TypeLookupable(BaseModel):
     def register_subclass(cls, name: str | None = None) -> Callable[[_T], _T]:
         """Class decorator adding a subclass to this class's registry under ``name``.
 
-        ``name`` defaults to the subclass's ``type_name`` field default, else its class name. Registering a
-        different class under a taken name raises :class:`TypeLookupError` (re-registering the same class,
-        e.g. when its module is re-imported, replaces the entry).
+        ``name`` defaults to the subclass's ``type_name`` field default, else its class name. Duplicate names
+        follow the :class:`~megatron.rl.base.registry.Registry` rule: a different class under a taken name
+        raises :class:`TypeLookupError` (re-registering the same class, e.g. when its module is re-imported,
+        keeps the newest).
         """
 
         def deco(sub: _T) -> _T:
@@ -78,15 +95,7 @@ class TypeLookupable(BaseModel):
                                 f"got {sub!r}")
             default = sub.model_fields["type_name"].default
             key = name or (default if isinstance(default, str) and default else sub.__name__)
-            registry = cls._registry_owner()._type_registry
-            existing = registry.get(key)
-            if existing is not None and existing is not sub and \
-                    (existing.__module__, existing.__qualname__) != (sub.__module__, sub.__qualname__):
-                raise TypeLookupError(
-                    f"{cls._registry_owner().__name__} type name {key!r} is already registered to "
-                    f"{existing.__module__}.{existing.__qualname__}; cannot also register "
-                    f"{sub.__module__}.{sub.__qualname__} (pass a different name to register_subclass())")
-            registry[key] = sub
+            cls._registry_owner()._type_registry.add(key, sub)
             sub.__registered_type_name__ = key
             return sub
 
@@ -95,16 +104,12 @@ class TypeLookupable(BaseModel):
     @classmethod
     def registered_types(cls) -> dict[str, type]:
         """Registered name -> class for this class's registry root (only subclasses of ``cls``)."""
-        return {k: v for k, v in sorted(cls._registry_owner()._type_registry.items()) if issubclass(v, cls)}
+        return {k: v for k, v in cls._registry_owner()._type_registry.registered().items() if issubclass(v, cls)}
 
     @classmethod
     def lookup(cls, name: str) -> type:
         """The registered subclass called ``name``; unknown names raise an error listing the known ones."""
-        registry = cls._registry_owner()._type_registry
-        sub = registry.get(name)
-        if sub is None:
-            known = ", ".join(sorted(registry)) or "(none)"
-            raise TypeLookupError(f"unknown {cls._registry_owner().__name__} type {name!r}; registered types: {known}")
+        sub = cls._registry_owner()._type_registry.get(name)
         if not issubclass(sub, cls):
             raise TypeLookupError(f"type {name!r} is a {sub.__name__}, which is not a {cls.__name__}")
         return sub

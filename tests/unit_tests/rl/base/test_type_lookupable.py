@@ -6,9 +6,9 @@ from pydantic import ValidationError
 
 from megatron.rl.agent.api import (Agent, AgentRequest, AgentResponse, EvaluationRequest, GroupedRolloutRequest,
                                    GroupedRolloutResponse)
-from megatron.rl.agent.type_lookupable import TypeLookupable, TypeLookupError
+from megatron.rl.base.type_lookupable import TypeLookupable, TypeLookupError
 from megatron.rl.inference.api import GenerationArgs
-from megatron.rl.types import Rollout, RolloutGroup, TokenRollout
+from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
 
 class Shape(TypeLookupable):

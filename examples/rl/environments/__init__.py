@@ -1,5 +1,0 @@
-"""Example environments: arithmetic (the embedded default), countdown, math and a multi-turn calculator.
-
-Importing a module registers its agent type (``@Agent.register_subclass(...)``); the YAML env config loader
-imports these built-in modules on demand.
-"""
