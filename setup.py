@@ -1,7 +1,9 @@
 """megatron-rl: RL post-training (GRPO/PPO) on Megatron Core.
 
-Installs the ``megatron.rl`` packages into the ``megatron`` namespace shared with the
-``megatron-core`` wheel; the repo's ``megatron/`` deliberately has no ``__init__.py``.
+Installs the ``megatron.rl`` packages (the built-in environments and their data included) into the
+``megatron`` namespace shared with the ``megatron-core`` wheel; the repo's ``megatron/`` deliberately has no
+``__init__.py``. ``train_rl.py`` is installed as the ``megatron-rl-train`` command (also
+``python -m megatron.rl.train_rl``, which ``torchrun -m`` can launch).
 """
 from setuptools import find_namespace_packages, setup
 
@@ -16,7 +18,9 @@ setup(
     python_requires=">=3.10",
     packages=find_namespace_packages(include=["megatron.rl", "megatron.rl.*"]),
     include_package_data=True,
+    # the built-in environments' data (megatron/rl/environments/data/*.jsonl) is read from the installed package
     package_data={"megatron.rl": ["**/*.json", "**/*.jsonl", "**/*.yaml"]},
+    entry_points={"console_scripts": ["megatron-rl-train = megatron.rl.train_rl:main"]},
     install_requires=[
         f"megatron-core=={MCORE_VERSION}",
         "torch>=2.4",

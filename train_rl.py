@@ -1,47 +1,13 @@
-"""GRPO / PPO post-training of a Megatron Core GPT on rollouts from agents (environments).
+"""GRPO / PPO post-training from a checkout: ``python train_rl.py <flags>`` (see :mod:`megatron.rl.train_rl`).
 
-    python train_rl.py <Megatron flags> --langrl-env-config ENV.yaml            # one process
-    torchrun --nproc-per-node N train_rl.py <Megatron flags> --langrl-env-config ENV.yaml
-
-Takes the Megatron-LM model/parallel/optimizer/checkpoint flags of ``pretrain_gpt.py`` plus the RL flags
-of :mod:`megatron.rl.rl_config` (``python train_rl.py --help`` lists them). ``--train-iters`` counts RL
-iterations; start from ``--pretrained-checkpoint`` and resume with ``--load`` / ``--save``.
-``--eval-only --load CKPT`` evaluates a checkpoint (pass@k per environment) instead of training.
-
-Bad input (flags, the environment config, a checkpoint that cannot be loaded, tokenizer, megatron-core
-version) exits with status 2 and a one-line message naming what to fix, like ``pretrain_gpt.py``.
+An installed package runs the same code as ``python -m megatron.rl.train_rl`` or ``megatron-rl-train``.
 """
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def _train_or_evaluate(argv=None) -> int:
-    from megatron.rl.rl_config import add_rl_args, rl_config_from_args
-    from megatron.rl.rl_eval import run_eval_only
-    from megatron.rl.rl_loop import run_rl
-    from megatron.rl.training.config import parse_args
-    from megatron.rl.training.initialize import destroy_megatron
-
-    try:
-        cfg = parse_args(argv, extra_args_providers=[add_rl_args])
-        rl = rl_config_from_args(cfg)
-        if rl.observe.eval_only:
-            run_eval_only(cfg, rl)
-        else:
-            run_rl(cfg, rl)
-    finally:
-        destroy_megatron()
-    return 0
-
-
-def main(argv=None) -> int:
-    """Train (or evaluate); user errors are one line on stderr (and in torchrun's report) and status 2."""
-    from megatron.rl.training.cli_errors import run_cli
-
-    return run_cli("train_rl.py", _train_or_evaluate, argv)
-
+from megatron.rl.train_rl import main  # noqa: E402 - after the checkout is on sys.path
 
 # The guard matters: torch_dist checkpoint saving starts a subprocess that re-imports this module.
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""GRPO / PPO post-training of a Megatron Core GPT on rollouts from agents (environments).
+
+    python train_rl.py <Megatron flags> --langrl-env-config ENV.yaml            # from a checkout
+    torchrun --nproc-per-node N train_rl.py <Megatron flags> --langrl-env-config ENV.yaml
+    python -m megatron.rl.train_rl <Megatron flags> --langrl-env-config ENV.yaml  # installed package
+    torchrun --nproc-per-node N -m megatron.rl.train_rl ...                     # (or: megatron-rl-train ...)
+
+The repository's ``train_rl.py`` only calls :func:`main` here, so the checkout and the installed package
+run the same code.
+
+Takes the Megatron-LM model/parallel/optimizer/checkpoint flags of ``pretrain_gpt.py`` plus the RL flags
+of :mod:`megatron.rl.rl_config` (``python train_rl.py --help`` lists them). ``--train-iters`` counts RL
+iterations; start from ``--pretrained-checkpoint`` and resume with ``--load`` / ``--save``.
+``--eval-only --load CKPT`` evaluates a checkpoint (pass@k per environment) instead of training.
+
+Bad input (flags, the environment config, a checkpoint that cannot be loaded, tokenizer, megatron-core
+version) exits with status 2 and a one-line message naming what to fix, like ``pretrain_gpt.py``.
+"""
+import sys
+
+
+def _train_or_evaluate(argv=None) -> int:
+    from megatron.rl.rl_config import add_rl_args, rl_config_from_args
+    from megatron.rl.rl_eval import run_eval_only
+    from megatron.rl.rl_loop import run_rl
+    from megatron.rl.training.config import parse_args
+    from megatron.rl.training.initialize import destroy_megatron
+
+    try:
+        cfg = parse_args(argv, extra_args_providers=[add_rl_args])
+        rl = rl_config_from_args(cfg)
+        if rl.observe.eval_only:
+            run_eval_only(cfg, rl)
+        else:
+            run_rl(cfg, rl)
+    finally:
+        destroy_megatron()
+    return 0
+
+
+def main(argv=None) -> int:
+    """Train (or evaluate); user errors are one line on stderr (and in torchrun's report) and status 2."""
+    from megatron.rl.training.cli_errors import run_cli
+
+    return run_cli("train_rl.py", _train_or_evaluate, argv)
+
+
+# The guard matters: torch_dist checkpoint saving starts a subprocess that re-imports this module.
+if __name__ == "__main__":
+    sys.exit(main())
