@@ -95,7 +95,8 @@ def token_slots(info: PackingInfo, distribution: BinDistribution, dynamic_shapes
     if not dynamic_shapes:
         return distribution.dp_size * distribution.num_microbatches * distribution.micro_batch_size * info.bin_capacity
     if shared:
-        return distribution.dp_size * sum(r * n for r, n in shared_microbatch_shapes(info, distribution, length_multiple))
+        shapes = shared_microbatch_shapes(info, distribution, length_multiple)
+        return distribution.dp_size * sum(rows * length for rows, length in shapes)
     total = 0
     for rank in distribution.assignment:
         for mb in rank:
