@@ -8,6 +8,12 @@ never looks at the shape, so each micro-batch can drop what is only padding (*dy
 trailing empty rows and the positions after its longest row. Real tokens never attend to padding (it is a
 segment of its own) and padding has loss mask 0, so the loss and gradients are those of the fixed shape
 up to float rounding of differently shaped matmuls.
+
+Some forwards exchange activations between data-parallel ranks: MoE layers with expert parallelism
+gather every EP rank's tokens (megatron-core's allgather token dispatcher all-gathers equally shaped
+tensors over the tensor-and-expert-parallel group). Those ranks must run micro-batch ``i`` at one shape,
+so there each micro-batch is cropped to the largest shape over the data-parallel ranks
+(:func:`shared_microbatch_shapes`), which every rank computes from the same bin distribution.
 """
 from __future__ import annotations
 
@@ -30,14 +36,28 @@ def microbatch_shape(info: PackingInfo, bin_ids: Sequence[Optional[int]], length
     return rows, min(length, info.bin_capacity)
 
 
+def shared_microbatch_shapes(info: PackingInfo, distribution: BinDistribution,
+                             length_multiple: int = 1) -> list[tuple[int, int]]:
+    """Per micro-batch index: the (rows, positions) that hold every data-parallel rank's micro-batch there.
+
+    Pure: computed from the whole distribution, so all ranks agree without communicating.
+    """
+    shapes = []
+    for i in range(distribution.num_microbatches):
+        per_rank = [microbatch_shape(info, rank[i], length_multiple) for rank in distribution.assignment]
+        shapes.append((max(r for r, _ in per_rank), max(n for _, n in per_rank)))
+    return shapes
+
+
 class MicrobatchDataLoader:
     """Re-iterable: each ``iter()`` yields the micro-batches (``micro_batch_size`` rows each, cropped with
     ``dynamic_shapes``) again, so ``--grpo-iterations`` passes and megatron's ``forward_backward_func``
     (which calls ``next()`` ``num_microbatches`` times) can share it. Micro-batches are views into
-    ``batch``: values written into ``mb.values`` land in the batch."""
+    ``batch``: values written into ``mb.values`` land in the batch. ``shapes`` (with ``dynamic_shapes``):
+    the (rows, positions) of each micro-batch, e.g. :func:`shared_microbatch_shapes`; default each one's own."""
 
     def __init__(self, batch: PackedBatch, micro_batch_size: int, dynamic_shapes: bool = False,
-                 length_multiple: int = 1):
+                 length_multiple: int = 1, shapes: Optional[Sequence[tuple[int, int]]] = None):
         if micro_batch_size < 1 or batch.num_rows % micro_batch_size:
             raise ValueError(f"{batch.num_rows} packed rows cannot be split into micro-batches of "
                              f"--micro-batch-size={micro_batch_size}")
@@ -45,6 +65,9 @@ class MicrobatchDataLoader:
         self.micro_batch_size = micro_batch_size
         self.dynamic_shapes = dynamic_shapes
         self.length_multiple = length_multiple
+        if shapes is not None and len(shapes) != len(self):
+            raise ValueError(f"{len(shapes)} micro-batch shapes for {len(self)} micro-batches")
+        self.shapes = shapes
 
     def __len__(self) -> int:
         return self.batch.num_rows // self.micro_batch_size
@@ -53,22 +76,27 @@ class MicrobatchDataLoader:
         for i in range(len(self)):
             mb = self.batch.rows(i * self.micro_batch_size, (i + 1) * self.micro_batch_size)
             if self.dynamic_shapes:
-                mb = mb.crop(*microbatch_shape(mb.info, mb.bin_ids, self.length_multiple))
+                shape = self.shapes[i] if self.shapes is not None else None
+                mb = mb.crop(*(shape or microbatch_shape(mb.info, mb.bin_ids, self.length_multiple)))
             yield mb
 
 
 def get_microbatch_dataloader(batch: PackedBatch, micro_batch_size: int, dynamic_shapes: bool = False,
-                              length_multiple: int = 1) -> MicrobatchDataLoader:
+                              length_multiple: int = 1,
+                              shapes: Optional[Sequence[tuple[int, int]]] = None) -> MicrobatchDataLoader:
     """Micro-batches of ``micro_batch_size`` consecutive rows of ``batch`` (see :class:`MicrobatchDataLoader`)."""
-    return MicrobatchDataLoader(batch, micro_batch_size, dynamic_shapes, length_multiple)
+    return MicrobatchDataLoader(batch, micro_batch_size, dynamic_shapes, length_multiple, shapes)
 
 
 def token_slots(info: PackingInfo, distribution: BinDistribution, dynamic_shapes: bool,
-                length_multiple: int = 1) -> int:
+                length_multiple: int = 1, shared: bool = False) -> int:
     """Positions the model computes for one optimizer step over all ranks (padding included): the
-    denominator of the packing efficiency."""
+    denominator of the packing efficiency. ``shared``: shapes from :func:`shared_microbatch_shapes`."""
     if not dynamic_shapes:
         return distribution.dp_size * distribution.num_microbatches * distribution.micro_batch_size * info.bin_capacity
+    if shared:
+        shapes = shared_microbatch_shapes(info, distribution, length_multiple)
+        return distribution.dp_size * sum(rows * length for rows, length in shapes)
     total = 0
     for rank in distribution.assignment:
         for mb in rank:

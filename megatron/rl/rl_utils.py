@@ -42,7 +42,12 @@ from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
 from megatron.rl.rl_metrics import RolloutObservations, observe_rollouts
 from megatron.rl.rollouts import CollectionStats, TrainingSequence, groups_to_sequences, split_evenly
-from megatron.rl.microbatches import MicrobatchDataLoader, get_microbatch_dataloader, token_slots
+from megatron.rl.microbatches import (
+    MicrobatchDataLoader,
+    get_microbatch_dataloader,
+    shared_microbatch_shapes,
+    token_slots,
+)
 from megatron.rl.sequence_packing_utils import PackedBatch, build_rank_batch, distribute_bins, plan_packing
 from megatron.rl.training.loop import train_step
 
@@ -150,24 +155,30 @@ class StepBatch:
     num_token_slots: int  # positions computed per forward over all ranks, padding included
     dynamic_shapes: bool = False  # micro-batches cropped to their rows' real extent
     length_multiple: int = 1
+    shapes: list[tuple[int, int]] | None = None  # per micro-batch, shared by all data-parallel ranks
 
     def microbatches(self, micro_batch_size: int) -> MicrobatchDataLoader:
-        return get_microbatch_dataloader(self.batch, micro_batch_size, self.dynamic_shapes, self.length_multiple)
+        return get_microbatch_dataloader(self.batch, micro_batch_size, self.dynamic_shapes, self.length_multiple,
+                                         self.shapes)
 
 
-def microbatch_shapes(ctx: StepContext, rl: RLConfig) -> tuple[bool, int]:
-    """(dynamic shapes, length multiple) for this run's micro-batches.
+def microbatch_shapes(ctx: StepContext, rl: RLConfig) -> tuple[bool, int, bool]:
+    """(dynamic shapes, length multiple, shapes shared over data-parallel ranks) for this run's micro-batches.
 
     Fixed shapes with pipeline parallelism (the p2p buffers are sized from them) or
     ``--rl-fixed-microbatch-shapes``; the length multiple is the TP size with sequence parallelism.
+    Shared with expert parallelism: the MoE layers exchange tokens between data-parallel ranks, and
+    megatron-core's allgather dispatcher all-gathers equally shaped tensors (a rank-dependent crop made
+    the ranks' collectives disagree in size and gloo abort).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
     if rl.fixed_microbatch_shapes or ps.get_pipeline_model_parallel_world_size() > 1:
-        return False, 1
+        return False, 1, False
     sequence_parallel = getattr(get_model_config(ctx.model[0]), "sequence_parallel", False)
-    return True, ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+    multiple = ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+    return True, multiple, ps.get_expert_model_parallel_world_size() > 1
 
 
 def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: StepContext, num_steps: int,
@@ -179,7 +190,7 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
         raise RLDataError("--rl-inference-logprobs-is-correction needs log-probs from the inference backend, "
                           "but some rollouts have none (does the server return logprobs?)")
     max_per_bin = rl.max_sequences_per_bin if rl.use_sequence_packing else 1
-    dynamic, multiple = microbatch_shapes(ctx, rl)
+    dynamic, multiple, shared = microbatch_shapes(ctx, rl)
     steps = []
     for rng in split_evenly(len(sequences), num_steps):
         chunk = [sequences[i] for i in rng]
@@ -202,8 +213,10 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
                                                max_len=float(rl.max_new_tokens)),
                                num_real_tokens=sum(len(s.token_ids) for s in chunk),
                                num_rows_total=dist_plan.num_microbatches * ctx.micro_batch_size * dp_size,
-                               num_token_slots=token_slots(info, dist_plan, dynamic, multiple),
-                               dynamic_shapes=dynamic, length_multiple=multiple))
+                               num_token_slots=token_slots(info, dist_plan, dynamic, multiple, shared),
+                               dynamic_shapes=dynamic, length_multiple=multiple,
+                               shapes=shared_microbatch_shapes(info, dist_plan, multiple) if dynamic and shared
+                               else None))
     return steps
 
 

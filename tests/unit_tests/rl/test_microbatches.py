@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.rl.microbatches import get_microbatch_dataloader, microbatch_shape, token_slots
-from megatron.rl.sequence_packing_utils import build_packed_batch, distribute_bins, plan_packing
+from megatron.rl.microbatches import get_microbatch_dataloader, microbatch_shape, shared_microbatch_shapes, token_slots
+from megatron.rl.sequence_packing_utils import build_packed_batch, build_rank_batch, distribute_bins, plan_packing
 
 
 def _batch(lengths, cap, max_per_bin, mbs):
@@ -49,3 +49,26 @@ def test_crop_refuses_to_cut_real_tokens():
     _, _, batch = _batch([5, 3], cap=8, max_per_bin=1, mbs=2)
     with pytest.raises(ValueError, match="cut real tokens"):
         batch.crop(2, 4)
+
+
+def test_shared_shapes_are_equal_on_every_data_parallel_rank():
+    # expert parallelism all-gathers tokens over data-parallel ranks: their micro-batch i needs one shape
+    lengths = [9, 2, 7, 3, 5, 2]
+    info = plan_packing(lengths, 16, 1)
+    dist = distribute_bins(info.num_bins, 2, 2)
+    tokens = [list(range(1, n + 1)) for n in lengths]
+    masks = [[0] + [1] * (n - 1) for n in lengths]
+    own = [[microbatch_shape(info, mb) for mb in rank] for rank in dist.assignment]
+    assert own[0] != own[1]  # per-rank crops differ: the case that made gloo abort
+    shared = shared_microbatch_shapes(info, dist)
+    assert shared == [(max(a[0], b[0]), max(a[1], b[1])) for a, b in zip(*own)]
+    seen = []
+    for rank in range(2):
+        batch = build_rank_batch(info, dist, rank, tokens, masks, 0)
+        mbs = list(get_microbatch_dataloader(batch, 2, dynamic_shapes=True, shapes=shared))
+        seen.append([tuple(mb.tokens.shape) for mb in mbs])
+        assert sum(int((mb.seq_ids >= 0).sum()) for mb in mbs) == int((batch.seq_ids >= 0).sum())
+    assert seen[0] == seen[1] == shared
+    assert token_slots(info, dist, True, shared=True) == 2 * sum(r * n for r, n in shared)
+    with pytest.raises(ValueError, match="micro-batch shapes"):
+        get_microbatch_dataloader(batch, 2, dynamic_shapes=True, shapes=shared[:1])

@@ -74,6 +74,13 @@ def test_inference_copy_logprobs_equal_trainer_before_and_after_updates(tmp_path
         assert all(h["time_refit_s"] > 0 for h in history)
     # the ranks agree on everything the loop reports (they computed the same global batch)
     assert results[0]["history"][-1]["rl_loss"] == results[1]["history"][-1]["rl_loss"]
+    if case.startswith("moe"):
+        # the EP=1 copy's token dispatchers talk over the inference layout's groups (this rank alone), never
+        # over the training layout's EP group: its two replicas generate different prompts at their own pace
+        for r in results:
+            groups = r["copy_dispatcher_groups"]
+            assert len(groups) == 2 and all(g == {"ep_group": [r["rank"]], "tp_group": [r["rank"]],
+                                                  "tp_ep_group": [r["rank"]]} for g in groups), groups
 
 
 COMPARED = ("reward_mean", "reward_std", "rl_loss", "grad_norm", "ratio_mean", "clip_fraction_high",
@@ -86,13 +93,16 @@ def test_resume_with_inference_copy_is_exact(tmp_path):
     """The copy is not checkpointed: a resumed run rebuilds it and refits from the trainer's checkpoint."""
     case = CASES["train_tp2_infer_tp1"]
     ckpt = tmp_path / "ckpt"
-    full = _run(tmp_path, case, 3, "--save", ckpt, "--save-interval", "1")[0]["history"]
+    full_run = _run(tmp_path, case, 3, "--save", ckpt, "--save-interval", "1")[0]
     load = tmp_path / "load"
     load.mkdir()
     shutil.copytree(ckpt / "iter_0000001", load / "iter_0000001")
     (load / "latest_checkpointed_iteration.txt").write_text("1")
-    resumed = _run(tmp_path, case, 3, "--load", load)[0]["history"]
+    resumed_run = _run(tmp_path, case, 3, "--load", load)[0]
+    full, resumed = full_run["history"], resumed_run["history"]
     assert [h["iteration"] for h in resumed] == [2, 3]
+    # first the rollouts: different tokens mean the copy sampled differently (not the trainer's math)
+    assert full_run["token_digests"][1:] == resumed_run["token_digests"], "the resumed copy sampled other tokens"
     for a, b in zip(full[1:], resumed):
         for key in COMPARED:
             assert a[key] == b[key], (key, a[key], b[key])
