@@ -43,7 +43,8 @@ class RLConfig:
                                  help="Accepted for Megatron-LM compatibility; train_rl.py always performs RL steps.")
     env_config: str | None = flag(None, name="--langrl-env-config",
                                   help="YAML file listing the agents (environments) to train on, with weights.")
-    prompts_per_step: int = flag(8, name="--grpo-prompts-per-step", help="Prompt groups per RL iteration (all DP ranks).")
+    prompts_per_step: int = flag(8, name="--grpo-prompts-per-step",
+                                 help="Prompt groups per RL iteration (all DP ranks).")
     group_size: int = flag(8, name="--grpo-group-size", help="Rollouts sampled per prompt.")
     grpo_iterations: int = flag(1, help="Passes over each iteration's rollouts.")
     loss: PolicyLossConfig = section(PolicyLossConfig)  # --grpo-clamp-eps-*, --grpo-kl-*, --grpo-policy-loss, ...

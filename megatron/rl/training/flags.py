@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, Callable, Iterator, Sequence
@@ -114,6 +115,11 @@ def flag_fields(cls: type, *, with_derived: bool = False) -> Iterator[tuple[type
             yield cls, f, kind
 
 
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _unwrap(annotation: Any) -> tuple[Any, Any]:
     """(base type, container) of an annotation: ``int | None`` -> (int, None); ``list[str]`` -> (str, list)."""
     origin = typing.get_origin(annotation)
@@ -127,7 +133,7 @@ def _unwrap(annotation: Any) -> tuple[Any, Any]:
 
 def _argparse_kwargs(cls: type, f: dataclasses.Field) -> dict:
     meta = _meta(f)
-    base, container = _unwrap(typing.get_type_hints(cls)[f.name])
+    base, container = _unwrap(_hints(cls)[f.name])
     kw: dict[str, Any] = {"dest": dest_of(f)}
     if f.default is dataclasses.MISSING:
         kw["required"] = True
@@ -191,7 +197,7 @@ def from_namespace(cls: type, ns: argparse.Namespace, **derived_values: Any) -> 
                 kw[f.name] = derived_values[f.name]
         else:
             value = getattr(ns, dest_of(f))
-            if isinstance(value, list) and _unwrap(typing.get_type_hints(cls)[f.name])[1] is tuple:
+            if isinstance(value, list) and _unwrap(_hints(cls)[f.name])[1] is tuple:
                 value = tuple(value)
             kw[f.name] = value
     return cls(**kw)
