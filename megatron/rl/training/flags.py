@@ -31,7 +31,13 @@ How to add a flag: add one field with ``flag(...)`` (default, ``name=`` when the
 :mod:`megatron.rl.training.config_sections`, ``RLConfig`` in :mod:`megatron.rl.rl_config`, ``ObserveConfig``,
 ``PolicyLossConfig``, ``InferenceLayoutConfig``); if its value must be checked, add the check (raising
 ``ConfigError`` that names the flag) to that config's validation function. Nothing else: the parser, the
-namespace-to-config mapping and the --help text follow from the field.
+namespace-to-config mapping and the --help text follow from the field. A feature with several flags may keep
+them in its own frozen dataclass (``_flag_group = "..."`` titles its --help section), added to ``RLConfig``
+as one field ``feature: FeatureConfig = section(FeatureConfig)``. An old-style
+``g.add_argument("--x-y", type=T, default=D, choices=C, help=H)`` becomes the field
+``x_y: T = flag(D, name="--x-y", choices=C, help=H)`` (``name=`` only if the field is named otherwise;
+``action="store_true"`` is ``bool = flag(False)``; ``default=None`` is ``T | None = flag(None)``), and its line
+in a hand-written namespace-to-config mapping goes away.
 """
 from __future__ import annotations
 
