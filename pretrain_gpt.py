@@ -18,21 +18,19 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def main(argv=None) -> int:
-    from megatron.rl.training.cli_errors import report_user_error, user_error_types
+def _pretrain(argv=None) -> int:
     from megatron.rl.training.config import parse_args
-    from megatron.rl.training.initialize import destroy_megatron
     from megatron.rl.training.loop import pretrain
 
-    try:
-        cfg = parse_args(argv)
-        pretrain(cfg)
-    except user_error_types() as e:
-        report_user_error("pretrain_gpt.py", e)
-        return 2
-    finally:
-        destroy_megatron()
+    pretrain(parse_args(argv))
     return 0
+
+
+def main(argv=None) -> int:
+    """Pretrain; user errors are one line on stderr (and in torchrun's report) and status 2, as in train_rl.py."""
+    from megatron.rl.training.cli_errors import run_cli
+
+    return run_cli("pretrain_gpt.py", _pretrain, argv)
 
 
 # The guard matters: torch_dist checkpoint saving starts a subprocess that re-imports this module.

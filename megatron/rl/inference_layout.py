@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from megatron.rl.training.config import ConfigError, TrainingConfig
+from megatron.rl.training.flags import flag
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,24 @@ class InferenceLayoutConfig:
     model then generates itself (no copy, no refit), exactly as before this feature.
     """
 
-    tensor_model_parallel_size: int | None = None
-    pipeline_model_parallel_size: int | None = None
-    expert_model_parallel_size: int | None = None
-    refit_method: str | None = None  # None: nccl on CUDA, gloo on CPU
-    verify_model_weights_swap: bool = False
+    tensor_model_parallel_size: int | None = flag(
+        None, name="--rl-inference-tensor-model-parallel-size",
+        help="Generate with a copy of the policy at this TP (default: generate with the training model itself, at "
+             "the training layout). The copy is refit after every update.")
+    pipeline_model_parallel_size: int | None = flag(
+        None, name="--rl-inference-pipeline-model-parallel-size",
+        help="PP of the inference copy (default: the training PP when a copy is built).")
+    expert_model_parallel_size: int | None = flag(
+        None, name="--rl-inference-expert-model-parallel-size",
+        help="EP of the inference copy (default: the training EP when a copy is built).")
+    refit_method: str | None = flag(  # None: nccl on CUDA, gloo on CPU
+        None, choices=REFIT_METHODS,
+        help="How the trainer's weights reach the inference copy: megatron-core's gloo or NCCL copy service "
+             "(default nccl on CUDA, gloo on CPU).")
+    verify_model_weights_swap: bool = flag(
+        False, name="--rl-verify-model-weights-swap",
+        help="After the first refit, compare the inference copy's logits with the trainer's on a probe batch and "
+             "stop if they differ.")
 
     @property
     def enabled(self) -> bool:
@@ -76,31 +90,6 @@ class LayoutSizes:
     @property
     def expert_dp(self) -> int:
         return self.world // (self.expert_tp * self.ep * self.pp)
-
-
-def add_inference_layout_args(group) -> None:
-    """The flags (Megatron-LM's names), added to the RL argument group."""
-    group.add_argument("--rl-inference-tensor-model-parallel-size", type=int, default=None,
-                       help="Generate with a copy of the policy at this TP (default: generate with the training "
-                            "model itself, at the training layout). The copy is refit after every update.")
-    group.add_argument("--rl-inference-pipeline-model-parallel-size", type=int, default=None,
-                       help="PP of the inference copy (default: the training PP when a copy is built).")
-    group.add_argument("--rl-inference-expert-model-parallel-size", type=int, default=None,
-                       help="EP of the inference copy (default: the training EP when a copy is built).")
-    group.add_argument("--refit-method", type=str, default=None, choices=list(REFIT_METHODS),
-                       help="How the trainer's weights reach the inference copy: megatron-core's gloo or NCCL "
-                            "copy service (default nccl on CUDA, gloo on CPU).")
-    group.add_argument("--rl-verify-model-weights-swap", action="store_true",
-                       help="After the first refit, compare the inference copy's logits with the trainer's on a "
-                            "probe batch and stop if they differ.")
-
-
-def inference_layout_from_args(a) -> InferenceLayoutConfig:
-    return InferenceLayoutConfig(
-        tensor_model_parallel_size=a.rl_inference_tensor_model_parallel_size,
-        pipeline_model_parallel_size=a.rl_inference_pipeline_model_parallel_size,
-        expert_model_parallel_size=a.rl_inference_expert_model_parallel_size,
-        refit_method=a.refit_method, verify_model_weights_swap=a.rl_verify_model_weights_swap)
 
 
 def _need(cond: bool, msg: str) -> None:

@@ -1,7 +1,10 @@
 """RL flags for ``train_rl.py``: parsed with the Megatron flags, then checked together up front.
 
-:func:`add_rl_args` is an ``extra_args_provider`` for :func:`megatron.rl.training.config.parse_args`;
-:func:`rl_config_from_args` turns the parsed namespace into a typed :class:`RLConfig` and validates the
+:class:`RLConfig` declares every RL flag on its field (and its sections: :class:`PolicyLossConfig`,
+:class:`InferenceLayoutConfig`, :class:`ObserveConfig`); to add a flag, add a field with ``flag(...)`` there
+(see :mod:`megatron.rl.training.flags`) and its check to :func:`validate_rl_config`. :func:`add_rl_args` is
+the ``extra_args_provider`` generated from it for :func:`megatron.rl.training.config.parse_args`;
+:func:`rl_config_from_args` turns the parsed namespace into the frozen :class:`RLConfig` and validates the
 combination with the training flags (batch arithmetic, group size, lengths) with errors that name the flags.
 
 Batch arithmetic. One RL iteration collects ``P = --grpo-prompts-per-step`` groups of
@@ -18,139 +21,112 @@ import logging
 import math
 from pathlib import Path
 
-from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
-from megatron.rl.inference_layout import (InferenceLayoutConfig, add_inference_layout_args,
-                                          inference_layout_from_args, validate_inference_layout)
-from megatron.rl.observe_config import ObserveConfig, add_observe_args, observe_config_from_args
+from megatron.rl.inference_layout import InferenceLayoutConfig, validate_inference_layout
+from megatron.rl.observe_config import ObserveConfig, resolve_observe
+from megatron.rl.sequence_packing_utils import PACKING_ALGOS
 from megatron.rl.training.config import ConfigError, TrainingConfig
+from megatron.rl.training.flags import add_flags, derived, flag, from_namespace, registry_choices, section
 
 log = logging.getLogger(__name__)
 
 
-def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    # Dropout makes the training forward a different (random) policy from the one that scored the old
-    # log-probs, so every PPO ratio would be noise: RL defaults to none (explicit flags still win).
-    parser.set_defaults(hidden_dropout=0.0, attention_dropout=0.0)
-    g = parser.add_argument_group("reinforcement learning (GRPO / PPO)")
-    g.add_argument("--perform-rl-step", action="store_true",
-                   help="Accepted for Megatron-LM compatibility; train_rl.py always performs RL steps.")
-    g.add_argument("--langrl-env-config", type=str, default=None,
-                   help="YAML file listing the agents (environments) to train on, with weights.")
-    g.add_argument("--grpo-prompts-per-step", type=int, default=8, help="Prompt groups per RL iteration (all DP ranks).")
-    g.add_argument("--grpo-group-size", type=int, default=8, help="Rollouts sampled per prompt.")
-    g.add_argument("--grpo-iterations", type=int, default=1, help="Passes over each iteration's rollouts.")
-    g.add_argument("--grpo-clamp-eps-lower", type=float, default=0.2, help="PPO clip: ratio >= 1 - eps_lower.")
-    g.add_argument("--grpo-clamp-eps-upper", type=float, default=0.2,
-                   help="PPO clip: ratio <= 1 + eps_upper (> eps_lower is DAPO's clip-higher).")
-    g.add_argument("--grpo-kl-beta", type=float, default=0.0,
-                   help="Weight of the KL penalty to the reference model; 0 never builds the reference model.")
-    g.add_argument("--grpo-kl-estimator", type=str, default="k3", choices=KL_ESTIMATORS.names())
-    g.add_argument("--grpo-entropy-term-weight", type=float, default=0.0, help="Entropy bonus weight.")
-    g.add_argument("--grpo-advantage-estimator", type=str, default="grpo", choices=ADVANTAGE_ESTIMATORS.names())
-    g.add_argument("--grpo-policy-loss", type=str, default="ppo_clip", choices=POLICY_LOSSES.names())
-    g.add_argument("--grpo-loss-aggregation", type=str, default="token", choices=AGGREGATIONS.names(),
-                   help="token: mean over all tokens (DAPO); sequence: mean per sequence then over sequences "
-                        "(GRPO); drgrpo: sum / (sequences * --rl-max-new-tokens).")
-    g.add_argument("--grpo-filter-groups-with-same-reward", action="store_true",
-                   help="Drop groups whose rollouts all got the same reward (no learning signal).")
-    g.add_argument("--rl-inference-logprobs-is-correction", action="store_true",
-                   help="Weight the loss by the truncated importance ratio between trainer and inference log-probs.")
-    g.add_argument("--rl-importance-sampling-truncation-coef", type=float, default=2.0)
-    g.add_argument("--rl-use-sequence-packing", action="store_true",
-                   help="Pack several rollouts into each --seq-length row (attention never crosses sequences).")
-    g.add_argument("--rl-sequence-packing-max-sequences-per-bin", type=int, default=16)
-    g.add_argument("--rl-sequence-packing-algo", type=str, default="fifo", choices=["fifo", "round-robin"])
-    g.add_argument("--rl-default-temperature", type=float, default=1.0)
-    g.add_argument("--rl-default-top-p", type=float, default=1.0)
-    g.add_argument("--rl-default-top-k", type=int, default=0)
-    g.add_argument("--rl-max-new-tokens", type=int, default=64, help="Generation budget per turn.")
-    g.add_argument("--rl-prompts-per-eval", type=int, default=32,
-                   help="Held-out prompts per evaluation (at --eval-interval); 0 disables evaluation.")
-    g.add_argument("--rl-eval-temperature", type=float, default=0.0, help="0 = greedy pass@1.")
-    g.add_argument("--inference-backend", type=str, default="megatron",
-                   help="Inference backend agents talk to: megatron (in-process, default), openai, huggingface.")
-    g.add_argument("--inference-server-url", type=str, default=None,
-                   help="Base URL for --inference-backend openai.")
-    g.add_argument("--langrl-allow-imports", action="store_true",
-                   help="Let the env config name agents by 'module:Class' import path (runs user code).")
-    g.add_argument("--rl-metrics-jsonl", type=str, default=None,
-                   help="One JSON line of metrics per iteration in this file (rank 0); on resume, lines past the "
-                        "resumed iteration are dropped.")
-    # A broken backend or environment (e.g. a missing kernel) fails every rollout; without a limit the run
-    # would go on skipping every update until --train-iters.
-    g.add_argument("--rl-max-all-failed-iterations", type=int, default=3,
-                   help="Stop the run after this many consecutive iterations in which every rollout failed "
-                        "(0: never stop).")
-    # policy serving and off-policy servers (megatron/rl/server/policy_server.py, megatron/rl/inference/policy_gap.py)
-    g.add_argument("--rl-serve-inference", type=str, default=None, metavar="[HOST:]PORT",
-                   help="Serve the policy being trained (the in-process engine) as an OpenAI-compatible server on "
-                        "rank 0 during rollout phases, for remote environment servers and other clients "
-                        "(host default 127.0.0.1).")
-    g.add_argument("--rl-serve-inference-wait-s", type=float, default=600.0,
-                   help="How long a request to --rl-serve-inference waits for a rollout phase before failing.")
-    g.add_argument("--rl-off-policy-server", action="store_true",
-                   help="The inference server is not the trainer's policy (e.g. --inference-backend openai: its "
-                        "weights never change) and that is intended: skip the log-prob gap check.")
-    g.add_argument("--rl-max-policy-logprob-gap", type=float, default=0.1,
-                   help="Mean |trainer - inference| log-prob per generated token above which the run stops: the "
-                        "server is not serving the trainer's policy (unless --rl-off-policy-server).")
-    add_inference_layout_args(g)  # separate inference layout (issue 12): megatron.rl.inference_layout
-    add_observe_args(parser)  # samples, per-environment metrics, warnings, pass@k, --eval-only
-    # GRPO step speed: which passes run and the shapes they run at
-    g.add_argument("--rl-recompute-old-logprobs", action="store_true",
-                   help="Always score old-policy log-probs in a separate forward pass. By default, when an "
-                        "iteration's rollouts feed exactly one optimizer step and one pass (and no dropout), they "
-                        "are taken (detached) from the training forward itself: the same numbers, one pass fewer.")
-    g.add_argument("--rl-fixed-microbatch-shapes", action="store_true",
-                   help="Run every micro-batch at [--micro-batch-size, --seq-length] even without pipeline "
-                        "parallelism. By default each micro-batch drops its padding-only rows and positions "
-                        "(pipeline parallelism always keeps the fixed shape).")
-    return parser
-
-
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    """Typed RL settings (flag names in the docs of :func:`add_rl_args`)."""
+    """Typed RL settings; each field declares its ``train_rl.py`` flag (``name=``), nested sections included."""
 
-    env_config: str
-    prompts_per_step: int
-    group_size: int
-    grpo_iterations: int
-    advantage_estimator: str
-    loss_aggregation: str
-    loss: PolicyLossConfig
-    filter_same_reward: bool
-    use_sequence_packing: bool
-    max_sequences_per_bin: int
-    packing_algo: str
-    temperature: float
-    top_p: float
-    top_k: int
-    max_new_tokens: int
-    prompts_per_eval: int
-    eval_temperature: float
-    inference_backend: str
-    inference_server_url: str | None
-    allow_import_paths: bool
-    metrics_jsonl: str | None
-    max_all_failed_iterations: int = 3
-    serve_inference: str | None = None  # [HOST:]PORT
-    serve_inference_wait_s: float = 600.0
-    off_policy_server: bool = False
-    max_policy_logprob_gap: float = 0.1
+    _flag_group = "reinforcement learning (GRPO / PPO)"
+
+    perform_rl_step: bool = flag(False, name="--perform-rl-step",
+                                 help="Accepted for Megatron-LM compatibility; train_rl.py always performs RL steps.")
+    env_config: str | None = flag(None, name="--langrl-env-config",
+                                  help="YAML file listing the agents (environments) to train on, with weights.")
+    prompts_per_step: int = flag(8, name="--grpo-prompts-per-step",
+                                 help="Prompt groups per RL iteration (all DP ranks).")
+    group_size: int = flag(8, name="--grpo-group-size", help="Rollouts sampled per prompt.")
+    grpo_iterations: int = flag(1, help="Passes over each iteration's rollouts.")
+    loss: PolicyLossConfig = section(PolicyLossConfig)  # --grpo-clamp-eps-*, --grpo-kl-*, --grpo-policy-loss, ...
+    advantage_estimator: str = flag("grpo", name="--grpo-advantage-estimator",
+                                    choices=registry_choices(ADVANTAGE_ESTIMATORS))
+    loss_aggregation: str = flag("token", name="--grpo-loss-aggregation", choices=registry_choices(AGGREGATIONS),
+                                 help="token: mean over all tokens (DAPO); sequence: mean per sequence then over "
+                                      "sequences (GRPO); drgrpo: sum / (sequences * --rl-max-new-tokens).")
+    filter_same_reward: bool = flag(False, name="--grpo-filter-groups-with-same-reward",
+                                    help="Drop groups whose rollouts all got the same reward (no learning signal).")
+    use_sequence_packing: bool = flag(False, name="--rl-use-sequence-packing",
+                                      help="Pack several rollouts into each --seq-length row (attention never crosses "
+                                           "sequences).")
+    max_sequences_per_bin: int = flag(16, name="--rl-sequence-packing-max-sequences-per-bin")
+    packing_algo: str = flag("fifo", name="--rl-sequence-packing-algo", choices=registry_choices(PACKING_ALGOS))
+    temperature: float = flag(1.0, name="--rl-default-temperature")
+    top_p: float = flag(1.0, name="--rl-default-top-p")
+    top_k: int = flag(0, name="--rl-default-top-k")
+    max_new_tokens: int = flag(64, name="--rl-max-new-tokens", help="Generation budget per turn.")
+    prompts_per_eval: int = flag(32, name="--rl-prompts-per-eval",
+                                 help="Held-out prompts per evaluation (at --eval-interval); 0 disables evaluation.")
+    eval_temperature: float = flag(0.0, name="--rl-eval-temperature", help="0 = greedy pass@1.")
+    inference_backend: str = flag("megatron", name="--inference-backend",
+                                  help="Inference backend agents talk to: megatron (in-process, default), openai, "
+                                       "huggingface.")
+    inference_server_url: str | None = flag(None, name="--inference-server-url",
+                                            help="Base URL for --inference-backend openai.")
+    allow_import_paths: bool = flag(False, name="--langrl-allow-imports",
+                                    help="Let the env config name agents by 'module:Class' import path (runs user "
+                                         "code).")
+    metrics_jsonl: str | None = flag(None, name="--rl-metrics-jsonl",
+                                     help="One JSON line of metrics per iteration in this file (rank 0); on resume, "
+                                          "lines past the resumed iteration are dropped.")
+    # A broken backend or environment (e.g. a missing kernel) fails every rollout; without a limit the run
+    # would go on skipping every update until --train-iters.
+    max_all_failed_iterations: int = flag(3, name="--rl-max-all-failed-iterations",
+                                          help="Stop the run after this many consecutive iterations in which every "
+                                               "rollout failed (0: never stop).")
+    # policy serving and off-policy servers (megatron/rl/server/policy_server.py, megatron/rl/inference/policy_gap.py)
+    serve_inference: str | None = flag(
+        None, name="--rl-serve-inference", metavar="[HOST:]PORT",
+        help="Serve the policy being trained (the in-process engine) as an OpenAI-compatible server on rank 0 during "
+             "rollout phases, for remote environment servers and other clients (host default 127.0.0.1).")
+    serve_inference_wait_s: float = flag(600.0, name="--rl-serve-inference-wait-s",
+                                         help="How long a request to --rl-serve-inference waits for a rollout phase "
+                                              "before failing.")
+    off_policy_server: bool = flag(False, name="--rl-off-policy-server",
+                                   help="The inference server is not the trainer's policy (e.g. --inference-backend "
+                                        "openai: its weights never change) and that is intended: skip the log-prob "
+                                        "gap check.")
+    max_policy_logprob_gap: float = flag(0.1, name="--rl-max-policy-logprob-gap",
+                                         help="Mean |trainer - inference| log-prob per generated token above which the "
+                                              "run stops: the server is not serving the trainer's policy (unless "
+                                              "--rl-off-policy-server).")
     # separate inference layout (issue 12); the default (no flags) generates with the training model itself
-    inference_layout: InferenceLayoutConfig = InferenceLayoutConfig()
-    observe: ObserveConfig = dataclasses.field(default_factory=ObserveConfig)
-    # GRPO step speed (see --rl-recompute-old-logprobs, --rl-fixed-microbatch-shapes)
-    recompute_old_logprobs: bool = False
-    fixed_microbatch_shapes: bool = False
-    deterministic_forward: bool = True  # no dropout: a training forward scores what a scoring pass would
+    inference_layout: InferenceLayoutConfig = section(InferenceLayoutConfig)
+    # samples, per-environment metrics, warnings, pass@k, --eval-only
+    observe: ObserveConfig = section(ObserveConfig)
+    # GRPO step speed: which passes run and the shapes they run at
+    recompute_old_logprobs: bool = flag(
+        False, name="--rl-recompute-old-logprobs",
+        help="Always score old-policy log-probs in a separate forward pass. By default, when an iteration's rollouts "
+             "feed exactly one optimizer step and one pass (and no dropout), they are taken (detached) from the "
+             "training forward itself: the same numbers, one pass fewer.")
+    fixed_microbatch_shapes: bool = flag(
+        False, name="--rl-fixed-microbatch-shapes",
+        help="Run every micro-batch at [--micro-batch-size, --seq-length] even without pipeline parallelism. By "
+             "default each micro-batch drops its padding-only rows and positions (pipeline parallelism always keeps "
+             "the fixed shape).")
+    deterministic_forward: bool = derived(True)  # no dropout: a training forward scores what a scoring pass would
 
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+
+def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The RL flags (generated from :class:`RLConfig`): an ``extra_args_provider`` for ``parse_args``."""
+    # Dropout makes the training forward a different (random) policy from the one that scored the old
+    # log-probs, so every PPO ratio would be noise: RL defaults to none (explicit flags still win).
+    parser.set_defaults(hidden_dropout=0.0, attention_dropout=0.0)
+    return add_flags(parser, RLConfig)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -166,33 +142,14 @@ def _known_backends() -> list[str]:
 
 
 def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
-    """Build and validate :class:`RLConfig` from ``cfg.extra`` (flags added by :func:`add_rl_args`)."""
+    """Build, resolve and validate :class:`RLConfig` from ``cfg.extra`` (flags added by :func:`add_rl_args`)."""
     a = cfg.extra
     _need(a.langrl_env_config is not None, "--langrl-env-config is required: the YAML file naming the agents to "
                                            "train on (see examples/rl/environment_configs/).")
     _need(Path(a.langrl_env_config).is_file(), f"--langrl-env-config={a.langrl_env_config}: no such file.")
-    rl = RLConfig(
-        env_config=a.langrl_env_config, prompts_per_step=a.grpo_prompts_per_step, group_size=a.grpo_group_size,
-        grpo_iterations=a.grpo_iterations, advantage_estimator=a.grpo_advantage_estimator,
-        loss_aggregation=a.grpo_loss_aggregation,
-        loss=PolicyLossConfig(policy_loss=a.grpo_policy_loss, eps_lower=a.grpo_clamp_eps_lower,
-                              eps_upper=a.grpo_clamp_eps_upper, kl_beta=a.grpo_kl_beta,
-                              kl_estimator=a.grpo_kl_estimator, entropy_weight=a.grpo_entropy_term_weight,
-                              is_correction=a.rl_inference_logprobs_is_correction,
-                              is_truncation_coef=a.rl_importance_sampling_truncation_coef),
-        filter_same_reward=a.grpo_filter_groups_with_same_reward, use_sequence_packing=a.rl_use_sequence_packing,
-        max_sequences_per_bin=a.rl_sequence_packing_max_sequences_per_bin, packing_algo=a.rl_sequence_packing_algo,
-        temperature=a.rl_default_temperature, top_p=a.rl_default_top_p, top_k=a.rl_default_top_k,
-        max_new_tokens=a.rl_max_new_tokens, prompts_per_eval=a.rl_prompts_per_eval,
-        eval_temperature=a.rl_eval_temperature, inference_backend=a.inference_backend,
-        inference_server_url=a.inference_server_url, allow_import_paths=a.langrl_allow_imports,
-        max_all_failed_iterations=a.rl_max_all_failed_iterations,
-        metrics_jsonl=a.rl_metrics_jsonl, serve_inference=a.rl_serve_inference,
-        serve_inference_wait_s=a.rl_serve_inference_wait_s, off_policy_server=a.rl_off_policy_server,
-        max_policy_logprob_gap=a.rl_max_policy_logprob_gap, inference_layout=inference_layout_from_args(a),
-        observe=observe_config_from_args(cfg),
-        recompute_old_logprobs=a.rl_recompute_old_logprobs, fixed_microbatch_shapes=a.rl_fixed_microbatch_shapes,
-        deterministic_forward=cfg.model.hidden_dropout == 0 and cfg.model.attention_dropout == 0)
+    raw = from_namespace(RLConfig, a, deterministic_forward=cfg.model.hidden_dropout == 0
+                         and cfg.model.attention_dropout == 0)
+    rl = dataclasses.replace(raw, observe=resolve_observe(raw.observe, raw, cfg))
     validate_rl_config(rl, cfg)
     return rl
 

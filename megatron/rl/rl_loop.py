@@ -84,34 +84,6 @@ def _build_inference(cfg: TrainingConfig, rl: RLConfig, model, tokenizer):
     return build_inference_interface(rl.inference_backend)
 
 
-def _load(cfg: TrainingConfig, rl: RLConfig, model, optimizer, scheduler, ref_model,
-          margs: dict) -> tuple[int, dict]:
-    """Resume from --load when it holds a checkpoint, else start from --pretrained-checkpoint."""
-    from megatron.rl.training.checkpointing import CheckpointError, latest_checkpoint, load_checkpoint
-
-    c = cfg.checkpoint
-    if rl.loss.needs_ref_logprobs:  # run_rl checked that --pretrained-checkpoint is given
-        load_checkpoint(c.pretrained_checkpoint, ref_model, None, None, load_optimizer=False, load_rng=False,
-                        model_args=margs, verify_checksums=not c.no_verify_checkpoint_checksums)
-    if c.load and latest_checkpoint(c.load) is not None:
-        loaded = load_checkpoint(c.load, model, optimizer, scheduler, load_optimizer=not c.no_load_optim,
-                                 load_rng=not c.no_load_rng, model_args=margs,
-                                 verify_checksums=not c.no_verify_checkpoint_checksums)
-        log.info("resumed from %s at RL iteration %s", loaded.path, loaded.iteration)
-        return int(loaded.iteration or 0), dict(loaded.run_state)
-    if c.pretrained_checkpoint:
-        load_checkpoint(c.pretrained_checkpoint, model, optimizer, scheduler, load_optimizer=False, load_rng=False,
-                        model_args=margs, verify_checksums=not c.no_verify_checkpoint_checksums)
-        log.info("starting RL from the pretrained checkpoint %s", c.pretrained_checkpoint)
-    elif c.load:
-        log.info("--load %s holds no checkpoint yet: starting a new run", c.load)
-    else:
-        log.warning("no --pretrained-checkpoint: RL starts from randomly initialised weights")
-    if c.load is None and c.save is None:
-        log.info("no --save: this run will not be resumable")
-    return 0, {}
-
-
 class AllRolloutsFailedError(RuntimeError):
     """Every rollout failed for ``--rl-max-all-failed-iterations`` iterations in a row."""
 
@@ -133,13 +105,8 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     from megatron.core import parallel_state as ps
 
     from megatron.rl.agent.env_config import build_agent_from_config
-    from megatron.rl.training.checkpointing import save_checkpoint
-    from megatron.rl.training.initialize import initialize_megatron
     from megatron.rl.training.loop_control import LoopControl
-    from megatron.rl.training.metrics import build_metrics_writer
-    from megatron.rl.training.model_provider import build_model, checkpoint_model_args
-    from megatron.rl.training.optimizer import build_optimizer
-    from megatron.rl.training.tokenizer import build_tokenizer
+    from megatron.rl.training.run import RL_RESUME, TrainingRun
 
     t, c = cfg.train, cfg.checkpoint
     if t.train_iters is None:
@@ -148,13 +115,17 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
         raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
                           f"model's weights (the policy you start from).")
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
-    runtime = initialize_megatron(cfg)
-    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
-    model = build_model(cfg, tokenizer=tokenizer)
-    optimizer, scheduler = build_optimizer(cfg, model)
-    ref_model = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if rl.loss.needs_ref_logprobs else None
-    margs = checkpoint_model_args(cfg, tokenizer)
-    iteration, run_state = _load(cfg, rl, model, optimizer, scheduler, ref_model, margs)
+    run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
+    model, optimizer, scheduler, tokenizer = run.model, run.optimizer, run.scheduler, run.tokenizer
+    start = run.resume()
+    iteration, run_state = start.iteration, start.run_state
+    if not start.from_checkpoint and not c.pretrained_checkpoint:
+        if c.load:
+            log.info("--load %s holds no checkpoint yet: starting a new run", c.load)
+        else:
+            log.warning("no --pretrained-checkpoint: RL starts from randomly initialised weights")
+    if c.load is None and c.save is None:
+        log.info("no --save: this run will not be resumable")
     backend = _build_inference(cfg, rl, model, tokenizer)
     shard = getattr(backend, "rollout_shard", None)  # separate inference layout: prompts split by replica
     agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
@@ -170,13 +141,13 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=agent, inference=inference,
                       pad_token_id=tokenizer.pad, seq_length=cfg.model.seq_length,
                       micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
-                      device=runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
-                      ref_model=ref_model)
+                      device=run.runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
+                      ref_model=run.ref_model)
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
         from megatron.rl.refit import refit_after_iteration, start_inference_copy
 
         start_inference_copy(ctx, rl, backend)
-    writer = build_metrics_writer(cfg)
+    writer = run.writer
     jsonl = MetricsJsonl(rl.metrics_jsonl, iteration) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
     o = rl.observe
     checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share, o.warn_logprob_gap),
@@ -206,9 +177,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
                  time.perf_counter() - start)
 
     def save(it: int) -> None:
-        save_checkpoint(c.save, it, model, None if c.no_save_optim else optimizer, scheduler,
-                        run_state={"iteration": it, "agent": agent.state_dict()}, model_args=margs,
-                        dist_opt_format=c.dist_ckpt_optim_format)
+        run.save(it, {"iteration": it, "agent": agent.state_dict()})
 
     history: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
@@ -248,7 +217,6 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
         if control.after_iteration(iteration):
             break
     control.finish(iteration)
-    if writer is not None:
-        writer.close()
+    run.close()
     inference.close()  # frees the in-process engine's KV cache / the HTTP client
     return RLRunResult(iteration, history, evals)

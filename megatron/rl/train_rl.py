@@ -24,17 +24,13 @@ def _train_or_evaluate(argv=None) -> int:
     from megatron.rl.rl_eval import run_eval_only
     from megatron.rl.rl_loop import run_rl
     from megatron.rl.training.config import parse_args
-    from megatron.rl.training.initialize import destroy_megatron
 
-    try:
-        cfg = parse_args(argv, extra_args_providers=[add_rl_args])
-        rl = rl_config_from_args(cfg)
-        if rl.observe.eval_only:
-            run_eval_only(cfg, rl)
-        else:
-            run_rl(cfg, rl)
-    finally:
-        destroy_megatron()
+    cfg = parse_args(argv, extra_args_providers=[add_rl_args])
+    rl = rl_config_from_args(cfg)
+    if rl.observe.eval_only:
+        run_eval_only(cfg, rl)
+    else:
+        run_rl(cfg, rl)
     return 0
 
 

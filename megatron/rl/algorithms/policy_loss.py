@@ -17,8 +17,9 @@ import torch
 
 from megatron.rl.algorithms.entropy import entropy_bonus
 from megatron.rl.algorithms.importance_sampling import logprob_gap_stats, truncated_is_weights
-from megatron.rl.algorithms.kl import kl_penalty
+from megatron.rl.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from megatron.rl.base.registry import Registry
+from megatron.rl.training.flags import flag, registry_choices
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -84,22 +85,20 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Knobs of the per-token GRPO/PPO loss (flag names in brackets).
+    """Knobs of the per-token GRPO/PPO loss; each field is also its ``train_rl.py`` flag (see ``name=``)."""
 
-    policy_loss [--grpo-policy-loss], eps_lower [--grpo-clamp-eps-lower], eps_upper
-    [--grpo-clamp-eps-upper], kl_beta [--grpo-kl-beta], kl_estimator [--grpo-kl-estimator],
-    entropy_weight [--grpo-entropy-term-weight], is_correction [--rl-inference-logprobs-is-correction],
-    is_truncation_coef [--rl-importance-sampling-truncation-coef].
-    """
-
-    policy_loss: str = "ppo_clip"
-    eps_lower: float = 0.2
-    eps_upper: float = 0.2
-    kl_beta: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_weight: float = 0.0
-    is_correction: bool = False
-    is_truncation_coef: float = 2.0
+    policy_loss: str = flag("ppo_clip", name="--grpo-policy-loss", choices=registry_choices(POLICY_LOSSES))
+    eps_lower: float = flag(0.2, name="--grpo-clamp-eps-lower", help="PPO clip: ratio >= 1 - eps_lower.")
+    eps_upper: float = flag(0.2, name="--grpo-clamp-eps-upper",
+                            help="PPO clip: ratio <= 1 + eps_upper (> eps_lower is DAPO's clip-higher).")
+    kl_beta: float = flag(0.0, name="--grpo-kl-beta",
+                          help="Weight of the KL penalty to the reference model; 0 never builds the reference model.")
+    kl_estimator: str = flag("k3", name="--grpo-kl-estimator", choices=registry_choices(KL_ESTIMATORS))
+    entropy_weight: float = flag(0.0, name="--grpo-entropy-term-weight", help="Entropy bonus weight.")
+    is_correction: bool = flag(False, name="--rl-inference-logprobs-is-correction",
+                               help="Weight the loss by the truncated importance ratio between trainer and inference "
+                                    "log-probs.")
+    is_truncation_coef: float = flag(2.0, name="--rl-importance-sampling-truncation-coef")
 
     @property
     def needs_ref_logprobs(self) -> bool:

@@ -115,9 +115,11 @@ def _load_source(argv: Sequence[str]) -> tuple[str, str]:
     from megatron.rl.training.checkpoint_paths import latest_checkpoint
     from megatron.rl.training.config import ConfigError
 
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--load")
-    p.add_argument("--pretrained-checkpoint")
+    from megatron.rl.training.config_sections import CheckpointConfig
+    from megatron.rl.training.flags import add_flags
+
+    # Only the checkpoint flags: the model flags (some required) may be the very ones to come from it.
+    p = add_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False), CheckpointConfig)
     ns, _ = p.parse_known_args(list(argv))
     if ns.load and Path(ns.load).is_dir() and latest_checkpoint(ns.load) is not None:
         return "--load", ns.load

@@ -54,11 +54,18 @@ def report_user_error(program: str, error: BaseException, stream=None) -> str:
 
 
 def run_cli(program: str, main, argv=None) -> int:
-    """``main(argv)``, with user errors reported by :func:`report_user_error` and exit status 2."""
-    types = user_error_types()
+    """The ``main()`` of ``pretrain_gpt.py`` and ``train_rl.py``: ``main(argv)``, then megatron torn down (even
+    on error); user errors reported by :func:`report_user_error` as one line, with exit status 2."""
+    from megatron.rl.training.initialize import destroy_megatron
+
     try:
-        return main(argv)
-    except types as e:
+        try:
+            return main(argv)
+        finally:
+            destroy_megatron()
+    except Exception as e:  # noqa: BLE001 - anything but a user error is re-raised with its traceback
+        if not isinstance(e, user_error_types()):  # imported only on error: a clean run never pays for it
+            raise
         report_user_error(program, e)
         if _rank() != 0:
             # Usually every rank hits the same error; torchrun kills the others as soon as one exits, so the

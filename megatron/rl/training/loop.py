@@ -2,8 +2,8 @@
 
 :func:`train_step` is one optimizer step through megatron-core's pipeline schedules (``get_forward_backward_func``)
 and is reused by ``train_rl.py`` with its own forward step and loss. :func:`pretrain` is the GPT pretraining
-driver behind ``pretrain_gpt.py``: initialise, build tokenizer/data/model/optimizer, load a checkpoint, loop
-with Megatron-style iteration lines, evaluate, save, write metrics.
+driver behind ``pretrain_gpt.py``: build the run (:class:`~megatron.rl.training.run.TrainingRun`, shared with
+RL), resume, loop with Megatron-style iteration lines over the data, evaluate, save, write metrics.
 
 Loss reporting: a loss function returns ``(loss, num_tokens, {name: value})``; a value that is a 2-element
 tensor ``[sum, count]`` is reported as ``sum(sum) / sum(count)`` over all microbatches and data-parallel
@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from functools import partial
 from typing import Callable, Iterator
@@ -24,6 +23,7 @@ import torch
 
 from megatron.rl import parallel_utils
 from megatron.rl.training.config import TrainingConfig
+from megatron.rl.training.run import resolve_load_dir  # noqa: F401 - re-exported (its home before TrainingRun)
 
 log = logging.getLogger(__name__)
 
@@ -222,96 +222,38 @@ def _data_iterators(cfg: TrainingConfig, tokenizer, consumed_samples: int, split
     return iters if n_chunks > 1 else iters[0]
 
 
-def resolve_load_dir(cfg: TrainingConfig) -> str | None:
-    """The directory ``--load`` resumes from, or None to start fresh; checked before any model is built.
-
-    ``--load`` naming a place without a checkpoint is an error, except for the auto-resume pattern
-    ``--save DIR --load DIR`` (first run of a job that resumes itself), or when ``--pretrained-checkpoint``
-    supplies the starting weights instead.
-    """
-    from megatron.rl.training.checkpointing import CheckpointError, latest_checkpoint
-
-    c = cfg.checkpoint
-    if not c.load:
-        return None
-    if latest_checkpoint(c.load) is not None:
-        return c.load
-    if c.save and os.path.abspath(c.save) == os.path.abspath(c.load):
-        log.info("--load %s holds no checkpoint yet: starting from scratch (auto-resume run)", c.load)
-        return None
-    if c.pretrained_checkpoint:
-        return None
-    raise CheckpointError(f"--load {c.load}: no checkpoint there (missing directory or no "
-                          f"latest_checkpointed_iteration.txt); check the path, or drop --load to start from scratch")
-
-
-def _load(cfg: TrainingConfig, load_dir: str | None, model, optimizer, scheduler,
-          margs: dict) -> tuple[int, int]:
-    """Resume from ``load_dir``, or start from --pretrained-checkpoint (weights only). Returns (iteration, consumed)."""
-    from megatron.rl.training.checkpointing import load_checkpoint
-
-    c = cfg.checkpoint
-    if load_dir is not None:
-        loaded = load_checkpoint(load_dir, model, optimizer, scheduler,
-                                 load_optimizer=not (c.no_load_optim or c.finetune),
-                                 load_rng=not (c.no_load_rng or c.finetune), model_args=margs,
-                                 verify_checksums=not c.no_verify_checkpoint_checksums)
-        if c.finetune:
-            return 0, 0
-        return int(loaded.iteration or 0), int(loaded.run_state.get("consumed_samples", 0))
-    if c.pretrained_checkpoint:
-        load_checkpoint(c.pretrained_checkpoint, model, optimizer, scheduler, load_optimizer=False,
-                        load_rng=False, model_args=margs,
-                        verify_checksums=not c.no_verify_checkpoint_checksums)
-    return 0, 0
-
-
 def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forward_step,
              metrics_writer=None) -> PretrainResult:
     """Pretrain a GPT as configured. Call on every rank (after ``parse_args``; it initialises megatron).
 
     Returns the final iteration, consumed samples, per-iteration stats and the trained model/optimizer.
     """
-    from megatron.rl.training.checkpointing import save_checkpoint
-    from megatron.rl.training.initialize import initialize_megatron
     from megatron.rl.training.loop_control import LoopControl
-    from megatron.rl.training.metrics import build_metrics_writer
-    from megatron.rl.training.model_provider import build_model, checkpoint_model_args
-    from megatron.rl.training.optimizer import build_optimizer
-    from megatron.rl.training.tokenizer import build_tokenizer
+    from megatron.rl.training.run import PRETRAIN_RESUME, TrainingRun
 
-    t, c, lg = cfg.train, cfg.checkpoint, cfg.logging
+    t, lg = cfg.train, cfg.logging
     if t.train_iters is None:
         from megatron.rl.training.config import ConfigError
 
         raise ConfigError("--train-iters is required for pretraining.")
-    from megatron.rl.logging import setup_distributed_logging
-
-    setup_distributed_logging(lg.log_level)
-    load_dir = resolve_load_dir(cfg)
-    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
-    initialize_megatron(cfg)
-    model = build_model(cfg, tokenizer=tokenizer)
-    optimizer, scheduler = build_optimizer(cfg, model)
-    margs = checkpoint_model_args(cfg, tokenizer)
-    iteration, consumed = _load(cfg, load_dir, model, optimizer, scheduler, margs)
+    run = TrainingRun.build(cfg, PRETRAIN_RESUME, metrics_writer=metrics_writer)
+    model, optimizer, scheduler, tokenizer, writer = run.model, run.optimizer, run.scheduler, run.tokenizer, run.writer
+    start = run.resume()
+    iteration, consumed = start.iteration, int(start.run_state.get("consumed_samples", 0))
     train_iter = _data_iterators(cfg, tokenizer, consumed, "train", t.train_iters * t.global_batch_size)
     valid_iter = None
     if t.eval_interval and t.eval_iters > 0:
         n_eval = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size
         valid_iter = _data_iterators(cfg, tokenizer, 0, "valid", n_eval)
-    writer = metrics_writer if metrics_writer is not None else build_metrics_writer(cfg)
 
     def save(it: int) -> None:
-        save_checkpoint(c.save, it, model, None if c.no_save_optim else optimizer, scheduler,
-                        run_state={"consumed_samples": consumed, "iteration": it}, model_args=margs,
-                        dist_opt_format=c.dist_ckpt_optim_format)
+        run.save(it, {"consumed_samples": consumed, "iteration": it})
 
     history: list[IterationStats] = []
     evals: list[tuple[int, dict[str, float]]] = []
     skipped_total = nan_total = 0
     window_start, window_iters = time.perf_counter(), 0
-    control = LoopControl.from_config(cfg, save, last_saved=iteration if load_dir else None)
+    control = LoopControl.from_config(cfg, save, last_saved=iteration if run.load_dir else None)
     log.info("training from iteration %d to %d (global batch %d = %d microbatches x %d x DP %d)", iteration,
              t.train_iters, t.global_batch_size, t.num_microbatches, t.micro_batch_size,
              cfg.parallel.data_parallel_size)
@@ -345,6 +287,5 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
         if control.after_iteration(iteration):
             break
     control.finish(iteration)
-    if writer is not None:
-        writer.close()
+    run.close()
     return PretrainResult(iteration, consumed, history, evals, model, optimizer, scheduler)

@@ -1,0 +1,164 @@
+"""One training run's build sequence, shared by pretraining and RL: :class:`TrainingRun`.
+
+``TrainingRun.build(cfg)`` does, in this order, what both ``training/loop.py:pretrain`` and
+``rl_loop.run_rl`` need before their first iteration: logging, the ``--load`` check (before any model is
+built), tokenizer, process groups, model, optimizer and scheduler, an optional frozen reference model, the
+model flags stored with checkpoints, and the metrics writer. :meth:`TrainingRun.resume` loads ``--load`` (or
+starts from ``--pretrained-checkpoint``) and :meth:`TrainingRun.save` writes a checkpoint with the caller's
+run state (pretraining: consumed samples; RL: the agents' prompt positions).
+
+Pretraining and RL treat ``--load`` differently (:class:`ResumePolicy`, one instance each); the rules are
+unchanged from before the two builds were merged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from megatron.rl.training.config import TrainingConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ResumePolicy", "PRETRAIN_RESUME", "RL_RESUME", "Resumed", "TrainingRun", "resolve_load_dir"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePolicy:
+    """How a program treats ``--load`` and ``--finetune``.
+
+    load_required: ``--load`` naming a place without a checkpoint is an error (except for auto-resume and
+    ``--pretrained-checkpoint``, see :func:`resolve_load_dir`); else the run starts fresh.
+    finetune: ``--finetune`` loads the weights only and restarts at iteration 0.
+    label: what an iteration is called in the log ("RL iteration").
+    """
+
+    load_required: bool
+    finetune: bool
+    label: str
+
+
+PRETRAIN_RESUME = ResumePolicy(load_required=True, finetune=True, label="iteration")
+RL_RESUME = ResumePolicy(load_required=False, finetune=False, label="RL iteration")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """Where a run starts: the iteration, the run state saved with it (empty for a fresh start) and whether a
+    checkpoint of this run (not only pretrained weights) was loaded."""
+
+    iteration: int
+    run_state: dict
+    from_checkpoint: bool
+
+
+def resolve_load_dir(cfg: TrainingConfig, required: bool = True) -> str | None:
+    """The directory ``--load`` resumes from, or None to start fresh; checked before any model is built.
+
+    With ``required``, ``--load`` naming a place without a checkpoint is an error, except for the auto-resume
+    pattern ``--save DIR --load DIR`` (first run of a job that resumes itself), or when
+    ``--pretrained-checkpoint`` supplies the starting weights instead.
+    """
+    from megatron.rl.training.checkpointing import CheckpointError, latest_checkpoint
+
+    c = cfg.checkpoint
+    if not c.load:
+        return None
+    if latest_checkpoint(c.load) is not None:
+        return c.load
+    if not required:
+        return None
+    if c.save and os.path.abspath(c.save) == os.path.abspath(c.load):
+        log.info("--load %s holds no checkpoint yet: starting from scratch (auto-resume run)", c.load)
+        return None
+    if c.pretrained_checkpoint:
+        return None
+    raise CheckpointError(f"--load {c.load}: no checkpoint there (missing directory or no "
+                          f"latest_checkpointed_iteration.txt); check the path, or drop --load to start from scratch")
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """Everything a training loop iterates with; build with :meth:`build` (on every rank)."""
+
+    cfg: TrainingConfig
+    policy: ResumePolicy
+    load_dir: str | None
+    runtime: Any
+    tokenizer: Any
+    model: list
+    optimizer: Any
+    scheduler: Any
+    model_args: dict  # stored with every checkpoint and compared on load
+    ref_model: list | None = None
+    writer: Any = None
+
+    @classmethod
+    def build(cls, cfg: TrainingConfig, policy: ResumePolicy = PRETRAIN_RESUME, *, ref_model: bool = False,
+              metrics_writer: Any = None) -> "TrainingRun":
+        """Build the run (collective: initialises megatron). ``ref_model``: also build a frozen copy of the
+        model (no DDP), loaded from ``--pretrained-checkpoint`` by :meth:`resume`. ``metrics_writer``: use this
+        writer instead of the one ``--tensorboard-dir`` / ``--wandb-project`` ask for."""
+        from megatron.rl.logging import setup_distributed_logging
+        from megatron.rl.training.initialize import initialize_megatron
+        from megatron.rl.training.metrics import build_metrics_writer
+        from megatron.rl.training.model_provider import build_model, checkpoint_model_args
+        from megatron.rl.training.optimizer import build_optimizer
+        from megatron.rl.training.tokenizer import build_tokenizer
+
+        setup_distributed_logging(cfg.logging.log_level)
+        load_dir = resolve_load_dir(cfg, required=policy.load_required)
+        tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
+        runtime = initialize_megatron(cfg)
+        model = build_model(cfg, tokenizer=tokenizer)
+        optimizer, scheduler = build_optimizer(cfg, model)
+        ref = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if ref_model else None
+        writer = metrics_writer if metrics_writer is not None else build_metrics_writer(cfg)
+        return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler,
+                   checkpoint_model_args(cfg, tokenizer), ref, writer)
+
+    def _load(self, path: str, *, weights_only: bool, model=None):
+        from megatron.rl.training.checkpointing import load_checkpoint
+
+        c = self.cfg.checkpoint
+        if weights_only:
+            return load_checkpoint(path, model if model is not None else self.model,
+                                   None if model is not None else self.optimizer,
+                                   None if model is not None else self.scheduler, load_optimizer=False,
+                                   load_rng=False, model_args=self.model_args,
+                                   verify_checksums=not c.no_verify_checkpoint_checksums)
+        finetune = self.policy.finetune and c.finetune
+        return load_checkpoint(path, self.model, self.optimizer, self.scheduler,
+                               load_optimizer=not (c.no_load_optim or finetune),
+                               load_rng=not (c.no_load_rng or finetune), model_args=self.model_args,
+                               verify_checksums=not c.no_verify_checkpoint_checksums)
+
+    def resume(self) -> Resumed:
+        """Load the reference model (from ``--pretrained-checkpoint``), then resume from ``--load`` or start
+        from ``--pretrained-checkpoint`` (weights only), or from the freshly initialised weights."""
+        c = self.cfg.checkpoint
+        if self.ref_model is not None:
+            self._load(c.pretrained_checkpoint, weights_only=True, model=self.ref_model)
+        if self.load_dir is not None:
+            loaded = self._load(self.load_dir, weights_only=False)
+            if self.policy.finetune and c.finetune:
+                return Resumed(0, {}, True)
+            log.info("resumed from %s at %s %s", loaded.path, self.policy.label, loaded.iteration)
+            return Resumed(int(loaded.iteration or 0), dict(loaded.run_state), True)
+        if c.pretrained_checkpoint:
+            self._load(c.pretrained_checkpoint, weights_only=True)
+            log.info("starting from the pretrained checkpoint %s", c.pretrained_checkpoint)
+        return Resumed(0, {}, False)
+
+    def save(self, iteration: int, run_state: dict) -> None:
+        """Save a checkpoint of ``iteration`` to ``--save`` with the caller's ``run_state``. Collective."""
+        from megatron.rl.training.checkpointing import save_checkpoint
+
+        c = self.cfg.checkpoint
+        save_checkpoint(c.save, iteration, self.model, None if c.no_save_optim else self.optimizer, self.scheduler,
+                        run_state=run_state, model_args=self.model_args, dist_opt_format=c.dist_ckpt_optim_format)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
