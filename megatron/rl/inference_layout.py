@@ -19,7 +19,7 @@ import logging
 from typing import Any
 
 from megatron.rl.training.config import ConfigError, TrainingConfig
-from megatron.rl.training.flags import flag
+from megatron.rl.base.flags import flag
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from megatron.rl.training.config import ConfigError, TrainingConfig
-from megatron.rl.training.flags import flag
+from megatron.rl.base.flags import flag
 
 __all__ = ["ObserveConfig", "resolve_observe"]
 

@@ -2,7 +2,7 @@
 
 :class:`RLConfig` declares every RL flag on its field (and its sections: :class:`PolicyLossConfig`,
 :class:`InferenceLayoutConfig`, :class:`ObserveConfig`); to add a flag, add a field with ``flag(...)`` there
-(see :mod:`megatron.rl.training.flags`) and its check to :func:`validate_rl_config`. :func:`add_rl_args` is
+(see :mod:`megatron.rl.base.flags`) and its check to :func:`validate_rl_config`. :func:`add_rl_args` is
 the ``extra_args_provider`` generated from it for :func:`megatron.rl.training.config.parse_args`;
 :func:`rl_config_from_args` turns the parsed namespace into the frozen :class:`RLConfig` and validates the
 combination with the training flags (batch arithmetic, group size, lengths) with errors that name the flags.
@@ -28,7 +28,7 @@ from megatron.rl.inference_layout import InferenceLayoutConfig, validate_inferen
 from megatron.rl.observe_config import ObserveConfig, resolve_observe
 from megatron.rl.sequence_packing_utils import PACKING_ALGOS
 from megatron.rl.training.config import ConfigError, TrainingConfig
-from megatron.rl.training.flags import add_flags, derived, flag, from_namespace, registry_choices, section
+from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
 
 log = logging.getLogger(__name__)
 

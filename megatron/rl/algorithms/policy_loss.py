@@ -19,7 +19,7 @@ from megatron.rl.algorithms.entropy import entropy_bonus
 from megatron.rl.algorithms.importance_sampling import logprob_gap_stats, truncated_is_weights
 from megatron.rl.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from megatron.rl.base.registry import Registry
-from megatron.rl.training.flags import flag, registry_choices
+from megatron.rl.base.flags import flag, registry_choices
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 

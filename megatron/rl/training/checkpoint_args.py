@@ -116,7 +116,7 @@ def _load_source(argv: Sequence[str]) -> tuple[str, str]:
     from megatron.rl.training.config import ConfigError
 
     from megatron.rl.training.config_sections import CheckpointConfig
-    from megatron.rl.training.flags import add_flags
+    from megatron.rl.base.flags import add_flags
 
     # Only the checkpoint flags: the model flags (some required) may be the very ones to come from it.
     p = add_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False), CheckpointConfig)

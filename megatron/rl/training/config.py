@@ -2,7 +2,7 @@
 
 Flag names and meanings follow Megatron-LM (``--num-layers``, ``--tensor-model-parallel-size``, ...), so
 existing launch scripts carry over. Each flag is declared once, on its field in
-:mod:`megatron.rl.training.config_sections` (how: :mod:`megatron.rl.training.flags`); :func:`build_parser`
+:mod:`megatron.rl.training.config_sections` (how: :mod:`megatron.rl.base.flags`); :func:`build_parser`
 is generated from those fields. :func:`parse_args` then resolves the values that depend on other flags
 (data-parallel size, FFN size, ...) into a new frozen config and rejects inconsistent settings with a
 :class:`ConfigError` that names the flag, the value and what to do, before any process group or model exists.
@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Sequence
 from megatron.rl.training.config_sections import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
                                                   OptimConfig, ParallelConfig, TokenizerConfig, TrainConfig,
                                                   TrainingConfig)
-from megatron.rl.training.flags import add_flags, dests, from_namespace
+from megatron.rl.base.flags import add_flags, dests, from_namespace
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "CheckpointConfig",
            "LoggingConfig", "TokenizerConfig", "DataConfig", "TrainingConfig", "build_parser", "parse_args",

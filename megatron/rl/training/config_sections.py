@@ -1,7 +1,7 @@
 """The typed sections of :class:`TrainingConfig`: every Megatron-LM flag is declared here, once, on its field.
 
 Field names equal the argparse destinations (``--num-layers`` -> ``num_layers``); the parser is generated
-from the fields (:mod:`megatron.rl.training.flags`, which also says how to add a flag). A field declared
+from the fields (:mod:`megatron.rl.base.flags`, which also says how to add a flag). A field declared
 ``flag(None, ...)`` whose help says "default ..." is resolved from other flags by
 :func:`megatron.rl.training.config.parse_args` into a new frozen config; ``derived()`` fields have no flag.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron.rl.training.flags import derived, flag, section
+from megatron.rl.base.flags import derived, flag, section
 
 __all__ = ["ModelConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig",
            "TokenizerConfig", "DataConfig", "TrainingConfig"]

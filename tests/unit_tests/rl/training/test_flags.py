@@ -13,7 +13,7 @@ from megatron.rl.base.registry import Registry
 from megatron.rl.rl_config import RLConfig, add_rl_args
 from megatron.rl.sequence_packing_utils import PACKING_ALGOS
 from megatron.rl.training.config import TrainingConfig, build_parser, parse_args
-from megatron.rl.training.flags import (add_flags, flag, flag_fields, from_namespace, option_of, registry_choices,
+from megatron.rl.base.flags import (add_flags, flag, flag_fields, from_namespace, option_of, registry_choices,
                                         section)
 
 REPO = Path(__file__).resolve().parents[4]

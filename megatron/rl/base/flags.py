@@ -195,7 +195,7 @@ def from_namespace(cls: type, ns: argparse.Namespace, **derived_values: Any) -> 
         meta = _meta(f)
         if meta is None:
             raise TypeError(f"{cls.__name__}.{f.name} has no flag metadata: declare it with flag(), derived() "
-                            f"or section() (megatron.rl.training.flags)")
+                            f"or section() (megatron.rl.base.flags)")
         if meta["kind"] == _SECTION:
             kw[f.name] = from_namespace(meta["cls"], ns)
         elif meta["kind"] == _DERIVED:
