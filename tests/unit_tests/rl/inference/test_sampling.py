@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from megatron.rl.inference.megatron_sampling import sample_tokens, tempered_log_probs, truncation_mask
+from megatron.rl.inference.sampling import sample_tokens, tempered_log_probs, truncation_mask
 
 
 def _reference_keep(logits_row: list[float], temperature: float, top_k: int, top_p: float) -> set[int]:
