@@ -1,4 +1,4 @@
-"""Sampling math of the Megatron backend (pure functions), against slow references written another way."""
+"""Sampling math shared by the backends (pure functions), against slow references written another way."""
 from __future__ import annotations
 
 import math
