@@ -156,7 +156,7 @@ class InferenceCopy:
 class LayoutInference(InferenceInterface):
     """The backend agents see with a separate inference layout: MegatronInference over the inference copy.
 
-    Entering inference mode refits first when the trainer changed since the last refit. ``rollout_shard``
+    A rollout phase refits first when the trainer changed since the last refit. ``rollout_shard``
     tells the RL loop how prompts are split over the inference replicas.
     """
 
@@ -175,15 +175,15 @@ class LayoutInference(InferenceInterface):
         return self.copy.refit() if self.copy.stale else 0.0
 
     @contextlib.contextmanager
-    def inference_mode(self) -> Iterator["LayoutInference"]:
+    def rollout_phase(self) -> Iterator["LayoutInference"]:
         self.refit_if_stale()
-        with self.backend.inference_mode():
+        with self.backend.rollout_phase():
             yield self
 
     async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
         if self.copy.stale:
             raise RuntimeError("the inference copy is stale (the trainer changed since the last refit): "
-                               "generate inside inference_mode(), which refits first")
+                               "generate inside rollout_phase(), which refits first")
         return await self.backend.agenerate(requests)
 
     async def aclose(self) -> None:

@@ -165,7 +165,7 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     from megatron.core import parallel_state as ps
 
     from megatron.rl.agent.env_config import build_agent_from_config
-    from megatron.rl.rl_loop import _build_inference
+    from megatron.rl.inference.api import build_training_inference
     from megatron.rl.training.checkpointing import latest_checkpoint, load_checkpoint
     from megatron.rl.training.initialize import initialize_megatron
     from megatron.rl.training.model_provider import build_model, checkpoint_model_args
@@ -182,7 +182,7 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     model = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer)
     loaded = load_checkpoint(source, model, None, None, load_optimizer=False, load_rng=False,
                              model_args=checkpoint_model_args(cfg, tokenizer))
-    inference = _build_inference(cfg, rl, model, tokenizer)
+    inference = build_training_inference(cfg, rl, model, tokenizer)
     shard = getattr(inference, "rollout_shard", None)  # a separate inference layout: prompts split by replica
     agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
                               else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))

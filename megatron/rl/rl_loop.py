@@ -12,6 +12,7 @@ import math
 import time
 
 from megatron.rl import parallel_utils
+from megatron.rl.inference.api import build_training_inference
 from megatron.rl.inference.policy_gap import check_policy_gap
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_eval import evaluate, format_eval_line
@@ -60,30 +61,6 @@ def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: fl
     return " | ".join(parts) + " |"
 
 
-def _build_inference(cfg: TrainingConfig, rl: RLConfig, model, tokenizer):
-    from megatron.rl.inference.api import build_inference_interface
-
-    if rl.inference_layout.enabled:  # an inference copy at its own layout (megatron.rl.refit)
-        from megatron.rl.refit import build_layout_inference
-
-        return build_layout_inference(cfg, rl.inference_layout, model, tokenizer)
-    if rl.inference_backend == "megatron":
-        from megatron.rl.inference.megatron import MegatronInference
-
-        if len(model) != 1:
-            raise ConfigError("--inference-backend megatron needs a single model chunk per rank "
-                              "(megatron-core inference does not support the interleaved pipeline schedule)")
-        # prompt + generation must fit one --seq-length training row: a longer sequence would be generated and then
-        # fail in packing; capped here, a prompt that leaves no room is a per-request error before generation.
-        from megatron.core.utils import unwrap_model
-
-        limit = unwrap_model(model[0]).max_sequence_length
-        return MegatronInference(model[0], tokenizer, max_sequence_length=min(limit, cfg.model.seq_length))
-    if rl.inference_backend == "openai":
-        return build_inference_interface("openai", base_url=rl.inference_server_url)
-    return build_inference_interface(rl.inference_backend)
-
-
 class AllRolloutsFailedError(RuntimeError):
     """Every rollout failed for ``--rl-max-all-failed-iterations`` iterations in a row."""
 
@@ -126,7 +103,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
             log.warning("no --pretrained-checkpoint: RL starts from randomly initialised weights")
     if c.load is None and c.save is None:
         log.info("no --save: this run will not be resumable")
-    backend = _build_inference(cfg, rl, model, tokenizer)
+    backend = build_training_inference(cfg, rl, model, tokenizer)
     shard = getattr(backend, "rollout_shard", None)  # separate inference layout: prompts split by replica
     agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
                               else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))

@@ -66,13 +66,9 @@ def derive_seed(*parts: Any) -> int:
 
 @contextlib.contextmanager
 def inference_session(inference: InferenceInterface):
-    """Bracket a rollout phase: backends with an inference mode (KV cache) enter and leave it."""
-    mode = getattr(inference, "inference_mode", None)
-    if mode is None:
+    """Bracket a rollout phase with the backend's :meth:`~InferenceInterface.rollout_phase`."""
+    with inference.rollout_phase():
         yield inference
-    else:
-        with mode():
-            yield inference
 
 
 @dataclasses.dataclass

@@ -6,8 +6,8 @@ double). They are imported lazily by :func:`build_inference_interface`.
 """
 from megatron.rl.inference.api import (ChatMessage, GenerationArgs, InferenceError, InferenceInterface,
                                        InferenceRequest, InferenceResponse, backend_class, build_inference_interface,
-                                       expand_requests, registered_backends)
+                                       build_training_inference, expand_requests, registered_backends)
 
 __all__ = ["ChatMessage", "GenerationArgs", "InferenceError", "InferenceInterface", "InferenceRequest",
-           "InferenceResponse", "backend_class", "build_inference_interface", "expand_requests",
-           "registered_backends"]
+           "InferenceResponse", "backend_class", "build_inference_interface", "build_training_inference",
+           "expand_requests", "registered_backends"]

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import threading
-from typing import Any, Callable, ClassVar, Literal, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Iterator, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -37,6 +38,7 @@ __all__ = [
     "InferenceInterface",
     "InferenceError",
     "build_inference_interface",
+    "build_training_inference",
     "backend_class",
     "registered_backends",
     "expand_requests",
@@ -158,6 +160,8 @@ class InferenceInterface(abc.ABC):
     Subclasses implement :meth:`agenerate`; many concurrent requests are handed over in one call and
     batched by the backend, never serialised. Register a subclass with
     ``@InferenceInterface.register("name")`` and build it with ``build_inference_interface("name", ...)``.
+    Hooks with defaults: :meth:`build_for_training` (how an RL run builds it), :meth:`rollout_phase` (what
+    brackets a rollout phase), :meth:`from_cli`, :meth:`for_untrusted_spec`.
     """
 
     _registry: ClassVar[Registry[type["InferenceInterface"]]] = Registry(
@@ -177,6 +181,16 @@ class InferenceInterface(abc.ABC):
         """
         raise NotImplementedError(f"inference backend {cls.name!r} takes no command-line flags; pass constructor "
                                   "arguments with --backend-arg KEY=VALUE instead")
+
+    @classmethod
+    def build_for_training(cls, cfg: Any, rl: Any, model: list, tokenizer: Any) -> "InferenceInterface":
+        """Build the backend an RL run generates with (``--inference-backend NAME``).
+
+        cfg / rl: the run's ``TrainingConfig`` and ``RLConfig`` (validated); model: the trainer's model
+        chunks; tokenizer: the run's tokenizer. The default calls the constructor without arguments; a
+        backend that serves the trainer's model or reads flags overrides this.
+        """
+        return cls()
 
     @classmethod
     def for_untrusted_spec(cls, **kwargs: Any) -> "InferenceInterface":
@@ -233,6 +247,15 @@ class InferenceInterface(abc.ABC):
             requests = [prompt] if isinstance(prompt, InferenceRequest) else list(prompt)
         return run_sync(self.agenerate(requests))
 
+    @contextlib.contextmanager
+    def rollout_phase(self) -> Iterator["InferenceInterface"]:
+        """Bracket a rollout phase (``with backend.rollout_phase(): ...``); the trainer does not train inside.
+
+        A backend that holds resources only while generating (the in-process engine's KV cache) acquires
+        them here and frees them on the way out. Default: nothing to do.
+        """
+        yield self
+
     async def aclose(self) -> None:
         """Release resources (connections, KV caches). Default: nothing to release."""
 
@@ -284,6 +307,11 @@ def backend_class(name: str) -> type[InferenceInterface]:
 def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:
     """Build the backend registered as ``name`` with ``kwargs``; unknown names list the registered ones."""
     return backend_class(name)(**kwargs)
+
+
+def build_training_inference(cfg: Any, rl: Any, model: list, tokenizer: Any) -> InferenceInterface:
+    """The backend an RL run generates with: ``rl.inference_backend``'s :meth:`~InferenceInterface.build_for_training`."""
+    return backend_class(rl.inference_backend).build_for_training(cfg, rl, model, tokenizer)
 
 
 def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceRequest]:

@@ -6,9 +6,10 @@ against it with exact expectations and no weights or downloads:
 * tokens are UTF-8 bytes (ids 0..255) plus an end-of-sequence id 256;
 * the next-token logits depend only on the previous token: row ``prev`` of a fixed random 257x257
   table (seeded, identical in every process); only printable ASCII (32..126) and EOS can be generated;
-* sampling honours temperature / top-k / top-p / seed / stop / max_tokens / n exactly like the real
-  backends, and log-probs follow the API convention (temperature-scaled, before truncation, T=1 when
-  greedy), so :meth:`FakeInference.score` (a teacher-forced "forward") reproduces them exactly.
+* sampling (:mod:`~megatron.rl.inference.sampling`) and EOS / stop-string handling
+  (:mod:`~megatron.rl.inference.stopping`) are the real backends' own, and log-probs follow the API
+  convention (temperature-scaled, before truncation, T=1 when greedy, in fp64), so
+  :meth:`FakeInference.score` (a teacher-forced "forward") reproduces them exactly.
 
 Constructor knobs: ``max_seq_len`` (prompt + generation limit; longer prompts get a per-request
 error), ``delay_s`` (awaited once per ``agenerate`` call, to simulate a forward pass), ``eos_bias``.
@@ -22,47 +23,18 @@ import asyncio
 from typing import Sequence
 
 import numpy as np
+import torch
 
-from megatron.rl.inference.api import (GenerationArgs, InferenceInterface, InferenceRequest, InferenceResponse,
-                                       logprob_temperature, run_isolated)
-from megatron.rl.inference.validation import sample_count
+from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse, run_isolated
 from megatron.rl.inference.chat_template import builtin_chat_template
+from megatron.rl.inference.sampling import sample_next, tempered_log_probs
+from megatron.rl.inference.stopping import completes_stop, finish_response
+from megatron.rl.inference.validation import sample_count
 
-__all__ = ["FakeInference", "sample_token"]
+__all__ = ["FakeInference"]
 
 EOS_ID = 256
 VOCAB_SIZE = 257
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = np.max(x[np.isfinite(x)])
-    z = x - m
-    return z - np.log(np.sum(np.exp(z)))
-
-
-def sample_token(logits: np.ndarray, args: GenerationArgs, rng: np.random.Generator) -> tuple[int, float]:
-    """Pick the next token from ``logits`` [vocab] and return ``(token, logprob)``.
-
-    The log-prob is under ``softmax(logits / T)`` (T=1 when greedy), before top-k/top-p truncation.
-    """
-    logp = _log_softmax(logits.astype(np.float64) / logprob_temperature(args.temperature))
-    if args.temperature == 0:
-        tok = int(np.argmax(logits))
-        return tok, float(logp[tok])
-    probs = np.exp(logp)
-    if args.top_k > 0 and args.top_k < probs.size:
-        kth = np.sort(probs)[-args.top_k]
-        probs = np.where(probs >= kth, probs, 0.0)
-    if args.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cum = np.cumsum(probs[order]) / probs.sum()
-        keep = order[: int(np.searchsorted(cum, args.top_p) + 1)]  # smallest prefix with mass >= top_p
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[keep] = True
-        probs = np.where(mask, probs, 0.0)
-    probs = probs / probs.sum()
-    tok = int(rng.choice(probs.size, p=probs))
-    return tok, float(logp[tok])
 
 
 @InferenceInterface.register("fake")
@@ -98,9 +70,12 @@ class FakeInference(InferenceInterface):
 
     def score(self, token_ids: Sequence[int], prompt_length: int, temperature: float = 1.0) -> list[float]:
         """Teacher-forced log-probs of ``token_ids[prompt_length:]`` under ``softmax(logits / T)``."""
-        t = logprob_temperature(temperature)
-        return [float(_log_softmax(self.logits(token_ids[i - 1]) / t)[token_ids[i]])
-                for i in range(prompt_length, len(token_ids))]
+        positions = range(prompt_length, len(token_ids))
+        if not positions:
+            return []
+        logits = torch.from_numpy(np.stack([self.logits(token_ids[i - 1]) for i in positions]))
+        log_probs = tempered_log_probs(logits, torch.full((len(positions),), float(temperature), dtype=torch.float64))
+        return [float(log_probs[row, token_ids[i]]) for row, i in enumerate(positions)]
 
     # -- generation -----------------------------------------------------------------------------------
     def _generate_one(self, req: InferenceRequest, index: int) -> InferenceResponse:
@@ -112,28 +87,20 @@ class FakeInference(InferenceInterface):
                 f"prompt is {len(prompt_ids)} tokens, the model's maximum sequence length is {self.max_seq_len}; "
                 "shorten the prompt", prompt_text=prompt_text)
         # Unseeded requests are still deterministic (seeded by their position), which keeps tests exact.
-        rng = np.random.default_rng(ga.seed if ga.seed is not None else 1_000_003 + index)
-        ids, logprobs = list(prompt_ids), []
-        finish = "length"
+        generator = torch.Generator().manual_seed(ga.seed if ga.seed is not None else 1_000_003 + index)
+        tokens: list[int] = []
+        logprobs: list[float] = []
         budget = min(ga.max_tokens, self.max_seq_len - len(prompt_ids))
-        text = ""
+        previous = prompt_ids[-1]
         for _ in range(budget):
-            tok, lp = sample_token(self.logits(ids[-1]), ga, rng)
-            ids.append(tok)
-            logprobs.append(lp)
-            if tok == EOS_ID:
-                finish = "stop"
+            token, lp = sample_next(torch.from_numpy(self.logits(previous))[None], [ga], [generator])
+            previous = int(token[0])
+            tokens.append(previous)
+            logprobs.append(float(lp[0]))
+            if previous == EOS_ID or completes_stop(tokens, ga.stop, {EOS_ID}, self.detokenize):
                 break
-            text = self.detokenize(ids[len(prompt_ids):])
-            hit = [text.find(s) for s in ga.stop if s in text]
-            if hit:
-                text = text[: min(hit)]
-                finish = "stop"
-                break
-        else:
-            text = self.detokenize(ids[len(prompt_ids):])
-        return InferenceResponse(text=text, token_ids=ids, prompt_length=len(prompt_ids), logprobs=logprobs,
-                                 finish_reason=finish, prompt_text=prompt_text)
+        return finish_response(prompt_ids, tokens, logprobs, eos_ids={EOS_ID}, stops=ga.stop,
+                               detokenize=self.detokenize, prompt_text=prompt_text)
 
     def _generate_batch(self, flat: list[InferenceRequest]) -> list[InferenceResponse]:
         return [self._generate_one(r, i) for i, r in enumerate(flat)]

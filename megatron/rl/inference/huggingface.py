@@ -8,9 +8,8 @@ log-probs are reported (``softmax(logits / T)`` before truncation, T=1 when gree
 
 Batching: prompts are left-padded to a common length (position ids count only real tokens, so a padded
 row computes exactly what it would alone); rows that finish keep being fed a pad token whose output
-is ignored. Stop strings are matched on the decoded generated text; the returned ``text`` is cut before
-the stop string while ``token_ids`` / ``logprobs`` keep every generated token up to and including the
-one that completed it (that is what the model actually produced).
+is ignored. Sampling (:mod:`~megatron.rl.inference.sampling`) and EOS / stop-string handling
+(:mod:`~megatron.rl.inference.stopping`) are the ones every backend shares.
 """
 from __future__ import annotations
 
@@ -26,6 +25,8 @@ import torch
 from megatron.rl.inference.api import (GenerationArgs, InferenceError, InferenceInterface, InferenceRequest,
                                        InferenceResponse, logprob_temperature, run_isolated)
 from megatron.rl.inference.chat_template import render_chat
+from megatron.rl.inference.sampling import sample_next
+from megatron.rl.inference.stopping import completes_stop, finish_response
 from megatron.rl.runtime.openmp import release_thread_pool
 
 logger = logging.getLogger(__name__)
@@ -40,35 +41,13 @@ def sample_batch(logits: torch.Tensor, args: Sequence[GenerationArgs],
                  generators: Sequence[torch.Generator | None]) -> tuple[list[int], list[float]]:
     """Pick one token per row of ``logits`` [batch, vocab], each row with its own sampling settings.
 
-    Returns ``(tokens, logprobs)`` (length batch). Each log-prob is under ``softmax(logits / T)`` of its row
-    (T=1 when greedy), before top-k/top-p truncation. Rows with ``temperature == 0`` take the argmax; the
-    others draw one uniform number from their own generator (so a seeded request is reproducible whatever
-    else is in the batch) and invert the CDF of the truncated, renormalised distribution.
+    Returns ``(tokens, logprobs)`` (length batch), sampled by :func:`megatron.rl.inference.sampling.sample_next`
+    (the sampler every backend shares): each log-prob is under ``softmax(logits / T)`` of its row (T=1 when
+    greedy), before top-k/top-p truncation; a row with its own generator is reproducible whatever else is in
+    the batch.
     """
-    logits = logits.float()
-    temps = torch.tensor([logprob_temperature(a.temperature) for a in args], dtype=logits.dtype)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)  # [B, V]
-    tokens = torch.argmax(logits, dim=-1)
-    sampled = [i for i, a in enumerate(args) if a.temperature > 0]
-    if sampled:
-        idx = torch.tensor(sampled)
-        sorted_p, order = torch.sort(logp[idx].exp(), dim=-1, descending=True, stable=True)  # [S, V]
-        vocab = sorted_p.shape[-1]
-        top_k = torch.tensor([args[i].top_k if args[i].top_k > 0 else vocab for i in sampled])
-        top_p = torch.tensor([args[i].top_p for i in sampled], dtype=sorted_p.dtype)
-        rank = torch.arange(vocab)[None, :]
-        cum = torch.cumsum(sorted_p, dim=-1)
-        # top-p keeps the smallest prefix whose mass reaches top_p: a token stays if the mass *before* it is
-        # still short of top_p (the first token always stays)
-        keep = (rank < top_k[:, None]) & ((cum - sorted_p) < top_p[:, None] * cum[:, -1:])
-        kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-        cdf = torch.cumsum(kept, dim=-1)
-        u = torch.stack([torch.rand((), generator=generators[i], dtype=cdf.dtype) for i in sampled]) * cdf[:, -1]
-        pos = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=vocab - 1)
-        pos = torch.minimum(pos, keep.sum(-1, keepdim=True) - 1)  # never step past the kept prefix
-        tokens[idx] = order.gather(-1, pos)[:, 0]
-    lps = logp.gather(-1, tokens[:, None])[:, 0]
-    return tokens.tolist(), lps.tolist()
+    tokens, log_probs = sample_next(logits, args, generators)
+    return tokens.tolist(), log_probs.tolist()
 
 
 @dataclass
@@ -81,8 +60,7 @@ class _Row:
     budget: int
     gen_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    finish: str | None = None
+    done: bool = False
 
 
 @InferenceInterface.register("huggingface")
@@ -163,19 +141,11 @@ class HuggingFaceInference(InferenceInterface):
     def _accept(self, row: _Row, tok: int, lp: float) -> None:
         row.gen_ids.append(tok)
         row.logprobs.append(lp)
-        if tok in self.eos_ids:
-            row.finish = "stop"
-            row.text = self.tokenizer.decode(row.gen_ids[:-1], skip_special_tokens=True)
-            return
-        if row.args.stop:
-            text = self.tokenizer.decode(row.gen_ids, skip_special_tokens=True)
-            hits = [text.find(s) for s in row.args.stop if s in text]
-            if hits:
-                row.finish, row.text = "stop", text[: min(hits)]
-                return
-        if len(row.gen_ids) >= row.budget:
-            row.finish = "length"
-            row.text = self.tokenizer.decode(row.gen_ids, skip_special_tokens=True)
+        row.done = (tok in self.eos_ids or len(row.gen_ids) >= row.budget
+                    or completes_stop(row.gen_ids, row.args.stop, self.eos_ids, self._decode))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @torch.inference_mode()
     def _decode_batch(self, rows: list[_Row]) -> None:
@@ -200,12 +170,12 @@ class HuggingFaceInference(InferenceInterface):
             past = out.past_key_values
             logits = out.logits[:, -1, :].float().cpu()
             next_ids = torch.full((len(rows),), self.pad_id, dtype=torch.long)
-            live = [i for i, r in enumerate(rows) if r.finish is None]
+            live = [i for i, r in enumerate(rows) if not r.done]
             toks, lps = sample_batch(logits[live], [rows[i].args for i in live], [rows[i].generator for i in live])
             for i, tok, lp in zip(live, toks, lps):
                 self._accept(rows[i], tok, lp)
                 next_ids[i] = tok
-            if all(r.finish is not None for r in rows):
+            if all(r.done for r in rows):
                 break
             step_ids = next_ids.view(-1, 1).to(dev)
             step_pos = step_pos[:, -1:] + 1
@@ -224,9 +194,8 @@ class HuggingFaceInference(InferenceInterface):
             if isinstance(p, InferenceResponse):
                 out.append(p)
             else:
-                out.append(InferenceResponse(text=p.text, token_ids=p.prompt_ids + p.gen_ids,
-                                             prompt_length=len(p.prompt_ids), logprobs=p.logprobs,
-                                             finish_reason=p.finish, prompt_text=p.prompt_text))
+                out.append(finish_response(p.prompt_ids, p.gen_ids, p.logprobs, eos_ids=self.eos_ids,
+                                           stops=p.args.stop, detokenize=self._decode, prompt_text=p.prompt_text))
         return out
 
     async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:

@@ -7,7 +7,7 @@ inference_config)``, ``DynamicInferenceEngine(controller, context)``, no ``pp_gr
 see shared/CPU_RUNTIME.md). An upgrade only touches :func:`build_engine`.
 
 The controller is subclassed so that *we* sample (per-request temperature, top-k, top-p and seed)
-and report log-probs under ``softmax(logits / T)``; see :mod:`megatron.rl.inference.megatron_sampling`
+and report log-probs under ``softmax(logits / T)``; see :mod:`megatron.rl.inference.sampling`
 for why the stock controller's numbers do not match what the RL trainer recomputes.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 from megatron.core.utils import get_model_config
 
-from megatron.rl.inference.megatron_sampling import sample_tokens, tempered_log_probs
+from megatron.rl.inference.sampling import sample_tokens, tempered_log_probs
 
 log = logging.getLogger(__name__)
 

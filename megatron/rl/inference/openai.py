@@ -82,6 +82,11 @@ class OpenAIInference(InferenceInterface):
         self._semaphore: asyncio.Semaphore | None = None
 
     @classmethod
+    def build_for_training(cls, cfg: Any, rl: Any, model: list, tokenizer: Any) -> "OpenAIInference":
+        """An RL run's client of ``--inference-server-url``."""
+        return cls(base_url=rl.inference_server_url)
+
+    @classmethod
     def for_untrusted_spec(cls, **kwargs: Any) -> "OpenAIInference":
         """Built for a spec a remote client sent: only an ``api_key`` given in the spec is used, never ours."""
         kwargs.setdefault("api_key", "EMPTY")

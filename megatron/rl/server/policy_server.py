@@ -132,7 +132,7 @@ class _GatedBackend(InferenceInterface):
 class ServedPolicy(InferenceInterface):
     """The trainer's backend, with its rollout phases opening and closing the HTTP server's gate.
 
-    Everything but :meth:`inference_mode` and :meth:`close` goes to the wrapped backend. Every rank wraps
+    Everything but :meth:`rollout_phase` and :meth:`close` goes to the wrapped backend. Every rank wraps
     its backend (the phase-end barrier is collective); only the rank given a ``server`` serves.
     """
 
@@ -156,8 +156,8 @@ class ServedPolicy(InferenceInterface):
         return await self.backend.agenerate(requests)
 
     @contextlib.contextmanager
-    def inference_mode(self) -> Iterator["ServedPolicy"]:
-        with self.backend.inference_mode():
+    def rollout_phase(self) -> Iterator["ServedPolicy"]:
+        with self.backend.rollout_phase():
             self.gate.open()
             try:
                 yield self
@@ -214,10 +214,10 @@ def serve_policy(backend: InferenceInterface, address: str, wait_s: float = 600.
     from megatron.rl.server.inference.app import ServerConfig, create_app
 
     host, port = parse_address(address)
-    if getattr(backend, "_group_size", 1) != 1:
+    if getattr(backend, "lockstep_size", 1) != 1:
         raise PolicyServingError(
             f"{_FLAG} serves from one rank's engine, but this engine runs in lockstep over "
-            f"{backend._group_size} tensor/pipeline/expert-parallel ranks, which is not supported yet: train with "
+            f"{backend.lockstep_size} tensor/pipeline/expert-parallel ranks, which is not supported yet: train with "
             f"TP=PP=EP=1 (any data-parallel size), or serve a saved checkpoint with python -m "
             f"megatron.rl.server.inference --backend megatron -- --load CKPT")
     world = dist.get_world_size() if dist.is_initialized() else 1

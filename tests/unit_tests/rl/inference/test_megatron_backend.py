@@ -151,7 +151,7 @@ def test_bad_requests_are_per_request_errors(setup):
 def test_engine_failure_is_reported_and_the_next_call_restarts_it(setup):
     _, backend = setup
     backend.enter_inference_mode()
-    controller = backend._live["controller"]
+    controller = backend._session.controller
 
     def broken(logits):
         raise RuntimeError("injected sampling failure")
@@ -205,7 +205,7 @@ def test_enter_exit_twice_frees_kv_cache_and_training_still_works(setup, monkeyp
                 context = backend.context
                 buffer_ref = weakref.ref(context.memory_buffer)
                 context_ref = weakref.ref(context)
-                engine_ref = weakref.ref(backend._live["engine"])
+                engine_ref = weakref.ref(backend._session.engine)
                 assert context.memory_buffer.numel() > 0
                 del context
                 r = backend.generate([_req(PROMPTS[0], temperature=0, max_tokens=5)])[0]
@@ -238,4 +238,4 @@ def test_caller_releases_its_openmp_pool_while_the_engine_thread_works(setup, mo
     out = asyncio.run(backend.agenerate([_req("1+1=", max_tokens=2)]))
     assert out[0].finish_reason in ("stop", "length"), out[0].error
     assert calls == [threading.get_ident()]
-    assert backend._thread is not None and backend._thread.ident != threading.get_ident()
+    assert backend._session.thread is not None and backend._session.thread.ident != threading.get_ident()

@@ -278,16 +278,17 @@ def test_megatron_backend_generation_is_capped_at_seq_length(env_yaml, monkeypat
     """A prompt + generation longer than --seq-length used to be generated, then fail in packing (finding 8)."""
     import torch
 
-    import megatron.rl.inference.megatron as backend
-    from megatron.rl.rl_loop import _build_inference
+    from megatron.rl.inference.api import build_training_inference
+    from megatron.rl.inference.megatron import MegatronInference
 
     seen = {}
-    monkeypatch.setattr(backend, "MegatronInference", lambda model, tok, **kw: seen.update(kw) or "engine")
+    monkeypatch.setattr(MegatronInference, "__init__", lambda self, model, tok, **kw: seen.update(kw))
     model = torch.nn.Linear(1, 1)
     model.max_sequence_length = 256  # --max-position-embeddings larger than --seq-length
     rl = _rl(env_yaml)
     cfg = types.SimpleNamespace(model=types.SimpleNamespace(seq_length=64))
-    assert _build_inference(cfg, rl, [model], None) == "engine" and seen["max_sequence_length"] == 64
+    assert isinstance(build_training_inference(cfg, rl, [model], None), MegatronInference)
+    assert seen["max_sequence_length"] == 64
     model.max_sequence_length = 32
-    _build_inference(cfg, rl, [model], None)
+    build_training_inference(cfg, rl, [model], None)
     assert seen["max_sequence_length"] == 32

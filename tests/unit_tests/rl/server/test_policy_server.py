@@ -77,7 +77,7 @@ class _ModalRecorder(_Recorder):
     """A backend with an inference mode, as the in-process engine has."""
 
     @contextlib.contextmanager
-    def inference_mode(self):
+    def rollout_phase(self):
         self.stable = True
         try:
             yield self
@@ -100,7 +100,7 @@ def test_served_policy_over_http_between_and_inside_phases():
         client.start()
         time.sleep(0.3)
         assert not answers and backend.calls == []  # no phase yet: the request waits
-        with served.inference_mode():  # what rl_utils.inference_session does around a rollout phase
+        with served.rollout_phase():  # what rl_utils.inference_session does around a rollout phase
             deadline = time.monotonic() + 10
             while not backend.calls and time.monotonic() < deadline:
                 time.sleep(0.01)

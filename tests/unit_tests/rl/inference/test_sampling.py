@@ -1,11 +1,11 @@
-"""Sampling math of the Megatron backend (pure functions), against slow references written another way."""
+"""Sampling math shared by the backends (pure functions), against slow references written another way."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from megatron.rl.inference.megatron_sampling import sample_tokens, tempered_log_probs, truncation_mask
+from megatron.rl.inference.sampling import sample_tokens, tempered_log_probs, truncation_mask
 
 
 def _reference_keep(logits_row: list[float], temperature: float, top_k: int, top_p: float) -> set[int]:

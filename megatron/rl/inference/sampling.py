@@ -1,31 +1,32 @@
-"""Token sampling for the Megatron backend: pure functions on last-token logits.
+"""Token sampling shared by every backend that samples itself (megatron, huggingface, fake).
 
-The megatron-core 0.16.1 dynamic engine samples from ``softmax(logits / T)`` (after top-k/top-p
-filtering) but reports log-probs of the *untempered* ``log_softmax(logits)``. The RL trainer
-recomputes log-probs under ``softmax(logits / T)``, so the backend samples here instead and
-reports exactly that distribution's log-probs (before truncation), per the contract in
-:mod:`megatron.rl.inference.api`.
+Pure functions on last-token logits. Log-probs are under ``softmax(logits / T)`` before top-k/top-p
+truncation (T = 1 for greedy), per the contract in :mod:`megatron.rl.inference.api`: that is what the
+RL trainer recomputes. (The megatron-core 0.16.1 dynamic engine would report log-probs of the
+*untempered* ``log_softmax(logits)``, which is why the Megatron backend samples here instead.)
 
 Every function takes per-row parameters so one call serves a batch whose requests use different
-temperatures, top-k and top-p values.
+temperatures, top-k and top-p values; :func:`sample_next` is the one-call form for backends that
+hold per-request settings.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["tempered_log_probs", "truncation_mask", "sample_tokens"]
+__all__ = ["tempered_log_probs", "truncation_mask", "sample_tokens", "sample_next"]
 
 
 def tempered_log_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """log softmax(logits / T) per row, in fp32.
 
     logits: [B, V]; temperature: [B] (rows with T == 0 are greedy and use T = 1, as the contract says).
-    Returns [B, V].
+    Returns [B, V] in fp32 (fp64 logits stay fp64).
     """
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
-    return torch.log_softmax(logits.float() / t[:, None], dim=-1)
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(dtype)
+    return torch.log_softmax(logits.to(dtype) / t[:, None], dim=-1)
 
 
 def truncation_mask(log_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,7 @@ def truncation_mask(log_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 
 def sample_tokens(log_probs: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  generators: Sequence[torch.Generator | None], shared: torch.Generator) -> torch.Tensor:
+                  generators: Sequence[torch.Generator | None], shared: torch.Generator | None) -> torch.Tensor:
     """Sample one token per row.
 
     Greedy rows (T == 0) take the argmax. Other rows sample from the truncated, renormalised
@@ -59,7 +60,8 @@ def sample_tokens(log_probs: torch.Tensor, temperature: torch.Tensor, top_k: tor
     which other requests share the batch; rows without one draw from ``shared`` in one call.
 
     log_probs: [B, V] from :func:`tempered_log_probs`; temperature/top_k/top_p: [B];
-    generators: B entries (None = use ``shared``), all on ``log_probs.device``. Returns token ids [B] (int64).
+    generators: B entries (None = use ``shared``), all on ``log_probs.device``; ``shared`` None = torch's
+    default generator. Returns token ids [B] (int64).
     """
     batch = log_probs.shape[0]
     sampled_rows = (temperature > 0).nonzero(as_tuple=True)[0].tolist()
@@ -89,3 +91,30 @@ def sample_tokens(log_probs: torch.Tensor, temperature: torch.Tensor, top_k: tor
     out[rows] = choice
     assert out.shape == (batch,)
     return out
+
+
+class SamplingSettings(Protocol):
+    """What :func:`sample_next` reads of one request (``GenerationArgs`` and ``SampleSpec`` have it)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+def sample_next(logits: torch.Tensor, settings: Sequence[SamplingSettings],
+                generators: Sequence[torch.Generator | None],
+                shared: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` [B, V], row ``i`` with ``settings[i]`` and ``generators[i]``.
+
+    Returns ``(tokens [B] int64, log_probs [B])``: each log-prob under ``softmax(logits / T)`` of its row
+    (T = 1 when greedy), before truncation. See :func:`sample_tokens` for the generators.
+    """
+    device = logits.device
+    # fp64 logits (the fake backend) keep fp64 temperatures: 0.7 must not become float32's 0.69999999
+    float_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    temperature = torch.tensor([s.temperature for s in settings], dtype=float_dtype, device=device)
+    top_k = torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device)
+    top_p = torch.tensor([s.top_p for s in settings], dtype=torch.float32, device=device)
+    log_probs = tempered_log_probs(logits, temperature)
+    tokens = sample_tokens(log_probs, temperature, top_k, top_p, generators, shared)
+    return tokens, log_probs.gather(-1, tokens[:, None])[:, 0]

@@ -1,0 +1,297 @@
+"""Lockstep scheduling: every rank of a model-parallel group runs the same engine steps on the same requests.
+
+All ranks whose forward passes communicate (the union of the tensor-, pipeline- and expert-parallel groups;
+"the lockstep group") must run the same engine steps on the same requests. Every rank of a lockstep group
+submits the same requests in the same order (e.g. each runs the same agents on the same data); the group's
+lowest rank is the *source*: before each step it shares a :class:`Plan` (which requests join, and whether to
+stop) with the group, and every rank adds exactly those, so batches agree even when the ranks' calls arrive
+at different times. The i-th request submitted on a non-source rank is matched to the source's i-th; a
+non-source request that differs from the source's gets an error response instead of someone else's
+completion. Pure data-parallel ranks are independent.
+
+:class:`LockstepScheduler` holds the request queue, the waiting callers and the step loop. It knows nothing
+of engines: the loop drives a :class:`Stepper` (add a request, run one step, report finished requests), and
+the plan is shared by a function (:func:`broadcast_plan` over a gloo group in production; tests simulate
+ranks with their own). Threads: callers :meth:`~LockstepScheduler.submit` from any thread or event loop;
+:meth:`~LockstepScheduler.run` runs on the engine thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from typing import Any, Callable, Protocol
+
+import torch.distributed as dist
+
+from megatron.rl.inference.api import InferenceResponse
+
+__all__ = ["Job", "Plan", "Stepper", "LockstepScheduler", "broadcast_plan", "lockstep_group"]
+
+# The source re-shares an empty plan this often while idle, so waiting ranks never hit the process group's
+# collective timeout.
+IDLE_HEARTBEAT_S = 5.0
+
+
+@dataclasses.dataclass
+class Job:
+    """One single-sample request on its way to the engine (what the source shares)."""
+
+    seq: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stop: list[str]
+    prompt_text: str | None
+
+
+@dataclasses.dataclass
+class Plan:
+    """What every rank does before the next step: add ``jobs``; ``stop`` = leave the loop (nothing in flight)."""
+
+    jobs: list[Job]
+    stop: bool
+
+
+class Stepper(Protocol):
+    """The engine side of the loop. ``add`` and ``step`` hand finished requests to ``LockstepScheduler.deliver``."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def add(self, job: Job) -> None: ...
+
+    async def step(self) -> None: ...
+
+
+SharePlan = Callable[["Plan | None"], Plan]
+
+
+@dataclasses.dataclass
+class _Waiter:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    job: Job
+
+
+class LockstepScheduler:
+    """Request queue, waiting callers and the engine-step loop of one rank (see the module docstring).
+
+    is_source: this rank decides the plans (the lockstep group's lowest rank; True when alone).
+    share: called on the engine thread before each step with this rank's plan (None on non-source ranks);
+        returns the source's plan. Collective over the lockstep group.
+    """
+
+    def __init__(self, is_source: bool, share: SharePlan, heartbeat_s: float = IDLE_HEARTBEAT_S):
+        self.is_source = is_source
+        self._share = share
+        self._heartbeat_s = heartbeat_s
+        self._lock = threading.Condition()
+        self._next_seq = 0
+        self._queue: list[Job] = []  # source only: submitted, not yet in a plan
+        self._waiters: dict[int, _Waiter] = {}
+        self._early: dict[int, tuple[Job, InferenceResponse]] = {}  # non-source: finished before submitted
+        self._in_flight: dict[int, Job] = {}  # handed to the stepper, not delivered yet (engine thread only)
+        self._accepting = False
+        self._stop_requested = False
+        self.steps = 0  # engine steps started since construction (a batching diagnostic)
+
+    # ------------------------------------------------------------------ lifecycle (caller threads)
+
+    def start(self) -> None:
+        """Accept submissions (the engine thread is starting)."""
+        with self._lock:
+            self._accepting = True
+            self._stop_requested = False
+
+    def request_stop(self) -> None:
+        """Let :meth:`run` return once everything in flight and queued has finished; refuse new submissions."""
+        with self._lock:
+            self._stop_requested = True
+            self._lock.notify_all()
+
+    def stopped(self, reason: str) -> None:
+        """After :meth:`run` returned: refuse submissions, fail every caller still waiting with ``reason``."""
+        with self._lock:
+            self._accepting = False
+            self._stop_requested = False
+            leftovers = list(self._waiters.values())
+            self._waiters.clear()
+            self._early.clear()
+        for waiter in leftovers:
+            _resolve(waiter, InferenceResponse.failed(reason, waiter.job.prompt_text))
+
+    def fail_queued(self, reason: str) -> None:
+        """The engine never started: refuse submissions, fail what was queued for it with ``reason``."""
+        with self._lock:
+            self._accepting = False
+            stranded = [self._waiters.pop(job.seq) for job in self._queue if job.seq in self._waiters]
+            self._queue = []
+        for waiter in stranded:
+            _resolve(waiter, InferenceResponse.failed(reason, waiter.job.prompt_text))
+
+    # ------------------------------------------------------------------ callers
+
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        """Queue ``job`` (numbering it); the future resolves on ``loop`` with its response."""
+        future = loop.create_future()
+        with self._lock:
+            if not self._accepting or self._stop_requested:
+                future.set_result(InferenceResponse.failed("the inference engine is not running "
+                                                           "(inference mode exited)", job.prompt_text))
+                return future
+            job.seq = self._next_seq
+            self._next_seq += 1
+            waiter = _Waiter(loop, future, job)
+            if self.is_source:
+                self._waiters[job.seq] = waiter
+                self._queue.append(job)
+                self._lock.notify_all()
+            elif job.seq in self._early:
+                source_job, response = self._early.pop(job.seq)
+                _resolve(waiter, checked(job, source_job, response))
+            else:
+                self._waiters[job.seq] = waiter
+        return future
+
+    # ------------------------------------------------------------------ engine thread
+
+    def deliver(self, source_job: Job, response: InferenceResponse) -> None:
+        """Hand a finished request's response to whoever submitted it on this rank."""
+        self._in_flight.pop(source_job.seq, None)
+        with self._lock:
+            waiter = self._waiters.pop(source_job.seq, None)
+            if waiter is None:
+                if not self.is_source:
+                    self._early[source_job.seq] = (source_job, response)
+                return
+        _resolve(waiter, checked(waiter.job, source_job, response))
+
+    def next_plan(self, idle: bool) -> Plan:
+        """Source: take everything queued (waiting up to a heartbeat while idle); all ranks: agree on it."""
+        plan = None
+        if self.is_source:
+            with self._lock:
+                if idle and not self._queue and not self._stop_requested:
+                    self._lock.wait(timeout=self._heartbeat_s)
+                jobs, self._queue = self._queue, []
+                plan = Plan(jobs=jobs, stop=self._stop_requested and idle and not jobs)
+        return self._share(plan)
+
+    async def run(self, stepper: Stepper) -> None:
+        """Step until a plan says stop. An exception propagates; then call :meth:`abort`."""
+        while True:
+            idle = not stepper.has_unfinished()
+            plan = self.next_plan(idle)
+            for job in plan.jobs:
+                self._in_flight[job.seq] = job
+                stepper.add(job)
+            if stepper.has_unfinished():
+                self.steps += 1
+                await stepper.step()
+            elif plan.stop:
+                return
+
+    def abort(self, reason: str) -> None:
+        """The loop failed: fail everything in flight and queued; refuse submissions until restarted."""
+        for job in list(self._in_flight.values()):
+            self.deliver(job, InferenceResponse.failed(reason, job.prompt_text))
+        with self._lock:
+            queued, self._queue = self._queue, []
+            self._stop_requested = True
+        for job in queued:
+            self.deliver(job, InferenceResponse.failed(reason, job.prompt_text))
+
+
+def checked(local: Job, source: Job, response: InferenceResponse) -> InferenceResponse:
+    """Non-source ranks: only hand back the source's completion when both ranks asked the same thing."""
+    if local is source or (local.prompt_ids == source.prompt_ids and local.max_new_tokens == source.max_new_tokens
+                           and local.temperature == source.temperature and local.seed == source.seed):
+        return response
+    return InferenceResponse.failed(
+        f"model-parallel ranks submitted different requests as request #{local.seq} (this rank: "
+        f"{len(local.prompt_ids)} prompt tokens; source rank: {len(source.prompt_ids)}): every rank of a "
+        "tensor/pipeline/expert-parallel group must call agenerate with the same requests in the same order",
+        local.prompt_text)
+
+
+def _resolve(waiter: _Waiter, response: InferenceResponse) -> None:
+    def set_result() -> None:
+        if not waiter.future.done():  # the caller may have been cancelled (e.g. a client disconnect)
+            waiter.future.set_result(response)
+
+    try:
+        waiter.loop.call_soon_threadsafe(set_result)
+    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+        pass
+
+
+def broadcast_plan(group: Any, source: int) -> SharePlan:
+    """Share plans over ``group`` (gloo) from global rank ``source``; None (a rank alone) shares nothing."""
+    if group is None:
+        return lambda plan: plan
+
+    def share(plan: Plan | None) -> Plan:
+        box = [plan]
+        dist.broadcast_object_list(box, src=source, group=group)
+        return box[0]
+
+    return share
+
+
+def lockstep_group() -> tuple[Any, int, int]:
+    """The gloo group of ranks whose forwards communicate (union of TP, PP, EP groups), its source rank and size.
+
+    Collective over the world. Returns (None, rank, 1) when this rank runs alone.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        return None, rank, 1
+    from megatron.core import parallel_state as ps
+
+    mine: set[int] = {rank}
+    getters = [ps.get_tensor_model_parallel_group, ps.get_pipeline_model_parallel_group,
+               ps.get_expert_model_parallel_group, ps.get_expert_tensor_parallel_group]
+    for getter in getters:
+        try:
+            group = getter(check_initialized=False)
+        except (AssertionError, RuntimeError, TypeError):
+            group = None
+        if group is not None:
+            mine.update(dist.get_process_group_ranks(group))
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, sorted(mine))
+    members = connected_components([ranks for ranks in everyone])
+    my_group = None
+    for component in members:
+        if len(component) < 2:
+            continue
+        group = dist.new_group(component, backend="gloo")  # every rank creates every group, in the same order
+        if rank in component:
+            my_group = group
+    mine_component = next(c for c in members if rank in c)
+    return my_group, min(mine_component), len(mine_component)
+
+
+def connected_components(rank_sets: list[list[int]]) -> list[list[int]]:
+    """Ranks ``0..len(rank_sets)-1`` joined when they share a set: sorted components, each sorted.
+
+    ``rank_sets[r]`` is what rank ``r`` reported (itself and every rank its forward talks to).
+    """
+    parent = list(range(len(rank_sets)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for ranks in rank_sets:
+        for r in ranks[1:]:
+            parent[find(r)] = find(ranks[0])
+    components: dict[int, list[int]] = {}
+    for r in range(len(rank_sets)):
+        components.setdefault(find(r), []).append(r)
+    return sorted(components.values())
