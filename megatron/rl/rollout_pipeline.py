@@ -1,0 +1,344 @@
+"""Asynchronous rollouts: a persistent producer of rollout groups with a bounded generation lag.
+
+Synchronously, an RL iteration generates all of its groups, waits for the slowest rollout, trains and starts
+over. :class:`RolloutPipeline` instead keeps groups in flight across iterations:
+
+* **Lag bound.** Iteration ``v`` trains on the policy of version ``v`` (the weights after ``v`` updates). A group
+  submitted at version ``s`` is trained at some version ``c >= s``; the pipeline guarantees ``c - s <= lag``
+  (``--rl-generation-lag``). It submits the group of submission index ``i`` only once ``i < (v + lag + 1) x P``
+  (``P`` = groups per step on this producer), so at most ``(lag + 1) x P`` groups are outstanding (in flight or
+  finished and not yet trained).
+* **Consumption** (``--rl-consumption-granularity``). ``B`` (default): iteration ``v`` trains on batch ``v``, the
+  groups of submission indices ``[vP, (v+1)P)``, in submission order (waiting for the slowest of them). ``G``:
+  iteration ``v`` trains on ``P`` finished groups as they finish, oldest submission version first; it waits only
+  for groups whose deadline (submission version + lag) would otherwise pass. Taking earliest deadlines first keeps
+  every later deadline feasible, so the lag bound holds for ``G`` too (the tests check it on random schedules).
+* **Submission** (``--rl-submission-granularity``). ``B``: a batch's groups are submitted together as one agent
+  call (its groups finish together); ``G``: one agent call per group; ``R``: like ``G`` but
+  ``--rl-max-inflight-requests`` is applied per request by :class:`RequestGate` (a multi-turn episode frees its
+  slot between turns) instead of per group.
+* **Updates.** Without ``--rl-partial-rollouts`` the pipeline drains before every update: groups in flight finish
+  with the weights that started them, so every token of a group has the group's submission version. With it,
+  requests still in flight are paused at the update and continue with the new weights afterwards (the in-process
+  engine keeps their KV cache, computed by the old weights): a group's tokens then span several versions, and
+  backends that know it report the version per token (``metadata["policy_versions"]``).
+
+Data parallelism: each DP rank runs its own pipeline on its own prompt shard (``P / DP`` groups per step) and the
+trainer all-gathers the groups as in the synchronous path; every rank consumes exactly ``P / DP`` groups per
+iteration, so the collectives stay matched. Model-parallel ranks of one engine run the same pipeline calls in the
+same order (submissions happen only at phase boundaries, except with a request cap; see the flag validation).
+
+The pipeline owns one event loop that runs only inside :meth:`RolloutPipeline.next_batch` and :meth:`close`:
+between two calls (while the trainer updates the weights) no coroutine of the pipeline runs, and a
+:class:`PhaseControl` pauses (partial rollouts) or stops (drained) the backend.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Awaitable, Callable, Sequence
+
+from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
+from megatron.rl.inference.validation import sample_count
+from megatron.rl.types import RolloutGroup, TokenRollout
+
+log = logging.getLogger(__name__)
+
+SUBMISSION_GRANULARITIES = ("R", "G", "B")
+CONSUMPTION_GRANULARITIES = ("G", "B")
+VERSIONS_KEY = "policy_versions"  # TokenRollout.metadata: policy version per token (-1 where not generated)
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncRolloutConfig:
+    """``--rl-generation-lag``, ``--rl-partial-rollouts``, ``--rl-submission-granularity``,
+    ``--rl-consumption-granularity``, ``--rl-max-inflight-requests`` (0: no cap besides the lag bound)."""
+
+    generation_lag: int = 0
+    partial_rollouts: bool = False
+    submission_granularity: str = "B"
+    consumption_granularity: str = "B"
+    max_inflight_requests: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts go through the pipeline; the defaults keep today's synchronous collection."""
+        return self != AsyncRolloutConfig()
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether trained tokens can come from an older policy than the one being updated."""
+        return self.generation_lag > 0 or self.partial_rollouts
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupTicket:
+    """A group's place in the pipeline: submission ``index`` (from 0), its ``batch`` (``index // P``) and the
+    policy ``version`` it was submitted at."""
+
+    index: int
+    batch: int
+    version: int
+
+    @property
+    def uid(self) -> str:
+        return f"g{self.index}"
+
+
+@dataclasses.dataclass
+class FinishedGroup:
+    ticket: GroupTicket
+    group: RolloutGroup
+    finished_version: int  # the policy version when its last token was generated
+    order: int  # completion order on this producer
+
+
+# produce(batch, num_groups): the agent call for ``num_groups`` groups of ``batch`` (seeds derive from the batch).
+Produce = Callable[[int, int], Awaitable[Sequence[RolloutGroup]]]
+
+
+class PhaseControl:
+    """What the backend does around a generation phase; the default does nothing (e.g. a remote server).
+
+    ``start(version)``: generation resumes with the weights of ``version``. ``stop(drained)``: the phase ended;
+    ``drained`` says no request is in flight (the engine may free its KV cache), otherwise the in-flight requests
+    must not advance until the next ``start`` (the trainer is about to change the weights). ``close()``: shutdown.
+    """
+
+    def start(self, version: int) -> None:
+        pass
+
+    def stop(self, drained: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RolloutPipeline:
+    """A persistent producer of rollout groups (see the module docstring).
+
+    Args:
+        produce: the agent call for ``num_groups`` groups of a batch (see :data:`Produce`).
+        config: the async-rollout flags.
+        groups_per_step: ``P`` on this producer (``--grpo-prompts-per-step / DP``).
+        group_size: rollouts per group (requests per group, for ``--rl-max-inflight-requests``).
+        control: pauses / stops the backend between phases.
+        start_version: the policy version of the loaded weights (the resumed iteration).
+    """
+
+    def __init__(self, produce: Produce, config: AsyncRolloutConfig, groups_per_step: int, group_size: int,
+                 control: PhaseControl | None = None, start_version: int = 0):
+        if groups_per_step < 1:
+            raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
+        self.config = config
+        self.groups_per_step = groups_per_step
+        self.group_size = group_size
+        self.version = start_version
+        self._produce = produce
+        self._control = control or PhaseControl()
+        self._loop = asyncio.new_event_loop()
+        self._progress = asyncio.Event()
+        # Indices are counted from the resumed version's first batch, so batch numbers equal iterations.
+        self._next_index = start_version * groups_per_step
+        self._inflight: dict[asyncio.Task, list[GroupTicket]] = {}
+        self._finished: dict[int, FinishedGroup] = {}
+        self._completions = 0
+        self._errors: list[BaseException] = []
+        self._closed = False
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def inflight(self) -> list[GroupTicket]:
+        return sorted((t for ts in self._inflight.values() for t in ts), key=lambda t: t.index)
+
+    @property
+    def finished(self) -> list[FinishedGroup]:
+        return sorted(self._finished.values(), key=lambda f: f.ticket.index)
+
+    def outstanding(self) -> list[GroupTicket]:
+        """Submitted and not yet consumed (in flight or finished), in submission order."""
+        return sorted([*self.inflight, *(f.ticket for f in self._finished.values())], key=lambda t: t.index)
+
+    # ------------------------------------------------------------------ one iteration
+
+    def next_batch(self) -> list[FinishedGroup]:
+        """Run generation until this version's ``P`` groups are ready; returns them (the caller trains on them and
+        then calls :meth:`advance`)."""
+        if self._closed:
+            raise RuntimeError("the rollout pipeline is closed")
+        self._control.start(self.version)
+        drained = False
+        try:
+            batch = self._loop.run_until_complete(self._next_batch())
+            drained = not self._inflight
+        finally:
+            self._control.stop(drained)
+        return batch
+
+    def advance(self) -> None:
+        """The weights were updated: generation from now on is by version ``version + 1``."""
+        self.version += 1
+
+    async def _next_batch(self) -> list[FinishedGroup]:
+        self._refill()
+        while (selected := self._select()) is None:
+            await self._wait_for_progress()
+            self._refill()
+        for f in selected:
+            del self._finished[f.ticket.index]
+        if not self.config.partial_rollouts:  # drain: nothing in flight may see the update
+            while self._inflight:
+                await self._wait_for_progress()
+        return selected
+
+    async def _wait_for_progress(self) -> None:
+        if not self._inflight:
+            raise RuntimeError("rollout pipeline stalled: nothing in flight and no batch ready (a bug)")
+        await self._progress.wait()
+        self._progress.clear()
+        self._raise_failures()
+
+    # ------------------------------------------------------------------ submission
+
+    def _limit(self) -> int:
+        """One past the highest submission index allowed at this version (the lag bound)."""
+        return (self.version + self.config.generation_lag + 1) * self.groups_per_step
+
+    def _group_slots(self) -> int | None:
+        cap = self.config.max_inflight_requests
+        if not cap or self.config.submission_granularity == "R":  # R: RequestGate caps requests instead
+            return None
+        return cap // self.group_size - sum(len(ts) for ts in self._inflight.values())
+
+    def _refill(self) -> None:
+        P = self.groups_per_step
+        while self._next_index < self._limit():
+            i = self._next_index
+            if self.config.submission_granularity == "B":
+                count = (i // P + 1) * P - i  # the rest of the batch (all of it, except after a resume mid-batch)
+            else:
+                count = 1
+            slots = self._group_slots()
+            if slots is not None and slots < count:
+                return
+            tickets = [GroupTicket(index=i + k, batch=i // P, version=self.version) for k in range(count)]
+            task = self._loop.create_task(self._run(tickets))
+            self._inflight[task] = tickets
+            self._next_index += count
+
+    async def _run(self, tickets: list[GroupTicket]) -> None:
+        try:
+            groups = list(await self._produce(tickets[0].batch, len(tickets)))
+            if len(groups) != len(tickets):
+                raise RuntimeError(f"the agent returned {len(groups)} groups for {len(tickets)} requested")
+            for t, g in zip(tickets, groups):
+                annotate_versions(g, t.version, self.version)
+                self._finished[t.index] = FinishedGroup(t, g, self.version, self._completions)
+                self._completions += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an agent error is the run's error: raised from next_batch
+            self._errors.append(e)
+        finally:
+            self._inflight.pop(asyncio.current_task(), None)
+            self._progress.set()
+
+    # ------------------------------------------------------------------ consumption
+
+    def _select(self) -> list[FinishedGroup] | None:
+        self._raise_failures()
+        P, v = self.groups_per_step, self.version
+        if self.config.consumption_granularity == "B":
+            indices = range(v * P, (v + 1) * P)
+            if all(i in self._finished for i in indices):
+                return [self._finished[i] for i in indices]
+            return None
+        # G: earliest deadline (submission version) first, then completion order.
+        ready = sorted(self._finished.values(), key=lambda f: (f.ticket.version, f.order))
+        if len(ready) < P:
+            return None
+        lag = self.config.generation_lag
+        outstanding = [t.version + lag for t in self.outstanding()]
+        for k in range(lag + 1):  # after this step, at most k x P outstanding groups may be due by version v + k
+            due = sum(d <= v + k for d in outstanding)
+            ready_due = sum(f.ticket.version + lag <= v + k for f in ready)
+            if min(P, ready_due) < due - k * P:
+                return None
+        return ready[:P]
+
+    def _raise_failures(self) -> None:
+        if self._errors:
+            raise self._errors[0]
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> list[GroupTicket]:
+        """Cancel everything in flight and stop the backend; returns the tickets that were never trained."""
+        if self._closed:
+            return []
+        self._closed = True
+        left = self.outstanding()
+        tasks = list(self._inflight)
+        for task in tasks:
+            task.cancel()
+        try:
+            if tasks:
+                self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        finally:
+            self._control.close()
+            self._loop.close()
+        if left:
+            log.info("rollout pipeline closed with %d groups not trained (%d in flight)", len(left), len(tasks))
+        return left
+
+
+def annotate_versions(group: RolloutGroup, submitted: int, finished: int) -> None:
+    """Give every token rollout of ``group`` its policy version per token, unless the backend already did.
+
+    A group that finished at the version it was submitted at saw no update: every generated token has that
+    version (exact). One that spanned updates (partial rollouts) without per-token versions from the backend gets
+    its submission version, the oldest it can be (staleness is then an upper bound).
+    """
+    for r in group.rollouts:
+        if isinstance(r, TokenRollout) and VERSIONS_KEY not in r.metadata:
+            r.metadata[VERSIONS_KEY] = [submitted if m else -1 for m in r.generation_mask]
+    if submitted != finished:
+        log.debug("group submitted at version %d finished at %d without per-token versions", submitted, finished)
+
+
+class RequestGate(InferenceInterface):
+    """``--rl-submission-granularity R``: at most ``max_requests`` requests (samples) in the backend at once.
+
+    Wraps the backend the agents generate with; a call owing ``n`` samples waits until ``n`` slots are free (first
+    come, first served), so groups can be drawn ahead while requests enter the engine as slots free.
+    """
+
+    def __init__(self, inner: InferenceInterface, max_requests: int):
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        self.inner = inner
+        self.max_requests = max_requests
+        self.in_use = 0
+        self.peak = 0
+        self._cond: asyncio.Condition | None = None
+
+    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        n = min(sum(sample_count(r) for r in requests), self.max_requests)
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_use + n <= self.max_requests)
+            self.in_use += n
+            self.peak = max(self.peak, self.in_use)
+        try:
+            return await self.inner.agenerate(requests)
+        finally:
+            async with self._cond:
+                self.in_use -= n
+                self._cond.notify_all()
+
+    def __getattr__(self, name: str):  # rollout_shard, inference_mode, ... of the wrapped backend
+        return getattr(self.inner, name)
