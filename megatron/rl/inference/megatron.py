@@ -94,12 +94,15 @@ class _Job:
     seed: int | None
     stop: list[str]
     prompt_text: str
+    # (policy version, generated tokens before it): where the weights changed under this request
+    version_marks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class _Plan:
     jobs: list[_Job]
     stop: bool
+    pause: bool = False  # partial rollouts: hold every request (no step) until resumed
 
 
 @dataclasses.dataclass
@@ -173,6 +176,12 @@ class MegatronInference(InferenceInterface):
         self._worker_failed = False
         self._was_training = False
         self._live: dict[str, Any] = {}  # engine, context, controller while in inference mode
+        # Asynchronous partial rollouts: the engine holds its requests (and their KV cache) while the trainer
+        # updates the weights in place; tokens after the resume are by the new policy version.
+        self.policy_version = 0
+        self._track_versions = False  # responses carry policy_versions once a trainer sets versions
+        self._pause_requested = False
+        self._paused = threading.Event()
         self.engine_steps = 0  # engine steps run since construction (a batching diagnostic)
 
     @classmethod
@@ -229,6 +238,7 @@ class MegatronInference(InferenceInterface):
             if thread is None:
                 return
             self._stop_requested = True
+            self._pause_requested = False
             self._lock.notify_all()
         thread.join()
         with self._lock:
@@ -255,6 +265,38 @@ class MegatronInference(InferenceInterface):
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.exit_inference_mode)
+
+    # ------------------------------------------------------------------ pause (asynchronous partial rollouts)
+
+    def set_policy_version(self, version: int) -> None:
+        """The version of the weights generating from now on (recorded per token in ``policy_versions``)."""
+        self.policy_version = int(version)
+        self._track_versions = True
+
+    def pause_generation(self) -> None:
+        """Hold every in-flight request after the current engine step and restore train mode, keeping the KV
+        cache: the trainer may then update the weights. Collective over the lockstep group. Returns once paused."""
+        if not self.active:
+            return
+        with self._lock:
+            self._pause_requested = True
+            self._lock.notify_all()
+        while not self._paused.wait(timeout=1.0):
+            if not self.active or self._worker_failed:
+                return
+        self._restore_train_mode()
+
+    def resume_generation(self, version: int) -> None:
+        """Continue the held requests with the current (updated) weights, as policy ``version``."""
+        if not self.active:
+            return
+        self._was_training = self._gpt.training
+        _set_training(self.model, False)
+        self.policy_version = int(version)
+        self._track_versions = True
+        with self._lock:
+            self._pause_requested = False
+            self._lock.notify_all()
 
     def _restore_train_mode(self) -> None:
         if self._was_training:
@@ -388,6 +430,12 @@ class MegatronInference(InferenceInterface):
             while True:
                 idle = not engine.has_unfinished_requests()
                 plan = self._next_plan(idle)
+                if plan.pause:
+                    self._paused.set()
+                    continue
+                if self._paused.is_set():  # resumed: the weights changed under the requests in flight
+                    self._paused.clear()
+                    _mark_versions(engine, jobs, self.policy_version)
                 for job in plan.jobs:
                     self._add(engine, controller, jobs, job)
                 if engine.has_unfinished_requests():
@@ -434,10 +482,15 @@ class MegatronInference(InferenceInterface):
         """Source: take everything queued (waiting while idle); all ranks: agree on it via broadcast."""
         if self._is_source:
             with self._lock:
-                if idle and not self._queue and not self._stop_requested:
+                if self._pause_requested and self._paused.is_set():  # held: heartbeat until resumed
                     self._lock.wait(timeout=_IDLE_HEARTBEAT_S)
-                jobs, self._queue = self._queue, []
-                plan = _Plan(jobs=jobs, stop=self._stop_requested and idle and not jobs)
+                if self._pause_requested:
+                    plan = _Plan(jobs=[], stop=False, pause=True)
+                else:
+                    if idle and not self._queue and not self._stop_requested:
+                        self._lock.wait(timeout=_IDLE_HEARTBEAT_S)
+                    jobs, self._queue = self._queue, []
+                    plan = _Plan(jobs=jobs, stop=self._stop_requested and idle and not jobs)
         else:
             plan = None
         if self._group is not None:
@@ -453,6 +506,7 @@ class MegatronInference(InferenceInterface):
         if job.seed is not None and job.temperature > 0:
             generator = controller.make_generator(job.seed)
         controller.specs[job.seq] = SampleSpec(job.temperature, job.top_k, job.top_p, generator)
+        job.version_marks = [(self.policy_version, 0)]
         jobs[job.seq] = job
         # The engine does not sample (SamplingController does); it only needs lengths, the EOS id and
         # one log-prob slot per generated token.
@@ -502,8 +556,12 @@ class MegatronInference(InferenceInterface):
                     else:
                         lo = mid + 1
                 tokens, log_probs = tokens[:hi], log_probs[:hi]
+        versions = None
+        if self._track_versions:  # asynchronous rollouts: the version of each token (marks are in order)
+            versions = [[v for v, start in job.version_marks if start <= i][-1] for i in range(len(tokens))]
         return InferenceResponse(text=text, token_ids=job.prompt_ids + tokens, prompt_length=len(job.prompt_ids),
-                                 logprobs=log_probs, finish_reason=finish, prompt_text=job.prompt_text)
+                                 logprobs=log_probs, finish_reason=finish, prompt_text=job.prompt_text,
+                                 policy_versions=versions)
 
     def _should_stop_early(self, engine, job: _Job, rid: int) -> bool:
         """After a step: did this request just sample a non-primary EOS id or complete a stop string?"""
@@ -525,6 +583,16 @@ class MegatronInference(InferenceInterface):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _mark_versions(engine: Any, jobs: dict[int, _Job], version: int) -> None:
+    """Record, for every request in flight, that its tokens from here on are generated by ``version``."""
+    for rid, job in jobs.items():
+        entry = engine.requests.get(rid)
+        if entry is None:
+            continue
+        done = sum(len(r.generated_tokens) for r in entry.record.requests)
+        job.version_marks.append((version, done))
 
 
 def _drop_engine_objects(engine: Any, controller: Any, context: Any) -> None:
