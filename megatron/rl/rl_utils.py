@@ -275,6 +275,9 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
         raise RLDataError(f"the agents produced no prompt groups at iteration {iteration}: check "
                           f"--langrl-env-config={rl.env_config} (datasets, weights)")
     metrics = {**_collection_metrics(stats, t_gen), **observed.metrics}
+    steps = getattr(ctx.inference, "engine_steps", None)
+    if isinstance(steps, int):  # in-process engine: steps run so far (batch occupancy = tokens / steps)
+        metrics["engine_steps_total"] = float(steps)
     if ctx.rollouts is not None:  # off-policy accounting of asynchronous rollouts
         metrics.update(staleness_metrics([s.policy_versions for s in sequences], iteration))
     if not sequences:
