@@ -7,22 +7,10 @@ import asyncio
 import threading
 import time
 
-import pytest
 import torch
 
-from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, teacher_forced_logprobs, tiny_gpt
-
-
-@pytest.fixture(scope="module")
-def setup():
-    init_distributed(tp=1)
-    from megatron.rl.inference.megatron import MegatronInference
-    from megatron.rl.training.tokenizer import ByteLevelTokenizer
-
-    model = tiny_gpt()
-    backend = MegatronInference(model, ByteLevelTokenizer())
-    yield model, backend
-    backend.exit_inference_mode()
+from tests.unit_tests.rl.inference.scripts.megatron_common import teacher_forced_logprobs
+from tests.unit_tests.rl.inference.test_megatron_backend import setup  # noqa: F401  (the tiny GPT + backend)
 
 
 def _generate_in_thread(backend, requests):
