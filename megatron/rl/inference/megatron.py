@@ -434,6 +434,9 @@ class MegatronInference(InferenceInterface):
                     self._paused.set()
                     continue
                 if self._paused.is_set():  # resumed: the weights changed under the requests in flight
+                    with self._lock:  # a non-source rank steps only once its own trainer is done updating
+                        while self._pause_requested and not self._stop_requested:
+                            self._lock.wait(timeout=1.0)
                     self._paused.clear()
                     _mark_versions(engine, jobs, self.policy_version)
                 for job in plan.jobs:
