@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from tests.unit_tests.rl.inference.scripts.megatron_common import teacher_forced_logprobs
@@ -82,3 +84,11 @@ def test_without_versions_set_responses_carry_none(setup):
     [resp] = fresh.generate([InferenceRequest(prompt="abc", generation_args=GenerationArgs(max_tokens=4, seed=1))])
     fresh.exit_inference_mode()
     assert resp.policy_versions is None
+
+
+@pytest.mark.multiprocess
+def test_tp2_ranks_pause_and_resume_in_lockstep():
+    from tests.conftest import run_torchrun
+
+    proc = run_torchrun(Path(__file__).parent / "scripts" / "megatron_tp2_pause.py", timeout=300)
+    assert proc.stdout.count("TP2 PAUSE OK") == 2, proc.stdout[-4000:]
