@@ -80,6 +80,12 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
         need(not whole, f"--rl-consumption-granularity G trains on groups as they finish, from several submission "
                         f"batches, but {' and '.join(whole)} normalises over a whole batch: use "
                         f"--rl-consumption-granularity B.")
+    p = cfg.parallel
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size > 1
+    need(ac.consumption_granularity == "B" or not model_parallel,
+         "--rl-consumption-granularity G with model parallelism: which groups finish first can differ between the "
+         "ranks of one model replica (rewards run in threads), and they must train on the same groups; use "
+         "--rl-consumption-granularity B.")
     cap = ac.max_inflight_requests
     if cap:
         need(cap >= rl.group_size, f"--rl-max-inflight-requests={cap} is below --grpo-group-size={rl.group_size}: "
@@ -88,9 +94,7 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
              f"--rl-max-inflight-requests={cap} with --rl-submission-granularity B: a batch of {local_groups} "
              f"groups x {rl.group_size} rollouts per data-parallel rank could never be admitted; raise the cap or "
              f"submit per group (G) or per request (R).")
-        p = cfg.parallel
-        need(rl.inference_backend != "megatron" or p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-             * p.expert_model_parallel_size == 1,
+        need(rl.inference_backend != "megatron" or not model_parallel,
              "--rl-max-inflight-requests with model parallelism: submissions would happen as requests finish, at "
              "times that differ between the ranks of one engine, which must submit in the same order; drop the cap.")
     need(not ac.partial_rollouts or rl.inference_backend in WEIGHT_UPDATING_BACKENDS,

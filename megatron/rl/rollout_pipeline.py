@@ -26,7 +26,9 @@ over. :class:`RolloutPipeline` instead keeps groups in flight across iterations:
 Data parallelism: each DP rank runs its own pipeline on its own prompt shard (``P / DP`` groups per step) and the
 trainer all-gathers the groups as in the synchronous path; every rank consumes exactly ``P / DP`` groups per
 iteration, so the collectives stay matched. Model-parallel ranks of one engine run the same pipeline calls in the
-same order (submissions happen only at phase boundaries, except with a request cap; see the flag validation).
+same order: submissions happen only at phase boundaries (except with a request cap, refused with model
+parallelism), and ``B`` consumption depends on submission indices only (``G`` consumption depends on completion
+times, which can differ between those ranks: refused with model parallelism).
 
 The pipeline owns one event loop that runs only inside :meth:`RolloutPipeline.next_batch` and :meth:`close`:
 between two calls (while the trainer updates the weights) no coroutine of the pipeline runs, and a
@@ -170,10 +172,13 @@ class RolloutPipeline:
         if self._closed:
             raise RuntimeError("the rollout pipeline is closed")
         self._control.start(self.version)
+        # With partial rollouts the backend is always paused, never stopped, between phases, even when nothing is
+        # in flight: whether a group has finished at this instant can differ between the ranks of one engine
+        # (rewards run in threads), and stopping is collective over them.
         drained = False
         try:
             batch = self._loop.run_until_complete(self._next_batch())
-            drained = not self._inflight
+            drained = not self.config.partial_rollouts
         finally:
             self._control.stop(drained)
         return batch

@@ -91,6 +91,14 @@ def test_bad_async_flags_are_named_errors(env_yaml, extra, message):
         _rl(env_yaml, *extra)
 
 
+def test_g_consumption_with_model_parallelism_is_a_named_error(env_yaml):
+    with pytest.raises(ConfigError, match="--rl-consumption-granularity G with model parallelism"):
+        _rl(env_yaml, "--rl-generation-lag", "1", "--rl-consumption-granularity", "G",
+            "--tensor-model-parallel-size", "2", world_size=2)
+    _rl(env_yaml, "--rl-generation-lag", "1", "--rl-partial-rollouts", "--tensor-model-parallel-size", "2",
+        world_size=2)  # B consumption is the same on every rank of the replica
+
+
 def test_g_consumption_with_a_whole_batch_loss_is_a_named_error(env_yaml, whole_batch_estimator):
     with pytest.raises(ConfigError, match="--rl-consumption-granularity G .* --grpo-advantage-estimator="
                                           "test_batch_norm normalises over a whole batch"):
