@@ -136,3 +136,21 @@ def test_grpo_vs_trl_table():
     # cropped micro-batches compute fewer positions than [micro-batch, seq-length] ones
     assert float(rows["ours"][4]) > float(rows["ours-fixed"][4])
     assert float(rows["ours"][2]) < 0.05 * float(rows["ours-fixed"][2]) + 1e-3  # no scoring pass
+
+
+def test_async_rollouts_length_budgets_have_a_long_tail():
+    import async_rollouts
+
+    budgets = [async_rollouts.answer_budget(i) for i in range(2000)]
+    assert budgets == [async_rollouts.answer_budget(i) for i in range(2000)]  # seeded
+    assert min(budgets) == 4 and max(budgets) == 256
+    assert sorted(budgets)[1000] <= 10 and 0.02 < sum(b > 100 for b in budgets) / 2000 < 0.06
+
+
+@pytest.mark.slow
+def test_async_rollouts_benchmark_runs_and_prints_its_table():
+    out = run_bench("async_rollouts.py", "--iters", "2", "--prompts", "4", "--group-size", "2",
+                    "--settings", "synchronous", "lag 1 + partial")
+    rows = table_rows(out)
+    assert set(rows) >= {"synchronous", "lag 1 + partial"}
+    assert rows["synchronous"][1] == "1.00x" and rows["synchronous"][4] == "0.00"  # no staleness when synchronous
