@@ -5,9 +5,9 @@ python benchmarks/async_rollouts.py                 # 8 iterations per setting, 
 python benchmarks/async_rollouts.py --iters 12 --hidden 128
 ```
 
-Workload (:class:`LongTailAgent`): every prompt asks for an answer whose length budget is drawn from a Pareto
-distribution (alpha 1, from 4 tokens, capped at 256): the median answer is ~8 tokens, the mean ~20, and 4% of
-the prompts need over 100 (about every other iteration of 16 prompts has one). A random-weight policy almost
+Workload (:class:`LongTailAgent`): every prompt asks for an answer whose length budget follows a Pareto
+distribution (alpha 1, from 4 tokens, capped at 256), stratified so that each iteration's batch holds the same
+lengths (16 prompts: 4 to 128 tokens, median ~8, one of 128, one of 42). A random-weight policy almost
 never emits EOS, so a rollout is as long as its budget; the reward is a hash of the answer (it varies, so
 every iteration trains).
 
@@ -47,9 +47,12 @@ SETTINGS = {
 }
 
 
-def answer_budget(index: int, alpha: float = 1.0, low: int = 4, cap: int = 256) -> int:
-    """Seeded Pareto(alpha) length from ``low`` tokens, capped (a long tail: median ~7, mean ~20)."""
-    u = ((index * 2654435761) % 2**32 + 0.5) / 2**32
+def answer_budget(index: int, batch: int = 16, alpha: float = 1.0, low: int = 4, cap: int = 256) -> int:
+    """Answer length budget of prompt ``index``: Pareto(alpha) quantiles from ``low`` tokens, capped, stratified so
+    that every run of ``batch`` consecutive prompts (one iteration's batch) has the same lengths in a different
+    order; the settings then face the same work per iteration whichever batch an iteration trains on."""
+    j = (index * 7 + index // batch) % batch  # a different order in every batch (7 is coprime with 2^k)
+    u = (j + 0.5) / batch
     return min(cap, int(low / u ** (1 / alpha)))
 
 
@@ -57,9 +60,10 @@ class LongTailAgent(RewardOnlyAgent):
     """Prompts whose answers need between 4 and 256 tokens (see the module docstring)."""
 
     stop: list[str] = []
+    batch: int = 16  # prompts per iteration (--grpo-prompts-per-step)
 
     def get_problem(self, index: int, validation: bool) -> dict:
-        return {"prompt": f"Q{index % 97}:", "id": f"t{index}", "budget": answer_budget(index)}
+        return {"prompt": f"Q{index % 97}:", "id": f"t{index}", "budget": answer_budget(index, self.batch)}
 
     def compute_reward(self, problem: dict, completion: str) -> float:
         return (sum(completion.encode("utf-8", "replace")) % 11) / 10.0
@@ -71,7 +75,8 @@ class LongTailAgent(RewardOnlyAgent):
 
 def run_setting(name: str, extra: list[str], args, tmp: Path) -> list[dict]:
     env = tmp / "env.yaml"
-    env.write_text('environments: [{type: "benchmarks.async_rollouts:LongTailAgent", weight: 1}]\n')
+    env.write_text('environments: [{type: "benchmarks.async_rollouts:LongTailAgent", weight: 1, '
+                   f'args: {{batch: {args.prompts}}}}}]\n')
     out = tmp / f"{name.replace(' ', '_').replace('+', 'p')}.jsonl"
     seq = 320
     cmd = [sys.executable, str(REPO / "train_rl.py"), "--num-layers", str(args.layers), "--hidden-size",
