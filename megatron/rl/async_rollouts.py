@@ -14,6 +14,7 @@ policy. :func:`async_loss_config` turns that correction on for every off-policy 
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 from typing import Any, Sequence
@@ -155,34 +156,50 @@ class EngineControl(PhaseControl):
             session.__exit__(None, None, None)
 
 
+# The responses recorded for the agent call running in this task (and the tasks it spawns, which inherit it).
+_CALL_RESPONSES: contextvars.ContextVar[list | None] = contextvars.ContextVar("async_rollout_responses", default=None)
+
+
 class VersionRecorder(InferenceInterface):
     """Wraps the backend the pipeline's agents generate with and keeps each response's policy version per token
     (``InferenceResponse.policy_versions``, from backends that pause across updates), so that the pipeline can
-    attach them to the rollouts built from those responses (matched by token ids)."""
+    attach them to the rollouts built from those responses: per agent call (:meth:`call`), matched by token ids
+    (identical completions of one call may swap their versions; those of different calls never mix)."""
 
     def __init__(self, inner: InferenceInterface):
         self.inner = inner
-        self._by_tokens: dict[tuple[int, ...], list[list[int]]] = {}
 
     async def agenerate(self, requests: list) -> list:
         responses = await self.inner.agenerate(requests)
-        for r in responses:
-            versions = getattr(r, "policy_versions", None)
-            if versions is not None and r.token_ids:
-                self._by_tokens.setdefault(tuple(r.token_ids), []).append(list(versions))
+        recorded = _CALL_RESPONSES.get()
+        if recorded is not None:
+            recorded.extend((tuple(r.token_ids), list(r.policy_versions)) for r in responses
+                            if getattr(r, "policy_versions", None) is not None and r.token_ids)
         return responses
 
-    def annotate(self, groups: Sequence[Any]) -> None:
-        """Per-token versions into ``metadata[VERSIONS_KEY]`` of each token rollout whose final response was
-        recorded. Generated tokens of earlier turns (multi-turn) get the final response's first version."""
+    @staticmethod
+    async def call(coro_fn, *args) -> tuple[Any, list]:
+        """Run ``coro_fn(*args)`` recording the responses of its generations; returns (result, records)."""
+        recorded: list = []
+        token = _CALL_RESPONSES.set(recorded)
+        try:
+            return await coro_fn(*args), recorded
+        finally:
+            _CALL_RESPONSES.reset(token)
+
+    @staticmethod
+    def annotate(groups: Sequence[Any], recorded: list) -> None:
+        """Per-token versions into ``metadata[VERSIONS_KEY]`` of each token rollout whose final response is among
+        ``recorded``. Generated tokens of earlier turns (multi-turn) get the final response's first version."""
+        by_tokens: dict[tuple[int, ...], list[list[int]]] = {}
+        for ids, versions in recorded:
+            by_tokens.setdefault(ids, []).append(versions)
         for g in groups:
             for r in g.rollouts:
-                found = self._by_tokens.get(tuple(getattr(r, "token_ids", ()) or ()))
+                found = by_tokens.get(tuple(getattr(r, "token_ids", ()) or ()))
                 if not found:
                     continue
                 versions = found.pop(0)
-                if not found:
-                    del self._by_tokens[tuple(r.token_ids)]
                 start = len(r.token_ids) - len(versions)
                 oldest = min(versions) if versions else -1
                 r.metadata[VERSIONS_KEY] = [versions[i - start] if i >= start else (oldest if m else -1)
@@ -213,9 +230,9 @@ class AsyncRollouts:
                                   max_tokens=rl.max_new_tokens, seed=derive_seed(ctx.seed, "rollouts", batch, gen_rank))
             request = GroupedRolloutRequest(num_groups=num_groups, rollouts_per_group=rl.group_size,
                                             generation_args=args, inference_interface=inference)
-            groups = (await ctx.agent.generate_grouped_rollouts(request)).groups
-            recorder.annotate(groups)
-            return groups
+            response, recorded = await VersionRecorder.call(ctx.agent.generate_grouped_rollouts, request)
+            VersionRecorder.annotate(response.groups, recorded)
+            return response.groups
 
         self.control = EngineControl(ctx.inference)
         self.pipeline = RolloutPipeline(produce, ac, groups_per_step=rl.prompts_per_step // gen_size,

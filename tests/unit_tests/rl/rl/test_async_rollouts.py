@@ -153,24 +153,38 @@ def test_is_weight_stats_are_exact_on_scripted_logprobs():
 
 
 class _VersionedBackend(InferenceInterface):
-    def __init__(self, script):
-        self.script = script
+    """Answers its i-th call with script i: (token ids, policy versions) per response."""
+
+    def __init__(self, *scripts):
+        self.scripts = list(scripts)
 
     async def agenerate(self, requests):
+        await asyncio.sleep(0)
         return [InferenceResponse(text="", token_ids=ids, prompt_length=2, logprobs=[-0.1] * (len(ids) - 2),
-                                  finish_reason="stop", policy_versions=vs) for ids, vs in self.script]
+                                  finish_reason="stop", policy_versions=vs) for ids, vs in self.scripts.pop(0)]
 
 
-def test_version_recorder_attaches_each_response_s_versions_to_its_rollout():
+def _rollouts(responses):
+    return [TokenRollout(prompt="x", completion="", reward=0.0, token_ids=r.token_ids, prompt_length=2,
+                         generation_mask=[0, 0] + [1] * (len(r.token_ids) - 2)) for r in responses]
+
+
+def test_version_recorder_attaches_each_response_s_versions_to_its_rollout_within_its_own_call():
     # two identical completions with different versions: each rollout gets one of them, none twice
     script = [([7, 8, 1, 2, 3], [0, 0, 1]), ([7, 8, 1, 2, 3], [0, 1, 1]), ([7, 8, 4], [1])]
-    rec = VersionRecorder(_VersionedBackend(script))
-    responses = asyncio.run(rec.agenerate([InferenceRequest(prompt="x")]))
-    rollouts = [TokenRollout(prompt="x", completion="", reward=0.0, token_ids=r.token_ids, prompt_length=2,
-                             generation_mask=[0, 0] + [1] * (len(r.token_ids) - 2)) for r in responses]
-    rec.annotate([RolloutGroup(rollouts=rollouts)])
+    # another agent call, concurrently, produces the same completion at a later version: it must not mix in
+    rec = VersionRecorder(_VersionedBackend(script, [([7, 8, 4], [5])]))
+
+    async def main():
+        return await asyncio.gather(VersionRecorder.call(rec.agenerate, [InferenceRequest(prompt="x")]),
+                                    VersionRecorder.call(rec.agenerate, [InferenceRequest(prompt="x")]))
+
+    (responses, recorded), (responses2, recorded2) = asyncio.run(main())
+    rollouts, rollouts2 = _rollouts(responses), _rollouts(responses2)
+    VersionRecorder.annotate([RolloutGroup(rollouts=rollouts2)], recorded2)
+    VersionRecorder.annotate([RolloutGroup(rollouts=rollouts)], recorded)
     assert [r.metadata[VERSIONS_KEY] for r in rollouts] == [[-1, -1, 0, 0, 1], [-1, -1, 0, 1, 1], [-1, -1, 1]]
-    assert not rec._by_tokens
+    assert rollouts2[0].metadata[VERSIONS_KEY] == [-1, -1, 5]
 
 
 # ----------------------------------------------------------------------------------------------- end to end
