@@ -14,7 +14,7 @@ every iteration trains).
 Each setting runs ``train_rl.py`` with the same seed and model, one after the other in one invocation, so the
 ratios are side by side. Reported per setting (iterations 2..N; the first has nothing generated ahead):
 iteration time, trained generated tokens per second of iteration time, mean engine batch occupancy (requests per
-engine step, from the engine's counters), token staleness and the reward. Timings on a shared machine are noisy:
+engine step, from the engine's counters), the CPU seconds of the whole run, token staleness and the reward. Timings on a shared machine are noisy:
 compare the ratios of one run (``--rounds 2`` interleaves the settings and keeps the fastest round of each).
 
 Where the gain comes from: with partial rollouts an iteration waits for its first ``P`` groups, not its slowest,
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -87,11 +88,17 @@ def run_setting(name: str, extra: list[str], args, tmp: Path) -> list[dict]:
            "--rl-max-new-tokens", "256", "--rl-use-sequence-packing", "--langrl-allow-imports",
            "--langrl-env-config", str(env), "--rl-prompts-per-eval", "0", "--log-interval", "1",
            "--rl-metrics-jsonl", str(out), "--log-level", "WARNING", *extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return [r for r in map(json.loads, out.read_text().splitlines()) if "reward_mean" in r]
+    records = [r for r in map(json.loads, out.read_text().splitlines()) if "reward_mean" in r]
+    # CPU seconds of the whole run (start-up included, the same for every setting): steadier than wall time on a
+    # shared machine, where another job can take the cores away from one setting and not the next
+    records[-1]["_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return records
 
 
 def summarize(records: list[dict], rollouts: int) -> dict[str, float]:
@@ -105,6 +112,7 @@ def summarize(records: list[dict], rollouts: int) -> dict[str, float]:
     # ahead and never trained count as steps only, so the asynchronous settings are underestimated slightly).
     steps = records[-1].get("engine_steps_total", float("nan"))
     return {"iter_s": t / len(rs), "tok_s": tokens(rs) / t, "occupancy": tokens(records) / steps,
+            "cpu_s": records[-1]["_cpu_s"],
             "stale_mean": statistics.fmean(r.get("staleness_mean", 0.0) for r in rs),
             "stale_max": max(r.get("staleness_max", 0.0) for r in rs),
             "reward": statistics.fmean(r["reward_mean"] for r in rs)}
@@ -131,13 +139,13 @@ def main(argv=None) -> int:
     base = rows.get("synchronous")
     print(f"\nlong-tail answers (4-256 tokens), {args.prompts} prompts x {args.group_size} rollouts, "
           f"hidden {args.hidden}, {args.layers} layers, iterations 2..{args.iters}\n")
-    print("| setting | iteration s | speedup | trained gen tok/s | engine batch occupancy | staleness mean | "
-          "staleness max | reward |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| setting | iteration s | speedup | trained gen tok/s | engine batch occupancy | run CPU s | "
+          "staleness mean | staleness max | reward |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         speedup = base["iter_s"] / r["iter_s"] if base else float("nan")
         print(f"| {name} | {r['iter_s']:.2f} | {speedup:.2f}x | {r['tok_s']:.0f} | {r['occupancy']:.1f} | "
-              f"{r['stale_mean']:.2f} | {r['stale_max']:.0f} | {r['reward']:.3f} |")
+              f"{r['cpu_s']:.0f} | {r['stale_mean']:.2f} | {r['stale_max']:.0f} | {r['reward']:.3f} |")
     return 0
 
 
