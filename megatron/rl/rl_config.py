@@ -26,6 +26,7 @@ from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from megatron.rl.inference_layout import InferenceLayoutConfig, validate_inference_layout
 from megatron.rl.observe_config import ObserveConfig, resolve_observe
+from megatron.rl.rollout_pipeline import AsyncRolloutConfig
 from megatron.rl.sequence_packing_utils import PACKING_ALGOS
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
@@ -115,6 +116,8 @@ class RLConfig:
              "default each micro-batch drops its padding-only rows and positions (pipeline parallelism always keeps "
              "the fixed shape).")
     deterministic_forward: bool = derived(True)  # no dropout: a training forward scores what a scoring pass would
+    # asynchronous rollouts (issue 14); the defaults keep the synchronous collection
+    async_rollouts: AsyncRolloutConfig = section(AsyncRolloutConfig)
 
     @property
     def rollouts_per_step(self) -> int:
@@ -149,7 +152,10 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
     _need(Path(a.langrl_env_config).is_file(), f"--langrl-env-config={a.langrl_env_config}: no such file.")
     raw = from_namespace(RLConfig, a, deterministic_forward=cfg.model.hidden_dropout == 0
                          and cfg.model.attention_dropout == 0)
-    rl = dataclasses.replace(raw, observe=resolve_observe(raw.observe, raw, cfg))
+    from megatron.rl.async_rollouts import async_loss_config
+
+    rl = dataclasses.replace(raw, observe=resolve_observe(raw.observe, raw, cfg),
+                             loss=async_loss_config(raw.loss, raw.async_rollouts))
     validate_rl_config(rl, cfg)
     return rl
 
@@ -222,6 +228,9 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
               f"replicas of the inference layout (world size / (inference TP x PP)): each replica generates an "
               f"equal share of the prompt groups.")
     # --- end separate inference layout ---
+    from megatron.rl.async_rollouts import validate_async_rollouts  # asynchronous rollouts (issue 14)
+
+    validate_async_rollouts(rl.async_rollouts, rl, cfg)
 
 
 def _validate_serving(rl: RLConfig, cfg: TrainingConfig) -> None:

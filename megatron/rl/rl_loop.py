@@ -12,6 +12,7 @@ import math
 import time
 
 from megatron.rl import parallel_utils
+from megatron.rl.async_rollouts import build_async_rollouts
 from megatron.rl.inference.api import build_training_inference
 from megatron.rl.inference.policy_gap import check_policy_gap
 from megatron.rl.rl_config import RLConfig
@@ -120,6 +121,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
                       micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
                       device=run.runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
                       ref_model=run.ref_model)
+    ctx.rollouts = build_async_rollouts(ctx, rl, iteration)  # asynchronous rollouts (issue 14); None: synchronous
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
         from megatron.rl.refit import refit_after_iteration, start_inference_copy
 
@@ -186,7 +188,8 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
                 f"every rollout failed in {all_failed} consecutive iterations (up to iteration {iteration}); the "
                 f"warnings above give each failure's reason (backend or environment errors). Fix the cause, or "
                 f"raise --rl-max-all-failed-iterations (0 never stops).")
-        check_policy_gap(result.metrics, iteration, rl.max_policy_logprob_gap, rl.off_policy_server,
+        check_policy_gap(result.metrics, iteration, rl.max_policy_logprob_gap,
+                         rl.off_policy_server or rl.async_rollouts.off_policy,
                          rl.inference_backend, first=len(history) == 1)
         emit_samples(iteration, result)
         if eval_on and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
@@ -195,5 +198,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
             break
     control.finish(iteration)
     run.close()
+    if ctx.rollouts is not None:
+        ctx.rollouts.close()  # cancels groups generated ahead
     inference.close()  # frees the in-process engine's KV cache / the HTTP client
     return RLRunResult(iteration, history, evals)

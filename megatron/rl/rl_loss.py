@@ -23,7 +23,8 @@ from megatron.rl.logprobs import token_entropy, token_logprobs
 from megatron.rl.sequence_packing_utils import PackedBatch
 
 # Per-token stats reported token-weighted as [value * n, n] pairs (see megatron.rl.training.loop).
-_WEIGHTED_STATS = ("clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl_mean", "entropy_mean")
+_WEIGHTED_STATS = ("clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl_mean", "entropy_mean",
+                   "is_weight_mean", "is_truncated_fraction")
 
 
 def model_forward(model, mb: PackedBatch, device: torch.device, use_thd: bool) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch
 from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent, GroupedRolloutRequest
 from megatron.rl.algorithms import LossNormalizers
+from megatron.rl.async_rollouts import staleness_metrics
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
@@ -88,6 +89,7 @@ class StepContext:
     device: torch.device
     use_thd: bool = False
     ref_model: list | None = None  # only when --grpo-kl-beta > 0
+    rollouts: Any = None  # asynchronous rollouts (megatron.rl.async_rollouts.AsyncRollouts); None: synchronous
 
 
 def _dp():
@@ -105,6 +107,8 @@ def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
     With a separate inference layout the inference replicas generate ``P / replicas`` groups each, and the
     groups are then regrouped by training DP rank (:class:`~megatron.rl.inference_layout.RolloutShard`).
     """
+    if ctx.rollouts is not None:  # asynchronous rollouts: the pipeline's next batch (may be generated ahead)
+        return ctx.rollouts.collect(iteration)
     _, dp_rank, dp_size = _dp()
     shard = getattr(ctx.inference, "rollout_shard", None)
     gen_rank, gen_size = (shard.rank, shard.size) if shard is not None else (dp_rank, dp_size)
@@ -280,6 +284,11 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
         raise RLDataError(f"the agents produced no prompt groups at iteration {iteration}: check "
                           f"--langrl-env-config={rl.env_config} (datasets, weights)")
     metrics = {**_collection_metrics(stats, t_gen), **observed.metrics}
+    steps = getattr(ctx.inference, "engine_steps", None)
+    if isinstance(steps, int):  # in-process engine: steps run so far (batch occupancy = tokens / steps)
+        metrics["engine_steps_total"] = float(steps)
+    if ctx.rollouts is not None:  # off-policy accounting of asynchronous rollouts
+        metrics.update(staleness_metrics([s.policy_versions for s in sequences], iteration))
     if not sequences:
         log.warning("iteration %d: nothing to train on (%d groups: %d failed rollouts, %d groups with < 2 ok "
                     "rollouts, %d groups with identical rewards filtered); skipping the update%s", iteration,
@@ -288,12 +297,16 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
                     f"; failures: {stats.failure_reasons}" if stats.failure_reasons else "")
         # The schedule counts RL iterations, skipped ones included, so resumed and uninterrupted runs agree.
         ctx.scheduler.step(increment=1)
+        if ctx.rollouts is not None:
+            ctx.rollouts.weights_updated(iteration + 1)
         metrics.update(skipped_update=1.0, time_total_s=time.perf_counter() - t0)
         return IterationResult(iteration, metrics, observed)
 
     num_steps = rl.rollouts_per_step // ctx.global_batch_size
     steps = build_step_batches(sequences, rl, ctx, num_steps, rl.loss.needs_ref_logprobs)
     metrics.update(update_policy(ctx, rl, steps))
+    if ctx.rollouts is not None:  # partial rollouts: paused requests continue with the new weights
+        ctx.rollouts.weights_updated(iteration + 1)
     metrics.update(num_sequences=float(len(sequences)), time_generate_s=t_gen, time_total_s=time.perf_counter() - t0)
     return IterationResult(iteration, metrics, observed)
 
@@ -306,10 +319,12 @@ def old_logprobs_from_training_forward(rl: RLConfig, num_steps: int) -> bool:
     its detached log-probs are the scoring pass's numbers. Not with dropout (the training forward is
     stochastic), several steps or passes (later ones need the pre-update policy), with a separate inference
     layout (its copy generated the rollouts: the scoring pass stays the check of the refit), or when
-    ``--rl-recompute-old-logprobs`` asks for the pass. Reference log-probs still get their own pass.
+    ``--rl-recompute-old-logprobs`` asks for the pass, or with off-policy asynchronous rollouts (the proximal
+    log-probs of decoupled PPO get their own pass). Reference log-probs still get their own pass.
     """
     return (rl.grpo_iterations == 1 and num_steps == 1 and rl.deterministic_forward
-            and not rl.recompute_old_logprobs and not rl.inference_layout.enabled)
+            and not rl.recompute_old_logprobs and not rl.inference_layout.enabled
+            and not rl.async_rollouts.off_policy)  # decoupled PPO: proximal log-probs from their own pass
 
 
 def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch]) -> dict[str, float]:

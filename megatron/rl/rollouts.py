@@ -14,6 +14,7 @@ import torch
 
 from megatron.rl.algorithms import compute_advantages
 from megatron.rl.base.types import RolloutGroup, TokenRollout
+from megatron.rl.rollout_pipeline import VERSIONS_KEY
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class TrainingSequence:
     reward: float
     group_index: int
     env_id: str
+    policy_versions: list[int] | None = None  # per token (-1 where not generated); asynchronous rollouts only
 
     @property
     def num_generated(self) -> int:
@@ -96,7 +98,7 @@ def groups_to_sequences(groups: Sequence[RolloutGroup], estimator: str = "grpo",
             sequences.append(TrainingSequence(token_ids=list(r.token_ids), loss_mask=list(r.generation_mask),
                                               inference_logprobs=None if r.logprobs is None else list(r.logprobs),
                                               advantage=float(adv), reward=float(r.reward), group_index=gi,
-                                              env_id=r.env_id))
+                                              env_id=r.env_id, policy_versions=r.metadata.get(VERSIONS_KEY)))
     return sequences, stats
 
 

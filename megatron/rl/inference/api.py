@@ -121,6 +121,8 @@ class InferenceResponse(BaseModel):
       "error" (this request failed; ``error`` says why; other requests in the batch are unaffected).
     prompt_text: the prompt as the backend saw it (chat requests: the rendered template).
     error: human-readable reason when ``finish_reason == "error"`` (an addition to the contract).
+    policy_versions: the policy version (trainer iteration) that generated each generated token, from backends
+      whose weights change under in-flight requests (asynchronous partial rollouts); None otherwise.
     """
 
     text: str
@@ -130,6 +132,7 @@ class InferenceResponse(BaseModel):
     finish_reason: Literal["stop", "length", "error"]
     prompt_text: str | None = None
     error: str | None = None
+    policy_versions: list[int] | None = None
 
     @property
     def generated_token_ids(self) -> list[int]:

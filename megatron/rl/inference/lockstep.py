@@ -50,10 +50,12 @@ class Job:
 
 @dataclasses.dataclass
 class Plan:
-    """What every rank does before the next step: add ``jobs``; ``stop`` = leave the loop (nothing in flight)."""
+    """What every rank does before the next step: add ``jobs``; ``stop`` = leave the loop (nothing in flight);
+    ``pause`` = hold every request (no step) until resumed (asynchronous partial rollouts)."""
 
     jobs: list[Job]
     stop: bool
+    pause: bool = False
 
 
 class Stepper(Protocol):
@@ -64,6 +66,9 @@ class Stepper(Protocol):
     def add(self, job: Job) -> None: ...
 
     async def step(self) -> None: ...
+
+    def resumed(self) -> None:
+        """After a pause: the weights may have changed under the requests in flight."""
 
 
 SharePlan = Callable[["Plan | None"], Plan]
@@ -96,6 +101,8 @@ class LockstepScheduler:
         self._in_flight: dict[int, Job] = {}  # handed to the stepper, not delivered yet (engine thread only)
         self._accepting = False
         self._stop_requested = False
+        self._pause_requested = False
+        self.paused = threading.Event()  # set while the loop holds its requests (every rank of the group)
         self.steps = 0  # engine steps started since construction (a batching diagnostic)
 
     # ------------------------------------------------------------------ lifecycle (caller threads)
@@ -110,6 +117,18 @@ class LockstepScheduler:
         """Let :meth:`run` return once everything in flight and queued has finished; refuse new submissions."""
         with self._lock:
             self._stop_requested = True
+            self._pause_requested = False
+            self._lock.notify_all()
+
+    def request_pause(self) -> None:
+        """Hold every request after the current step (source: the next plan says pause); see :attr:`paused`."""
+        with self._lock:
+            self._pause_requested = True
+            self._lock.notify_all()
+
+    def resume(self) -> None:
+        with self._lock:
+            self._pause_requested = False
             self._lock.notify_all()
 
     def stopped(self, reason: str) -> None:
@@ -174,10 +193,15 @@ class LockstepScheduler:
         plan = None
         if self.is_source:
             with self._lock:
-                if idle and not self._queue and not self._stop_requested:
+                if self._pause_requested and self.paused.is_set():  # held: heartbeat until resumed
                     self._lock.wait(timeout=self._heartbeat_s)
-                jobs, self._queue = self._queue, []
-                plan = Plan(jobs=jobs, stop=self._stop_requested and idle and not jobs)
+                if self._pause_requested:
+                    plan = Plan(jobs=[], stop=False, pause=True)
+                else:
+                    if idle and not self._queue and not self._stop_requested:
+                        self._lock.wait(timeout=self._heartbeat_s)
+                    jobs, self._queue = self._queue, []
+                    plan = Plan(jobs=jobs, stop=self._stop_requested and idle and not jobs)
         return self._share(plan)
 
     async def run(self, stepper: Stepper) -> None:
@@ -185,6 +209,15 @@ class LockstepScheduler:
         while True:
             idle = not stepper.has_unfinished()
             plan = self.next_plan(idle)
+            if plan.pause:
+                self.paused.set()
+                continue
+            if self.paused.is_set():  # resumed: the weights changed under the requests in flight
+                with self._lock:  # a non-source rank steps only once its own trainer is done updating
+                    while self._pause_requested and not self._stop_requested:
+                        self._lock.wait(timeout=1.0)
+                self.paused.clear()
+                stepper.resumed()
             for job in plan.jobs:
                 self._in_flight[job.seq] = job
                 stepper.add(job)

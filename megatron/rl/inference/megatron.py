@@ -186,6 +186,36 @@ class MegatronInference(InferenceInterface):
     async def aclose(self) -> None:
         await asyncio.to_thread(self.exit_inference_mode)
 
+    # ------------------------------------------------------------------ pause (asynchronous partial rollouts)
+
+    @property
+    def policy_version(self) -> int:
+        return self._session.version.current
+
+    def set_policy_version(self, version: int) -> None:
+        """The version of the weights generating from now on (recorded per token in ``policy_versions``)."""
+        self._session.version.current = int(version)
+        self._session.version.tracked = True
+
+    def pause_generation(self) -> None:
+        """Hold every in-flight request after the current engine step and restore train mode, keeping the KV
+        cache: the trainer may then update the weights. Collective over the lockstep group. Returns once paused."""
+        if not self.active:
+            return
+        self._scheduler.request_pause()
+        while not self._scheduler.paused.wait(timeout=1.0):
+            if not self.active or self._session.failed:
+                return
+        self._session.restore_train_mode()
+
+    def resume_generation(self, version: int) -> None:
+        """Continue the held requests with the current (updated) weights, as policy ``version``."""
+        if not self.active:
+            return
+        self._session.set_eval()
+        self.set_policy_version(version)
+        self._scheduler.resume()
+
     # ------------------------------------------------------------------ requests
 
     async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:

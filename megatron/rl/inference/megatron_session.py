@@ -29,7 +29,15 @@ from megatron.rl.runtime import setup_runtime
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EosIds", "EngineSession", "EngineStepper"]
+__all__ = ["EosIds", "PolicyVersion", "EngineSession", "EngineStepper"]
+
+
+@dataclasses.dataclass
+class PolicyVersion:
+    """The version (trainer iteration) of the weights generating now; responses carry it per token once tracked."""
+
+    current: int = 0
+    tracked: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +60,17 @@ class EngineStepper:
     """One live engine + controller, driven by the scheduler's loop (the ``Stepper`` protocol)."""
 
     def __init__(self, engine: Any, controller: Any, scheduler: LockstepScheduler, tokenizer: EngineTokenizer,
-                 eos: EosIds, device_mode: Callable[[], Any]):
+                 eos: EosIds, device_mode: Callable[[], Any], version: PolicyVersion):
         self.engine = engine
         self.controller = controller
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._eos = eos
         self._device_mode = device_mode
+        self._version = version
         self._jobs: dict[int, Job] = {}
+        # (policy version, generated tokens before it) per request: where the weights changed under it
+        self._version_marks: dict[int, list[tuple[int, int]]] = {}
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -73,6 +84,7 @@ class EngineStepper:
             generator = controller.make_generator(job.seed)
         controller.specs[job.seq] = SampleSpec(job.temperature, job.top_k, job.top_p, generator)
         self._jobs[job.seq] = job
+        self._version_marks[job.seq] = [(self._version.current, 0)]
         # The engine does not sample (SamplingController does); it only needs lengths, the EOS id and
         # one log-prob slot per generated token.
         params = SamplingParams(temperature=1.0, top_k=0, top_p=0.0, return_log_probs=True,
@@ -93,10 +105,19 @@ class EngineStepper:
             if self._should_stop_early(self._jobs[rid], rid):
                 self.engine.stop_word_finished_request_ids.add(rid)
 
+    def resumed(self) -> None:
+        """Record, for every request in flight, that its tokens from here on are the current version's."""
+        for rid in self._jobs:
+            entry = self.engine.requests.get(rid)
+            if entry is not None:
+                done = sum(len(r.generated_tokens) for r in entry.record.requests)
+                self._version_marks[rid].append((self._version.current, done))
+
     def _finish(self, record: Any) -> None:
         from megatron.core.inference.inference_request import Status
 
         job = self._jobs.pop(record.request_id)
+        marks = self._version_marks.pop(record.request_id)
         self.controller.specs.pop(record.request_id, None)
         if record.requests[-1].status == Status.FAILED:
             reasons = [type(ev.payload).__name__ for r in record.requests for ev in r.events if ev.payload is not None]
@@ -109,6 +130,9 @@ class EngineStepper:
             response = finish_response(job.prompt_ids, tokens, log_probs[:len(tokens)], eos_ids=self._eos.all,
                                        stops=job.stop, detokenize=self._tokenizer.detokenize,
                                        prompt_text=job.prompt_text)
+            if self._version.tracked:  # asynchronous rollouts: the version of each token (marks are in order)
+                response.policy_versions = [[v for v, start in marks if start <= i][-1]
+                                            for i in range(len(response.generated_token_ids))]
         self._scheduler.deliver(job, response)
 
     def _should_stop_early(self, job: Job, rid: int) -> bool:
@@ -134,7 +158,8 @@ class EngineSession:
 
     def __init__(self, model: Any, gpt: torch.nn.Module, tokenizer: EngineTokenizer, eos: EosIds,
                  settings: EngineSettings, max_sequence_length: int, pg_collection: Any,
-                 scheduler: LockstepScheduler, device: torch.device, cpu_layer: bool):
+                 scheduler: LockstepScheduler, device: torch.device, cpu_layer: bool,
+                 version: PolicyVersion | None = None):
         self.model = model
         self._gpt = gpt
         self._tokenizer = tokenizer
@@ -145,6 +170,7 @@ class EngineSession:
         self._scheduler = scheduler
         self._device = device
         self._cpu_layer = cpu_layer
+        self.version = version or PolicyVersion()
         self._lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -165,8 +191,7 @@ class EngineSession:
         with self._lock:
             if self.thread is not None:
                 return
-            self._was_training = self._gpt.training
-            set_training(self.model, False)
+            self.set_eval()
             self._ready.clear()
             self._start_error = None
             self._scheduler.start()
@@ -180,7 +205,7 @@ class EngineSession:
                 self.thread = None
             # what a concurrent caller submitted while the engine was being built
             self._scheduler.fail_queued(f"the inference engine failed to start: {error!r}")
-            self._restore_train_mode()
+            self.restore_train_mode()
             raise InferenceError(f"could not start the megatron-core inference engine: {error!r}") from error
 
     def exit(self) -> None:
@@ -199,9 +224,13 @@ class EngineSession:
             self.failed = False
         self._scheduler.stopped("inference mode was exited before this request finished")
         self.engine = self.context = self.controller = None
-        self._restore_train_mode()
+        self.restore_train_mode()
 
-    def _restore_train_mode(self) -> None:
+    def set_eval(self) -> None:
+        self._was_training = self._gpt.training
+        set_training(self.model, False)
+
+    def restore_train_mode(self) -> None:
         if self._was_training:
             set_training(self.model, True)
 
@@ -232,7 +261,8 @@ class EngineSession:
             return
         self.engine, self.context, self.controller = engine, context, controller
         self._ready.set()
-        stepper = EngineStepper(engine, controller, self._scheduler, self._tokenizer, self._eos, self._device_mode)
+        stepper = EngineStepper(engine, controller, self._scheduler, self._tokenizer, self._eos, self._device_mode,
+                                self.version)
         try:
             await self._scheduler.run(stepper)
         except BaseException as e:

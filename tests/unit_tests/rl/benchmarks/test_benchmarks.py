@@ -136,3 +136,22 @@ def test_grpo_vs_trl_table():
     # cropped micro-batches compute fewer positions than [micro-batch, seq-length] ones
     assert float(rows["ours"][4]) > float(rows["ours-fixed"][4])
     assert float(rows["ours"][2]) < 0.05 * float(rows["ours-fixed"][2]) + 1e-3  # no scoring pass
+
+
+def test_async_rollouts_every_batch_has_the_same_long_tail_lengths():
+    import async_rollouts
+
+    batches = [[async_rollouts.answer_budget(i, 16) for i in range(16 * k, 16 * k + 16)] for k in range(20)]
+    assert all(sorted(b) == sorted(batches[0]) for b in batches)  # the same work in every iteration
+    assert len({tuple(b) for b in batches}) > 1  # in different orders
+    lengths = sorted(batches[0])
+    assert lengths[0] == 4 and lengths[-1] == 128 and lengths[8] <= 10  # a long tail
+
+
+@pytest.mark.slow
+def test_async_rollouts_benchmark_runs_and_prints_its_table():
+    out = run_bench("async_rollouts.py", "--iters", "2", "--prompts", "4", "--group-size", "2",
+                    "--settings", "synchronous", "lag 1 + partial")
+    rows = table_rows(out)
+    assert set(rows) >= {"synchronous", "lag 1 + partial"}
+    assert rows["synchronous"][1] == "1.00x" and rows["synchronous"][5] == "0.00"  # no staleness when synchronous

@@ -228,3 +228,33 @@ def test_an_engine_that_never_started_fails_what_was_queued():
 ])
 def test_lockstep_groups_are_the_connected_components_of_communicating_ranks(rank_sets, expected):
     assert connected_components(rank_sets) == expected
+
+
+def test_pause_holds_every_rank_without_steps_until_resumed():
+    group = SimulatedGroup(2, heartbeat_s=0.05)
+    steppers = [FakeStepper(s) for s in group.schedulers]
+    resumed = []
+    for stepper in steppers:
+        stepper.resumed = lambda s=stepper: resumed.append(len(s.batches))
+    threads = group.start(steppers)
+    results = {}
+    callers = [threading.Thread(target=lambda r=r: results.__setitem__(r, _submit_all(
+        group.schedulers[r], [_job([5], max_new_tokens=40)]))) for r in range(2)]
+    for c in callers:
+        c.start()
+    deadline = time.monotonic() + 10
+    while len(steppers[0].batches) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for s in group.schedulers:
+        s.request_pause()
+    assert all(s.paused.wait(10) for s in group.schedulers)  # the source's pause plan reached every rank
+    held = [len(s.batches) for s in steppers]
+    time.sleep(0.2)
+    assert [len(s.batches) for s in steppers] == held and held[0] == held[1]  # nobody steps while paused
+    for s in group.schedulers:
+        s.resume()
+    for c in callers:
+        c.join(timeout=30)
+    group.stop(threads)
+    assert resumed == [held[0], held[0]]  # each rank told its engine once, at the same step
+    assert [len(results[r][0].generated_token_ids) for r in range(2)] == [40, 40]

@@ -1,0 +1,153 @@
+"""Asynchronous rollouts on a long-tail length distribution: synchronous vs lag 1 vs lag 1 + partial rollouts.
+
+```
+python benchmarks/async_rollouts.py                 # 8 iterations per setting, 16 prompts, tiny model, CPU
+python benchmarks/async_rollouts.py --iters 12 --hidden 128
+```
+
+Workload (:class:`LongTailAgent`): every prompt asks for an answer whose length budget follows a Pareto
+distribution (alpha 1, from 4 tokens, capped at 256), stratified so that each iteration's batch holds the same
+lengths (16 prompts: 4 to 128 tokens, median ~8, one of 128, one of 42). A random-weight policy almost
+never emits EOS, so a rollout is as long as its budget; the reward is a hash of the answer (it varies, so
+every iteration trains).
+
+Each setting runs ``train_rl.py`` with the same seed and model, one after the other in one invocation, so the
+ratios are side by side. Reported per setting (iterations 2..N; the first has nothing generated ahead):
+iteration time, trained generated tokens per second of iteration time, mean engine batch occupancy (requests per
+engine step, from the engine's counters), the CPU seconds of the whole run, token staleness and the reward. Timings on a shared machine are noisy:
+compare the ratios of one run (``--rounds 2`` interleaves the settings and keeps the fastest round of each).
+
+Where the gain comes from: with partial rollouts an iteration waits for its first ``P`` groups, not its slowest,
+and the long answers carry over, so the engine's batch stays fuller (higher occupancy). That pays when an engine
+step costs about the same whatever the batch (GPU decode); on one CPU thread a step's cost grows with the
+batch, so the fuller batch buys little there (see the README's table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from megatron.rl.agent import RewardOnlyAgent  # noqa: E402
+
+SETTINGS = {
+    "synchronous": [],
+    "lag 1": ["--rl-generation-lag", "1", "--rl-submission-granularity", "G", "--rl-consumption-granularity", "G"],
+    "lag 1 + partial": ["--rl-generation-lag", "1", "--rl-partial-rollouts", "--rl-submission-granularity", "G",
+                        "--rl-consumption-granularity", "G"],
+}
+
+
+def answer_budget(index: int, batch: int = 16, alpha: float = 1.0, low: int = 4, cap: int = 256) -> int:
+    """Answer length budget of prompt ``index``: Pareto(alpha) quantiles from ``low`` tokens, capped, stratified so
+    that every run of ``batch`` consecutive prompts (one iteration's batch) has the same lengths in a different
+    order; the settings then face the same work per iteration whichever batch an iteration trains on."""
+    j = (index * 7 + index // batch) % batch  # a different order in every batch (7 is coprime with 2^k)
+    u = (j + 0.5) / batch
+    return min(cap, int(low / u ** (1 / alpha)))
+
+
+class LongTailAgent(RewardOnlyAgent):
+    """Prompts whose answers need between 4 and 256 tokens (see the module docstring)."""
+
+    stop: list[str] = []
+    batch: int = 16  # prompts per iteration (--grpo-prompts-per-step)
+
+    def get_problem(self, index: int, validation: bool) -> dict:
+        return {"prompt": f"Q{index % 97}:", "id": f"t{index}", "budget": answer_budget(index, self.batch)}
+
+    def compute_reward(self, problem: dict, completion: str) -> float:
+        return (sum(completion.encode("utf-8", "replace")) % 11) / 10.0
+
+    async def _single_turn_group(self, iface, problem, pid, prompt, ga, group_size, seed):
+        ga = ga.model_copy(update={"max_tokens": min(ga.max_tokens, problem["budget"])})
+        return await super()._single_turn_group(iface, problem, pid, prompt, ga, group_size, seed)
+
+
+def run_setting(name: str, extra: list[str], args, tmp: Path) -> list[dict]:
+    env = tmp / "env.yaml"
+    env.write_text('environments: [{type: "benchmarks.async_rollouts:LongTailAgent", weight: 1, '
+                   f'args: {{batch: {args.prompts}}}}}]\n')
+    out = tmp / f"{name.replace(' ', '_').replace('+', 'p')}.jsonl"
+    seq = 320
+    cmd = [sys.executable, str(REPO / "train_rl.py"), "--num-layers", str(args.layers), "--hidden-size",
+           str(args.hidden), "--num-attention-heads", "4", "--seq-length", str(seq), "--max-position-embeddings",
+           str(seq), "--micro-batch-size", "8", "--global-batch-size", str(args.prompts * args.group_size),
+           "--train-iters", str(args.iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--seed", "3",
+           "--grpo-prompts-per-step", str(args.prompts), "--grpo-group-size", str(args.group_size),
+           "--rl-max-new-tokens", "256", "--rl-use-sequence-packing", "--langrl-allow-imports",
+           "--langrl-env-config", str(env), "--rl-prompts-per-eval", "0", "--log-interval", "1",
+           "--rl-metrics-jsonl", str(out), "--log-level", "WARNING", *extra]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    records = [r for r in map(json.loads, out.read_text().splitlines()) if "reward_mean" in r]
+    # CPU seconds of the whole run (start-up included, the same for every setting): steadier than wall time on a
+    # shared machine, where another job can take the cores away from one setting and not the next
+    records[-1]["_cpu_s"] = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return records
+
+
+def summarize(records: list[dict], rollouts: int) -> dict[str, float]:
+    rs = records[1:] or records
+    t = sum(r["time_total_s"] for r in rs)
+
+    def tokens(rows):
+        return sum(r["response_length_mean"] * (rollouts - r.get("failed_rollouts", 0)) for r in rows)
+
+    # Requests per engine step over the whole run: trained generated tokens / engine steps (tokens generated
+    # ahead and never trained count as steps only, so the asynchronous settings are underestimated slightly).
+    steps = records[-1].get("engine_steps_total", float("nan"))
+    return {"iter_s": t / len(rs), "tok_s": tokens(rs) / t, "occupancy": tokens(records) / steps,
+            "cpu_s": records[-1]["_cpu_s"],
+            "stale_mean": statistics.fmean(r.get("staleness_mean", 0.0) for r in rs),
+            "stale_max": max(r.get("staleness_max", 0.0) for r in rs),
+            "reward": statistics.fmean(r["reward_mean"] for r in rs)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the fastest of each is kept")
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    args = p.parse_args(argv)
+    rows: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):  # settings interleaved, the fastest round of each kept (shared machines)
+            for name in args.settings:
+                row = summarize(run_setting(name, SETTINGS[name], args, Path(tmp)), args.prompts * args.group_size)
+                if name not in rows or row["iter_s"] < rows[name]["iter_s"]:
+                    rows[name] = row
+    base = rows.get("synchronous")
+    print(f"\nlong-tail answers (4-256 tokens), {args.prompts} prompts x {args.group_size} rollouts, "
+          f"hidden {args.hidden}, {args.layers} layers, iterations 2..{args.iters}\n")
+    print("| setting | iteration s | speedup | trained gen tok/s | engine batch occupancy | run CPU s | "
+          "staleness mean | staleness max | reward |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        speedup = base["iter_s"] / r["iter_s"] if base else float("nan")
+        print(f"| {name} | {r['iter_s']:.2f} | {speedup:.2f}x | {r['tok_s']:.0f} | {r['occupancy']:.1f} | "
+              f"{r['cpu_s']:.0f} | {r['stale_mean']:.2f} | {r['stale_max']:.0f} | {r['reward']:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
