@@ -32,7 +32,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 
     A prefill step holds every newly admitted request (128 prompts in an RL rollout phase): the requests
     are padded into batches of at most ``_PREFILL_BATCH_ELEMENTS`` attention scores and each batch is one
-    :func:`dot_product_attention` call (a Python loop of per-request attention cost ~8 small ops per request and layer).
+    :func:`dot_product_attention` call (a Python loop of per-request attention cost ~8 small ops per request
+    and layer).
     """
     scale = softmax_scale or q.shape[-1] ** -0.5
     out = torch.zeros_like(q)
