@@ -73,7 +73,7 @@ def build_megatron():
 
 
 class _NoEos:
-    """The byte tokenizer without an end-of-sequence id: every request runs to its ``max_tokens`` (as on the HF side)."""
+    """The byte tokenizer without an end-of-sequence id: every request runs to ``max_tokens`` (as on the HF side)."""
 
     eod = None
     eos_token_ids = None
@@ -86,7 +86,7 @@ class _NoEos:
         return self.inner.tokenize(text)
 
     def detokenize(self, ids):
-        return self.inner.detokenize(ids)  # never called with stop strings unset
+        return self.inner.detokenize(ids)
 
     def offsets(self, ids, text):
         return self.inner.offsets(ids, text)
@@ -135,8 +135,8 @@ def run_hf(model, prompts, new_tokens: int):
 
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, logits_processor=LogitsProcessorList([Clock()]),
-                       pad_token_id=VOCAB - 1)
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=VOCAB - 1,
+                       logits_processor=LogitsProcessorList([Clock()]))
     return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks[1:], marks[2:])]  # decode steps only
 
 
