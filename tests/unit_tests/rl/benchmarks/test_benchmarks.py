@@ -136,3 +136,12 @@ def test_grpo_vs_trl_table():
     # cropped micro-batches compute fewer positions than [micro-batch, seq-length] ones
     assert float(rows["ours"][4]) > float(rows["ours-fixed"][4])
     assert float(rows["ours"][2]) < 0.05 * float(rows["ours-fixed"][2]) + 1e-3  # no scoring pass
+
+
+def test_decode_step_table():
+    out = run_bench("decode_step.py", "--rows", "4", "--new-tokens", "4", "--rounds", "2")
+    rows = table_rows(out)
+    # 4 new tokens: megatron times at most the 3 decode steps after the first (prefill) step (fewer when the engine
+    # admitted the requests over two steps), HF the 2 after its second logits call; both rounds count
+    assert 1 <= int(rows["megatron"][0]) <= 6 and rows["huggingface"][0] == "4", out
+    assert "megatron / huggingface" in out
