@@ -13,7 +13,7 @@ import torch
 
 from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, teacher_forced_logprobs, tiny_gpt
 
-# fp32 engine vs trainer forward (different kernels: paged SDPA vs DotProductAttention's baddbmm/softmax/bmm).
+# fp32 (the bound). With SDPA / one-row attention products in the engine this batch reached 3e-5.
 MAX_GAP = 1e-5
 
 
