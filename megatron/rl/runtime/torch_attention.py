@@ -4,6 +4,16 @@ megatron-core's dynamic-batching attention calls ``flash_attn_varlen_func`` (pre
 through ``block_table``) and ``flash_attn_with_kvcache`` (decode). Both are CUDA-only; these
 functions have the same calling convention and semantics (causal masks aligned bottom-right, as
 flash-attn does when query and key lengths differ) and run anywhere.
+
+Both compute attention with the formula of megatron-core's ``DotProductAttention`` (the trainer's attention
+with the local layer spec): ``baddbmm`` scores, ``-10000`` masking, softmax, ``bmm`` with V, in its tensor
+layouts (:func:`dot_product_attention`), so the engine's log-probs round like the trainer's teacher-forced
+forward. Each request's attention is computed with at least :data:`MIN_QUERY_ROWS` query rows (a decode step
+has one per request; the extra rows are zeros and dropped): MKL computes a one-row product (a matrix-vector
+product) with another kernel than the trainer's many-row one, and a decode step at one row put the fp32
+train-inference log-prob gap of a peaked model at 3e-5; with two rows it is 4e-6, and the many rows of a
+prefill reproduce the trainer's numbers bit for bit for most requests
+(tests/unit_tests/rl/inference/test_megatron_logprob_gap.py).
 """
 from __future__ import annotations
 
@@ -22,7 +32,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 
     A prefill step holds every newly admitted request (128 prompts in an RL rollout phase): the requests
     are padded into batches of at most ``_PREFILL_BATCH_ELEMENTS`` attention scores and each batch is one
-    fused SDPA call (a Python loop of per-request attention cost ~8 small ops per request and layer).
+    :func:`dot_product_attention` call (a Python loop of per-request attention cost ~8 small ops per request
+    and layer).
     """
     scale = softmax_scale or q.shape[-1] ** -0.5
     out = torch.zeros_like(q)
@@ -46,7 +57,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     return out
 
 
-# Most attention scores (batch x heads x query x key) one padded prefill SDPA call may hold (128 MB in fp32).
+# Most attention scores (batch x heads x query x key) one padded prefill batch may hold (128 MB in fp32).
 _PREFILL_BATCH_ELEMENTS = 32 * 1024 * 1024
 
 
@@ -57,12 +68,13 @@ def _attend_padded(q, k, v, out, rows, cq, ck, lens_q, lens_k, max_q, max_k, sca
     row_t = torch.tensor(rows, dtype=torch.long, device=device)
     lq = torch.tensor([lens_q[b] for b in rows], dtype=torch.long, device=device)
     lk = torch.tensor([lens_k[b] for b in rows], dtype=torch.long, device=device)
-    qpos = torch.arange(max_q, device=device)
+    rows_q = max(max_q, MIN_QUERY_ROWS)
+    qpos = torch.arange(rows_q, device=device)
     kpos = torch.arange(max_k, device=device)
     q_valid = qpos[None, :] < lq[:, None]  # [n, Lq]
     q_index = (torch.tensor([cq[b] for b in rows], device=device)[:, None] + qpos[None, :])[q_valid]
-    qb = q.new_zeros(n, max_q, *q.shape[1:])
-    qb[q_valid] = q[q_index]
+    qb = q.new_zeros(rows_q, n, *q.shape[1:])  # megatron's [sq, b, heads, dim] layout
+    qb.transpose(0, 1)[q_valid] = q[q_index]
     if block_table is not None:
         block_size = k.shape[1]
         num_blocks = (max_k + block_size - 1) // block_size
@@ -74,16 +86,43 @@ def _attend_padded(q, k, v, out, rows, cq, ck, lens_q, lens_k, max_q, max_k, sca
         k_index = torch.minimum(k_index, torch.tensor(k.shape[0] - 1, device=device))  # padding reads any row
         kb, vb = k[k_index], v[k_index]
     key_valid = kpos[None, :] < lk[:, None]  # [n, Lk]
-    # Cache slots past a request's length hold whatever was there (NaN in the tests): 0 * NaN would leak.
-    kb = kb.masked_fill(~key_valid[:, :, None, None], 0.0)
-    vb = vb.masked_fill(~key_valid[:, :, None, None], 0.0)
     allowed = key_valid[:, None, :]  # [n, 1, Lk]
     if causal:  # bottom-right aligned: query i of a request sees keys <= i + (lk - lq)
         allowed = allowed & (kpos[None, None, :] <= (qpos[None, :, None] + (lk - lq)[:, None, None]))
-    attn = torch.nn.functional.scaled_dot_product_attention(
-        qb.transpose(1, 2), kb.transpose(1, 2).to(q.dtype), vb.transpose(1, 2).to(q.dtype),
-        attn_mask=allowed[:, None], scale=scale, enable_gqa=kb.shape[2] != q.shape[1])
-    out[q_index] = attn.transpose(1, 2)[q_valid].to(out.dtype)
+    attn = dot_product_attention(qb, kb.transpose(0, 1).to(q.dtype), _zero_invalid(vb, key_valid).transpose(0, 1),
+                                 ~allowed[:, None], scale)
+    out[q_index] = attn.transpose(0, 1)[q_valid].to(out.dtype)
+
+
+MIN_QUERY_ROWS = 2  # see the module docstring: one-row products take another MKL kernel than the trainer's
+
+
+def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masked: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """megatron-core 0.16.1 ``DotProductAttention.forward``'s arithmetic (fp32, no dropout, no softmax offset).
+
+    query: [sq, b, heads, dim]; key/value: [sk, b, kv_heads, dim]; masked: bool [b, 1, sq, sk], True = masked
+    (filled with -10000 before the softmax, as megatron's ``attention_mask_func``). Returns [sq, b, heads, dim].
+    Same operations in the same layouts as the trainer's attention, so the results round the same way;
+    ``test_torch_attention.py`` checks it bit for bit against the module.
+    """
+    heads, kv_heads = query.shape[2], key.shape[2]
+    if heads // kv_heads > 1:
+        key = key.repeat_interleave(heads // kv_heads, dim=2)
+        value = value.repeat_interleave(heads // kv_heads, dim=2)
+    sq, b, _, dim = query.shape
+    sk = key.shape[0]
+    scores = torch.baddbmm(query.new_empty(b * heads, sq, sk), query.reshape(sq, b * heads, dim).transpose(0, 1),
+                           key.reshape(sk, b * heads, dim).transpose(0, 1).transpose(1, 2), beta=0.0, alpha=scale)
+    probs = torch.softmax(scores.view(b, heads, sq, sk).masked_fill(masked, -10000.0), dim=-1)
+    context = torch.bmm(probs.view(b * heads, sq, sk), value.reshape(sk, b * heads, dim).transpose(0, 1))
+    return context.view(b, heads, sq, dim).permute(2, 0, 1, 3)
+
+
+def _zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Zero cache slots past a request's length ([b, k, ...] with valid [b, k]): they hold whatever was there
+    (NaN in the tests), and a zero probability times NaN would leak into the output."""
+    return values.masked_fill(~valid[:, :, None, None], 0.0)
 
 
 _BUFFERS = threading.local()
@@ -117,30 +156,68 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=Fals
     ``block_table`` [batch, max_blocks], or [batch, max_len, kv_heads, dim] without.
     ``cache_seqlens`` [batch]: valid cache length per request (including the new tokens).
 
-    This runs once per layer per generated token, so it is written for speed: the blocks are gathered
-    with ``index_select`` (a copy, cheaper than advanced indexing) and attention is torch's fused SDPA
-    with grouped-query support (about half of a CPU decode step was spent here with einsum).
+    This runs once per layer per generated token, so it is written for speed: only the first ``max_len``
+    cache slots of each request are gathered (one ``index_select`` of token rows; whole blocks would copy
+    up to ``block_size - 1`` unused slots per request: 3x the data for 20-token RL rollouts in 64-token
+    blocks); attention is :func:`dot_product_attention` over exactly those slots.
     """
     batch, q_len, heads, dim = q.shape
     lens = cache_seqlens.long()
     max_len = max(int(lens.max()), 1)
     kv_heads = k_cache.shape[-2]
+    key_valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [b, k]
+    group = heads // kv_heads
+    # One query per request and a grouped-query model: the query heads sharing a KV head are the rows of one
+    # product (megatron repeats K and V per query head instead: same per-row arithmetic, twice the copies).
+    fold = q_len == 1 and group >= MIN_QUERY_ROWS
+    expanded = kv_heads if fold else heads
     if block_table is not None:
-        block_size = k_cache.shape[1]
-        num_blocks = (max_len + block_size - 1) // block_size
-        ids = block_table[:, :num_blocks].long().clamp(min=0).reshape(-1)  # -1 marks unused blocks
-        shape = (ids.numel(), *k_cache.shape[1:])
-        kbuf, vbuf = _gather_buffers(shape, k_cache.dtype, k_cache.device)
-        kb = torch.index_select(k_cache, 0, ids, out=kbuf).view(batch, num_blocks * block_size, kv_heads, dim)
-        vb = torch.index_select(v_cache, 0, ids, out=vbuf).view(batch, num_blocks * block_size, kv_heads, dim)
+        key, value = _gather_paged(k_cache, v_cache, block_table, key_valid, expanded)
     else:
-        kb, vb = k_cache[:, :max_len], v_cache[:, :max_len]
-    key_pos = torch.arange(kb.shape[1], device=q.device)
-    allowed = (key_pos[None, :] < lens[:, None])[:, None, None, :]  # [b, 1, 1, k]
-    if causal and q_len > 1:
-        query_pos = torch.arange(q_len, device=q.device)[None, :, None] + (lens[:, None, None] - q_len)
-        allowed = allowed & (key_pos[None, None, :] <= query_pos)[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=allowed, scale=softmax_scale,
-        enable_gqa=kv_heads != heads)
-    return out.transpose(1, 2).nan_to_num(0.0).to(q.dtype)  # a request with no valid key -> zeros
+        key, value = (_expand_heads(c[:, :max_len].masked_fill(~key_valid[:, :, None, None], 0.0), expanded)
+                      for c in (k_cache, v_cache))
+    masked = ~key_valid[:, None, None, :]  # [b, 1, 1, k]
+    scale = softmax_scale or dim ** -0.5
+    if fold:
+        query = q.view(batch, kv_heads, group, dim).permute(2, 0, 1, 3)  # [group, b, kv_heads, dim]
+        out = dot_product_attention(query, key, value, masked, scale)
+        return out.permute(1, 2, 0, 3).reshape(batch, 1, heads, dim).to(q.dtype)
+    rows = max(q_len, MIN_QUERY_ROWS)
+    query = q.new_zeros(rows, batch, heads, dim)  # megatron's [sq, b, heads, dim] layout
+    query[:q_len] = q.transpose(0, 1)
+    if causal and q_len > 1:  # bottom-right aligned
+        query_pos = torch.arange(rows, device=q.device)[None, :, None] + (lens[:, None, None] - q_len)
+        masked = masked | (torch.arange(max_len, device=q.device)[None, None, :] > query_pos)[:, None]
+    out = dot_product_attention(query, key, value, masked, scale)
+    return out[:q_len].transpose(0, 1).to(q.dtype)
+
+
+def _expand_heads(cache: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, k, kv_heads, dim] -> [k, b, heads, dim] contiguous (each KV head repeated for its query heads)."""
+    return cache.transpose(0, 1).repeat_interleave(heads // cache.shape[2], dim=2).contiguous()
+
+
+def _gather_paged(k_cache, v_cache, block_table, key_valid: torch.Tensor, heads: int):
+    """Each request's first ``k`` cache slots as K and V [k, b, heads, dim], contiguous, KV heads repeated
+    ``heads // kv_heads`` times.
+
+    That is the layout megatron's ``DotProductAttention`` gives K and V before its products, built by one
+    ``index_select`` of ``dim``-sized rows per tensor (gather, transpose and head repeat in one copy: the
+    strided copy of ``repeat_interleave`` on the gathered cache cost 8 ms per decode layer at 128 requests).
+    Slots past a request's length read its slot 0 (finite, and multiplied by a zero probability).
+    """
+    batch, max_len = key_valid.shape
+    block_size, kv_heads, dim = k_cache.shape[1:]
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = block_table[:, :num_blocks].long().clamp(min=0)  # -1 marks unused blocks
+    slots = (blocks[:, :, None] * block_size + torch.arange(block_size, device=blocks.device))
+    slots = slots.view(batch, num_blocks * block_size)[:, :max_len]
+    slots = torch.where(key_valid, slots, slots[:, :1])
+    head_of = torch.arange(heads, device=blocks.device) // (heads // kv_heads)
+    rows = (slots.t()[:, :, None] * kv_heads + head_of).reshape(-1)  # [k, b, heads] rows of [*, dim]
+    shape = (max_len, batch, heads, dim)
+    kbuf, vbuf = _gather_buffers((rows.numel(), dim), k_cache.dtype, k_cache.device)
+    # megatron-core's caches are contiguous slices of one buffer (a view); anything else is copied whole here
+    key = torch.index_select(k_cache.reshape(-1, dim), 0, rows, out=kbuf).view(shape)
+    value = torch.index_select(v_cache.reshape(-1, dim), 0, rows, out=vbuf).view(shape)
+    return key, value

@@ -155,3 +155,12 @@ def test_async_rollouts_benchmark_runs_and_prints_its_table():
     rows = table_rows(out)
     assert set(rows) >= {"synchronous", "lag 1 + partial"}
     assert rows["synchronous"][1] == "1.00x" and rows["synchronous"][5] == "0.00"  # no staleness when synchronous
+
+
+def test_decode_step_table():
+    out = run_bench("decode_step.py", "--rows", "4", "--new-tokens", "4", "--rounds", "2")
+    rows = table_rows(out)
+    # 4 new tokens: megatron times at most the 3 decode steps after the first (prefill) step (fewer when the engine
+    # admitted the requests over two steps), HF the 2 after its second logits call; both rounds count
+    assert 1 <= int(rows["megatron"][0]) <= 6 and rows["huggingface"][0] == "4", out
+    assert "megatron / huggingface" in out

@@ -119,3 +119,44 @@ def test_varlen_prefill_batches_many_mixed_requests(monkeypatch):
             continue
         ref = _sdpa_reference(qs[b], ks[b], vs[b], causal_offset=k_lens[b] - q_lens[b])
         torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dot_product_attention_is_megatrons_bit_for_bit():
+    """The engine's attention arithmetic is the trainer's: megatron-core's DotProductAttention module, bit for bit."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed
+
+    init_distributed(tp=1)
+    heads, groups, d, sq, b = 4, 2, 16, 11, 3
+    config = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                               num_query_groups=groups, attention_dropout=0.0, masked_softmax_fusion=False,
+                               use_cpu_initialization=True)
+    module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(sq, b, heads, d, generator=g) * 3
+    k = torch.randn(sq, b, groups, d, generator=g) * 3
+    v = torch.randn(sq, b, groups, d, generator=g)
+    masked = torch.ones(sq, sq, dtype=torch.bool).tril().logical_not()[None, None].expand(b, 1, sq, sq)
+    masked = masked | (torch.arange(sq) >= torch.tensor([sq, 4, 7])[:, None])[:, None, None, :]  # padded keys
+    expected = module(q, k, v, masked).view(sq, b, heads, d)
+    assert torch.equal(ta.dot_product_attention(q, k, v, masked, d ** -0.5), expected)
+
+
+def test_decode_folds_grouped_heads_without_changing_a_bit(monkeypatch):
+    """Query heads of one KV head as the rows of one product == megatron's per-head products over repeated K/V."""
+    g = torch.Generator().manual_seed(6)
+    heads, kv_heads, d, block = 4, 2, 8, 4
+    lens = [1, 6, 13, 9]
+    ks = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
+    k_cache, table = _paged(ks, block, num_blocks=16, perm_seed=2)
+    k_cache = k_cache.nan_to_num(0.0)
+    v_cache = torch.randn(k_cache.shape, generator=g)
+    q = torch.randn(len(lens), 1, heads, d, generator=g)
+    args = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), causal=True, block_table=table)
+    folded = ta.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+    monkeypatch.setattr(ta, "MIN_QUERY_ROWS", heads // kv_heads + 1)  # too few heads per group to fold
+    unfolded = ta.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+    assert torch.equal(folded, unfolded)

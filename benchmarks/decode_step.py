@@ -1,0 +1,177 @@
+"""One decode step at N rows: the in-process megatron-core engine next to Hugging Face ``generate``, in one run.
+
+Both sides run the grpo_vs_trl "small" shape (4 layers, hidden 256, 4 heads / 2 KV groups, FFN 688, vocabulary
+384, fp32, random weights): ``MegatronInference`` over megatron-core's ``GPTModel`` (built as ``train_rl.py``
+builds it) and ``transformers``' ``Qwen2ForCausalLM``. Each round submits N requests at once (prompts of 5-20
+tokens, T = 1, ``--new-tokens`` each) and records every decode step that had all N rows:
+
+- megatron: the engine's ``async_step`` (forward, our sampling, megatron-core's bookkeeping, the backend's
+  per-step checks), timed around the call on the engine thread;
+- huggingface: the time between consecutive logits-processor calls inside ``generate`` (forward, sampling,
+  ``generate``'s own bookkeeping).
+
+It prints the median per step, in wall seconds and in CPU seconds of the process (all threads; steadier on a
+shared machine), and the ratio. Sides alternate within every round.
+
+    python benchmarks/decode_step.py [--rows 128] [--new-tokens 24] [--rounds 3] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+HIDDEN, LAYERS, HEADS, KV_GROUPS, FFN, VOCAB, SEQ = 256, 4, 4, 2, 688, 384, 128
+
+
+def workload(rows: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 21, (rows,), generator=g).tolist()
+    return [torch.randint(65, 91, (n,), generator=g).tolist() for n in lengths]
+
+
+def build_megatron():
+    argv = (C.model_flags(HIDDEN, LAYERS, HEADS, SEQ) + C.optim_flags(8, 8)
+            + ["--group-query-attention", "--num-query-groups", str(KV_GROUPS), "--ffn-hidden-size", str(FFN)])
+    trainer = C.build_trainer(argv)
+    from megatron.core.inference.engines import DynamicInferenceEngine
+
+    from megatron.rl.inference.megatron import MegatronInference
+    from megatron.rl.inference.megatron_engine import SamplingController
+
+    steps: list[tuple[int, float, float]] = []  # (rows, wall s, cpu s)
+    rows = {"n": 0}
+    sample = SamplingController._dynamic_step_sample_logits
+    step = DynamicInferenceEngine.async_step
+
+    def counting_sample(self, logits):
+        context = self.inference_wrapped_model.inference_context
+        rows["n"] = context.total_request_count - context.paused_request_count
+        return sample(self, logits)
+
+    async def timed_step(self, *args, **kwargs):
+        rows["n"] = 0
+        w0, c0 = time.perf_counter(), time.process_time()
+        result = await step(self, *args, **kwargs)
+        steps.append((rows["n"], time.perf_counter() - w0, time.process_time() - c0))
+        return result
+
+    SamplingController._dynamic_step_sample_logits = counting_sample
+    DynamicInferenceEngine.async_step = timed_step
+    tokenizer = _NoEos(trainer.tokenizer)
+    backend = MegatronInference(trainer.model[0], tokenizer, max_sequence_length=SEQ)
+    return backend, tokenizer, steps
+
+
+class _NoEos:
+    """The byte tokenizer without an end-of-sequence id: every request runs to ``max_tokens`` (as on the HF side)."""
+
+    eod = None
+    eos_token_ids = None
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.vocab_size = inner.vocab_size
+
+    def tokenize(self, text):
+        return self.inner.tokenize(text)
+
+    def detokenize(self, ids):
+        return self.inner.detokenize(ids)
+
+    def offsets(self, ids, text):
+        return self.inner.offsets(ids, text)
+
+
+def run_megatron(backend, tokenizer, steps, prompts, new_tokens: int, rows: int):
+    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
+
+    texts = [bytes(p).decode("ascii") for p in prompts]
+    requests = [InferenceRequest(prompt=t, generation_args=GenerationArgs(temperature=1.0, max_tokens=new_tokens,
+                                                                          seed=i)) for i, t in enumerate(texts)]
+    backend.enter_inference_mode()
+    steps.clear()
+    out = asyncio.run(backend.agenerate(requests))
+    backend.exit_inference_mode()
+    failed = [r.error for r in out if r.finish_reason == "error"]
+    assert not failed, failed[:3]
+    return [(w, c) for n, w, c in steps[1:] if n == rows]  # the first full step still holds prefill work
+
+
+def build_hf():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_GROUPS, max_position_embeddings=SEQ,
+                      tie_word_embeddings=True, eos_token_id=None, pad_token_id=VOCAB - 1, bos_token_id=None)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def run_hf(model, prompts, new_tokens: int):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), VOCAB - 1, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as generate expects
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    marks: list[tuple[float, float]] = []
+
+    class Clock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            marks.append((time.perf_counter(), time.process_time()))
+            return scores
+
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=VOCAB - 1,
+                       logits_processor=LogitsProcessorList([Clock()]))
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks[1:], marks[2:])]  # decode steps only
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    backend, tokenizer, steps = build_megatron()
+    hf = build_hf()
+    prompts = workload(args.rows)
+    times: dict[str, list[tuple[float, float]]] = {"megatron": [], "huggingface": []}
+    for r in range(args.rounds):
+        order = ["megatron", "huggingface"] if r % 2 == 0 else ["huggingface", "megatron"]
+        for side in order:
+            if side == "megatron":
+                times[side] += run_megatron(backend, tokenizer, steps, prompts, args.new_tokens, args.rows)
+            else:
+                times[side] += run_hf(hf, prompts, args.new_tokens)
+    med = {side: (statistics.median(w for w, _ in t) * 1e3, statistics.median(c for _, c in t) * 1e3)
+           for side, t in times.items()}
+    print(f"decode step at {args.rows} rows ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_GROUPS} KV groups, "
+          f"FFN {FFN}; {torch.get_num_threads()} threads; median of {args.rounds} rounds)")
+    print("| side | steps | wall ms/step | CPU ms/step |")
+    print("|---|---|---|---|")
+    for side, t in times.items():
+        print(f"| {side} | {len(t)} | {med[side][0]:.1f} | {med[side][1]:.1f} |")
+    print(f"megatron / huggingface: wall {med['megatron'][0] / med['huggingface'][0]:.2f}x, "
+          f"CPU {med['megatron'][1] / med['huggingface'][1]:.2f}x")
+    C.teardown()
+
+
+if __name__ == "__main__":
+    main()
