@@ -86,6 +86,7 @@ def test_without_versions_set_responses_carry_none(setup):
     assert resp.policy_versions is None
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tp2_ranks_pause_and_resume_in_lockstep():
     from tests.conftest import run_torchrun
