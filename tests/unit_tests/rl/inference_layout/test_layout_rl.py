@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,17 +38,22 @@ def _env(tmp: Path) -> Path:
     return p
 
 
-def _results(stdout: str) -> list[dict]:
-    out = [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("LAYOUT_RESULT ")]
+def _result_dir(tmp: Path) -> Path:
+    return Path(tempfile.mkdtemp(prefix="results", dir=tmp))
+
+
+def _results(result_dir: Path, stdout: str) -> list[dict]:
+    out = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
     assert len(out) == 2, stdout[-4000:]
     return sorted(out, key=lambda r: r["rank"])
 
 
 def _run(tmp: Path, case: list[str], iters: int, *extra) -> list[dict]:
+    result_dir = _result_dir(tmp)
     proc = run_torchrun(SCRIPT, [*FLAGS, "--train-iters", str(iters), "--langrl-env-config", _env(tmp), *case,
-                                 *map(str, extra)], timeout=600)
+                                 *map(str, extra)], timeout=600, env={"LAYOUT_RESULT_DIR": str(result_dir)})
     assert "--rl-verify-model-weights-swap: inference copy equals the trainer" in proc.stdout + proc.stderr
-    return _results(proc.stdout)
+    return _results(result_dir, proc.stdout)
 
 
 @pytest.mark.multiprocess
@@ -122,8 +128,10 @@ def test_grpo_reward_rises_with_a_separate_inference_layout(tmp_path):
              "--rl-use-sequence-packing", "--log-interval", "1", "--rl-prompts-per-eval", "0",
              "--tensor-model-parallel-size", "2", "--rl-inference-tensor-model-parallel-size", "1"]
     e2e = REPO_ROOT / "tests" / "unit_tests" / "rl" / "e2e"
-    proc = run_torchrun(SCRIPT, flags, timeout=900, env={"PYTHONPATH": f"{e2e}:{REPO_ROOT}"})
-    history = _results(proc.stdout)[0]["history"]
+    result_dir = _result_dir(tmp_path)
+    proc = run_torchrun(SCRIPT, flags, timeout=900,
+                        env={"PYTHONPATH": f"{e2e}:{REPO_ROOT}", "LAYOUT_RESULT_DIR": str(result_dir)})
+    history = _results(result_dir, proc.stdout)[0]["history"]
     rewards = [h["reward_mean"] for h in history]
     assert len(rewards) == 12
     assert max(h["logprob_gap_max"] for h in history) < 1e-4

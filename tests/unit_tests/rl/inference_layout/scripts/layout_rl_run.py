@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def main(argv: list[str]) -> None:
     result = run_rl(cfg, rl)
     out = {"rank": dist.get_rank(), "history": result.history, "evals": result.evals, "checksums": checksums,
            "copy_dispatcher_groups": copy_groups[0] if copy_groups else [], "token_digests": token_digests}
-    print("LAYOUT_RESULT " + json.dumps(out), flush=True)
+    # one file per rank: printed, the two ranks' long result lines interleaved on the shared stdout pipe
+    Path(os.environ["LAYOUT_RESULT_DIR"], f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
     destroy_megatron()
 
 
