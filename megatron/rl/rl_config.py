@@ -141,7 +141,7 @@ def _known_backends() -> list[str]:
     """Built-in backend names plus any registered so far, without importing the backends' modules."""
     from megatron.rl.inference import api
 
-    return sorted(set(api._BUILTIN_BACKEND_MODULES) | set(api.InferenceInterface._registry))
+    return api.InferenceInterface._registry.names()
 
 
 def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
