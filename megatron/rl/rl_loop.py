@@ -121,7 +121,9 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
                       micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
                       device=run.runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
                       ref_model=run.ref_model)
-    ctx.rollouts = build_async_rollouts(ctx, rl, iteration)  # asynchronous rollouts (issue 14); None: synchronous
+    # asynchronous rollouts (issue 14); None: synchronous. A durable rollout bank restores what a resumed run lost.
+    ctx.rollouts = build_async_rollouts(ctx, rl, iteration, save=c.save,
+                                        resuming=start.from_checkpoint or bool(c.load))
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
         from megatron.rl.refit import refit_after_iteration, start_inference_copy
 
@@ -157,6 +159,8 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
 
     def save(it: int) -> None:
         run.save(it, {"iteration": it, "agent": agent.state_dict()})
+        if ctx.rollouts is not None:  # the rollout bank forgets what this checkpoint trained
+            ctx.rollouts.checkpoint_saved(it)
 
     history: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
@@ -182,6 +186,9 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
             log.info(format_rl_line(iteration, t.train_iters, result.metrics, float(optimizer.param_groups[0]["lr"])))
         checks.report(findings, iteration)
         emit(record)
+        ledger = ctx.rollouts.ledger() if ctx.rollouts is not None else None
+        if ledger is not None and jsonl is not None:  # rollout bank: this rank's group uids, for audits
+            jsonl.write({"iteration": iteration, "rollout_groups": ledger})
         all_failed = count_all_failed(all_failed, result.metrics, rl.rollouts_per_step)
         if rl.max_all_failed_iterations and all_failed >= rl.max_all_failed_iterations:
             raise AllRolloutsFailedError(

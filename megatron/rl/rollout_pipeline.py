@@ -79,11 +79,21 @@ class AsyncRolloutConfig:
     max_inflight_requests: int = flag(
         0, name="--rl-max-inflight-requests",
         help="At most this many rollout requests in the backend at once (0: only the lag bound).")
+    # durable rollout bank (issue 14 item 4): megatron.rl.rollout_bank
+    durable_rollout_bank: bool = flag(
+        False, name="--rl-durable-rollout-bank",
+        help="Write every completed rollout group to disk as it completes (fsync-ed, checksummed) and mark what "
+             "each iteration trains on; a resumed run (after a crash too) trains the completed groups the loaded "
+             "checkpoint never saw instead of regenerating them. Runs rollouts through the pipeline (also with "
+             "lag 0: the synchronous schedule).")
+    rollout_bank_dir: str | None = flag(
+        None, name="--rl-rollout-bank-dir",
+        help="Directory of the durable rollout bank (one file per rank); default: <--save>/rollout_bank.")
 
     @property
     def enabled(self) -> bool:
         """Whether rollouts go through the pipeline; the defaults keep today's synchronous collection."""
-        return self != AsyncRolloutConfig()
+        return dataclasses.replace(self, rollout_bank_dir=None) != AsyncRolloutConfig()
 
     @property
     def off_policy(self) -> bool:
@@ -93,16 +103,30 @@ class AsyncRolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GroupTicket:
-    """A group's place in the pipeline: submission ``index`` (from 0), its ``batch`` (``index // P``) and the
-    policy ``version`` it was submitted at."""
+    """A group's place in the pipeline: submission ``index`` (from 0), its ``batch`` (``index // P``), the
+    policy ``version`` it was submitted at and the ``attempt`` of the run that submitted it (0, then one more at
+    every resume with a durable rollout bank: a resumed run submits some indices again, see
+    :mod:`megatron.rl.rollout_bank`, and uids must stay unique)."""
 
     index: int
     batch: int
     version: int
+    attempt: int = 0
 
     @property
     def uid(self) -> str:
-        return f"g{self.index}"
+        return f"g{self.index}" if not self.attempt else f"g{self.index}.r{self.attempt}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmissionState:
+    """Where submission stands, for a durable rollout bank to resume it: the next new index, the indices below it
+    that must be submitted again (in flight when recorded: lost if they never completed) and the indices from
+    ``next_index`` on that must never be submitted (already completed: restored or trained)."""
+
+    next_index: int
+    resubmit: tuple[int, ...] = ()
+    skip: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -145,10 +169,19 @@ class RolloutPipeline:
         group_size: rollouts per group (requests per group, for ``--rl-max-inflight-requests``).
         control: pauses / stops the backend between phases.
         start_version: the policy version of the loaded weights (the resumed iteration).
+        restored: groups completed before a crash and not trained into the loaded weights (the durable rollout
+            bank): finished from the start, with their original tickets; their submission indices are not
+            generated again.
+        on_finished: called with each group as it completes (the bank writes it through), not for restored ones.
+        attempt: stamped on the tickets this pipeline submits (see :class:`GroupTicket`).
+        submission: where submission stood when the bank last recorded it (default: the resumed version's first
+            batch); with ``G`` consumption the groups trained by then are not a prefix of the indices.
     """
 
     def __init__(self, produce: Produce, config: AsyncRolloutConfig, groups_per_step: int, group_size: int,
-                 control: PhaseControl | None = None, start_version: int = 0):
+                 control: PhaseControl | None = None, start_version: int = 0,
+                 restored: Sequence[FinishedGroup] = (), on_finished: Callable[[FinishedGroup], None] | None = None,
+                 attempt: int = 0, submission: SubmissionState | None = None):
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
         self.config = config
@@ -166,6 +199,16 @@ class RolloutPipeline:
         self._completions = 0
         self._errors: list[BaseException] = []
         self._closed = False
+        self._on_finished = on_finished
+        self._attempt = attempt
+        for f in sorted(restored, key=lambda f: f.ticket.index):
+            self._finished[f.ticket.index] = dataclasses.replace(f, order=self._completions)
+            self._completions += 1
+        if submission is not None:
+            self._next_index = submission.next_index
+        # never submitted again: restored (finished) or already trained
+        self._skip = {i for i in [*self._finished, *(submission.skip if submission else ())] if i >= self._next_index}
+        self._resubmit = sorted({*(submission.resubmit if submission else ())} - set(self._finished))
 
     # ------------------------------------------------------------------ state
 
@@ -235,20 +278,39 @@ class RolloutPipeline:
             return None
         return cap // self.group_size - sum(len(ts) for ts in self._inflight.values())
 
+    def submission_state(self) -> SubmissionState:
+        """See :class:`SubmissionState` (for the durable rollout bank)."""
+        inflight = [t.index for ts in self._inflight.values() for t in ts]
+        return SubmissionState(self._next_index, tuple(sorted({*inflight, *self._resubmit})), tuple(sorted(self._skip)))
+
+    def _submit(self, tickets: list[GroupTicket]) -> None:
+        task = self._loop.create_task(self._run(tickets))
+        self._inflight[task] = tickets
+
     def _refill(self) -> None:
         P = self.groups_per_step
+        while self._resubmit and self._resubmit[0] < self._limit():  # lost in a crash: before any new index
+            slots = self._group_slots()
+            if slots is not None and slots < 1:
+                return
+            i = self._resubmit.pop(0)
+            self._submit([GroupTicket(index=i, batch=i // P, version=self.version, attempt=self._attempt)])
         while self._next_index < self._limit():
             i = self._next_index
+            if i in self._skip:
+                self._skip.discard(i)
+                self._next_index += 1
+                continue
             if self.config.submission_granularity == "B":
-                count = (i // P + 1) * P - i  # the rest of the batch (all of it, except after a resume mid-batch)
+                # The rest of the batch (all of it, except after a resume mid-batch), up to a restored group.
+                count = min([(i // P + 1) * P, *(j for j in self._skip if j > i)]) - i
             else:
                 count = 1
             slots = self._group_slots()
             if slots is not None and slots < count:
                 return
-            tickets = [GroupTicket(index=i + k, batch=i // P, version=self.version) for k in range(count)]
-            task = self._loop.create_task(self._run(tickets))
-            self._inflight[task] = tickets
+            self._submit([GroupTicket(index=i + k, batch=i // P, version=self.version, attempt=self._attempt)
+                          for k in range(count)])
             self._next_index += count
 
     async def _run(self, tickets: list[GroupTicket]) -> None:
@@ -258,7 +320,10 @@ class RolloutPipeline:
                 raise RuntimeError(f"the agent returned {len(groups)} groups for {len(tickets)} requested")
             for t, g in zip(tickets, groups):
                 annotate_versions(g, t.version, self.version)
-                self._finished[t.index] = FinishedGroup(t, g, self.version, self._completions)
+                finished = FinishedGroup(t, g, self.version, self._completions)
+                if self._on_finished is not None:  # before it can be consumed: the bank writes it through
+                    self._on_finished(finished)
+                self._finished[t.index] = finished
                 self._completions += 1
         except asyncio.CancelledError:
             raise
@@ -331,7 +396,38 @@ def annotate_versions(group: RolloutGroup, submitted: int, finished: int) -> Non
         log.debug("group submitted at version %d finished at %d without per-token versions", submitted, finished)
 
 
-class RequestGate(InferenceInterface):
+class ForwardingInference(InferenceInterface):
+    """Base of a wrapper around another backend (``inner``): generation and unknown attributes (``rollout_shard``,
+    ``inference_mode``, ...) go to it through ``__getattr__``, and the :class:`InferenceInterface` hooks, whose
+    base-class defaults ``__getattr__`` never overrides, are forwarded explicitly."""
+
+    def __init__(self, inner: InferenceInterface):
+        self.inner = inner
+
+    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
+        return await self.inner.agenerate(requests)
+
+    supports_weight_updates = property(lambda self: self.inner.supports_weight_updates)  # type: ignore[assignment]
+
+    def set_policy_version(self, version: int) -> None:
+        self.inner.set_policy_version(version)
+
+    def pause_generation(self) -> None:
+        self.inner.pause_generation()
+
+    def resume_generation(self, version: int) -> None:
+        self.inner.resume_generation(version)
+
+    def rollout_phase(self):
+        return self.inner.rollout_phase()
+
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copy / pickle probes): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class RequestGate(ForwardingInference):
     """``--rl-submission-granularity R``: at most ``max_requests`` requests (samples) in the backend at once.
 
     Wraps the backend the agents generate with; a call owing ``n`` samples waits until ``n`` slots are free (first
@@ -341,7 +437,7 @@ class RequestGate(InferenceInterface):
     def __init__(self, inner: InferenceInterface, max_requests: int):
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
-        self.inner = inner
+        super().__init__(inner)
         self.max_requests = max_requests
         self.in_use = 0
         self.peak = 0
@@ -362,5 +458,4 @@ class RequestGate(InferenceInterface):
                 self.in_use -= n
                 self._cond.notify_all()
 
-    def __getattr__(self, name: str):  # rollout_shard, inference_mode, ... of the wrapped backend
-        return getattr(self.inner, name)
+

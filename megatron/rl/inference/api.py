@@ -164,7 +164,10 @@ class InferenceInterface(abc.ABC):
     batched by the backend, never serialised. Register a subclass with
     ``@InferenceInterface.register("name")`` and build it with ``build_inference_interface("name", ...)``.
     Hooks with defaults: :meth:`build_for_training` (how an RL run builds it), :meth:`rollout_phase` (what
-    brackets a rollout phase), :meth:`from_cli`, :meth:`for_untrusted_spec`.
+    brackets a rollout phase), :meth:`from_cli`, :meth:`for_untrusted_spec`, and for asynchronous rollouts
+    :attr:`supports_weight_updates`, :meth:`set_policy_version`, :meth:`pause_generation`,
+    :meth:`resume_generation`. A wrapper that forwards to an inner backend must forward these explicitly
+    (a ``__getattr__`` never sees them: the defaults here are found first).
     """
 
     _registry: ClassVar[Registry[type["InferenceInterface"]]] = Registry(
@@ -174,6 +177,10 @@ class InferenceInterface(abc.ABC):
     #: dynamic engine). The inference server then forwards each HTTP request as soon as it arrives instead
     #: of collecting requests into one ``agenerate`` call.
     continuous_batching: ClassVar[bool] = False
+    #: True when the trainer's weight updates reach this backend (it generates with the trainer's weights, in
+    #: place or refitted), so that requests in flight at an update can continue with the new weights
+    #: (``--rl-partial-rollouts``). False for a server the trainer cannot update (and by default).
+    supports_weight_updates: ClassVar[bool] = False
 
     @classmethod
     def from_cli(cls, argv: list[str]) -> "InferenceInterface":
@@ -258,6 +265,18 @@ class InferenceInterface(abc.ABC):
         them here and frees them on the way out. Default: nothing to do.
         """
         yield self
+
+    # -- asynchronous rollouts: generation across weight updates (no-ops by default) -----------------------
+    def set_policy_version(self, version: int) -> None:
+        """The policy version (trainer iteration) of the weights generating from now on; a backend that records
+        it per token returns it in ``InferenceResponse.policy_versions``. Default: not recorded."""
+
+    def pause_generation(self) -> None:
+        """Hold the requests in flight (keeping their state) so that the trainer may update the weights; returns
+        once held. Default: nothing to hold (the backend does not generate with the trainer's weights)."""
+
+    def resume_generation(self, version: int) -> None:
+        """Continue the held requests with the updated weights, as policy ``version``. Default: nothing held."""
 
     async def aclose(self) -> None:
         """Release resources (connections, KV caches). Default: nothing to release."""

@@ -41,6 +41,8 @@ VOCAB_SIZE = 257
 class FakeInference(InferenceInterface):
     """Deterministic byte-level bigram model (see the module docstring)."""
 
+    supports_weight_updates = True  # no weights of the trainer's to miss: any update is trivially seen
+
     def __init__(self, max_seq_len: int = 2048, delay_s: float = 0.0, eos_bias: float = -1.0, table_seed: int = 0):
         self.max_seq_len = int(max_seq_len)
         self.delay_s = float(delay_s)

@@ -95,6 +95,8 @@ class MegatronInference(InferenceInterface):
     is fine). Construction is collective over all ranks when the world has more than one rank.
     """
 
+    supports_weight_updates = True  # generates with the trainer's parameters in place
+
     def __init__(self, model: Any, tokenizer: Any, settings: EngineSettings | None = None,
                  max_sequence_length: int | None = None, process_groups: Any = None):
         runtime = setup_runtime()
