@@ -318,7 +318,9 @@ def staleness_metrics(versions: Sequence[Sequence[int] | None], iteration: int) 
     """Token staleness of the sequences trained at ``iteration`` (= the policy version being updated).
 
     ``versions``: per sequence, the policy version of each token (-1 where not generated: prompt, observations),
-    or None when unknown. Staleness of a generated token = ``iteration - version``. Returns ``staleness_mean``,
+    or None when unknown. Staleness of a generated token = ``|iteration - version|``: ``iteration - version``,
+    except for a group the durable rollout bank restored into an older checkpoint, whose tokens can come from a
+    later version whose weights were lost (just as far from the trained policy). Returns ``staleness_mean``,
     ``staleness_max`` and ``off_policy_token_share`` (staleness > 0) over generated tokens with known versions.
     """
     total = count = worst = off = 0
@@ -326,7 +328,7 @@ def staleness_metrics(versions: Sequence[Sequence[int] | None], iteration: int) 
         for v in vs or ():
             if v < 0:
                 continue
-            s = iteration - v
+            s = abs(iteration - v)
             total += s
             count += 1
             worst = max(worst, s)

@@ -3,6 +3,7 @@ scripted schedule), per-token versions from backend responses, and end-to-end ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -15,11 +16,11 @@ import torch
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig, compute_token_loss
-from megatron.rl.async_rollouts import VersionRecorder, staleness_metrics
+from megatron.rl.async_rollouts import EngineControl, VersionRecorder, staleness_metrics
 from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.rl_config import add_rl_args, rl_config_from_args
 from megatron.rl.rl_utils import old_logprobs_from_training_forward
-from megatron.rl.rollout_pipeline import VERSIONS_KEY
+from megatron.rl.rollout_pipeline import VERSIONS_KEY, RequestGate
 from megatron.rl.rollouts import groups_to_sequences
 from megatron.rl.training.config import ConfigError, parse_args
 from megatron.rl.base.types import RolloutGroup, TokenRollout
@@ -113,6 +114,107 @@ def test_openai_with_lag_alone_is_valid(env_yaml):
     assert rl.async_rollouts.generation_lag == 2 and rl.loss.is_correction
 
 
+def test_partial_rollouts_read_the_backend_s_supports_weight_updates(env_yaml):
+    @InferenceInterface.register("test_weight_updating")
+    class Updating(InferenceInterface):
+        supports_weight_updates = True
+
+        async def agenerate(self, requests):
+            return []
+
+    try:
+        rl = _rl(env_yaml, "--rl-partial-rollouts", "--inference-backend", "test_weight_updating")
+        assert rl.async_rollouts.partial_rollouts  # a registered backend that sees updates: not refused by name
+    finally:
+        InferenceInterface._registry.pop("test_weight_updating", None)
+    with pytest.raises(ConfigError, match="--inference-backend=huggingface does not see the trainer's weight"):
+        _rl(env_yaml, "--rl-partial-rollouts", "--inference-backend", "huggingface")
+
+
+# ----------------------------------------------------------------------------------------------- rollout bank
+
+
+def test_rollout_bank_flags(env_yaml, tmp_path):
+    with pytest.raises(ConfigError, match="--rl-rollout-bank-dir=.* without --rl-durable-rollout-bank"):
+        _rl(env_yaml, "--rl-generation-lag", "1", "--rl-rollout-bank-dir", tmp_path)
+    with pytest.raises(ConfigError, match="--rl-durable-rollout-bank without --save or --rl-rollout-bank-dir"):
+        _rl(env_yaml, "--rl-generation-lag", "1", "--rl-durable-rollout-bank")
+    # allowed with lag 0: rollouts go through the pipeline on the synchronous schedule, on-policy
+    rl = _rl(env_yaml, "--rl-durable-rollout-bank", "--save", tmp_path)
+    assert rl.async_rollouts.enabled and not rl.async_rollouts.off_policy and not rl.loss.is_correction
+    rl = _rl(env_yaml, "--rl-durable-rollout-bank", "--rl-rollout-bank-dir", tmp_path / "bank")
+    assert rl.async_rollouts.rollout_bank_dir == str(tmp_path / "bank")
+
+
+# ----------------------------------------------------------------------------------------------- hooks
+
+
+class _PausingBackend(InferenceInterface):
+    supports_weight_updates = True
+
+    def __init__(self):
+        self.events: list[tuple] = []
+
+    async def agenerate(self, requests):
+        return []
+
+    def set_policy_version(self, version):
+        self.events.append(("version", version))
+
+    def pause_generation(self):
+        self.events.append(("pause",))
+
+    def resume_generation(self, version):
+        self.events.append(("resume", version))
+
+    @contextlib.contextmanager
+    def rollout_phase(self):
+        self.events.append(("enter",))
+        yield self
+        self.events.append(("exit",))
+
+
+def test_a_wrapped_backend_s_hooks_are_reached_through_the_wrappers():
+    inner = _PausingBackend()
+    wrapped = RequestGate(VersionRecorder(inner), max_requests=4)
+    assert wrapped.supports_weight_updates and not InferenceInterface.supports_weight_updates
+    control = EngineControl(wrapped)
+    control.start(3)
+    control.stop(drained=False)  # partial rollouts: paused across the update
+    control.start(4)  # resumes the held requests first
+    control.stop(drained=True)
+    assert inner.events == [("enter",), ("version", 3), ("pause",), ("resume", 4), ("exit",)]
+
+
+def test_a_wrapper_relying_on_getattr_alone_would_miss_the_hooks():
+    # why the wrappers forward explicitly: the base-class no-op is found before __getattr__ is asked
+    class Naive(InferenceInterface):
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def agenerate(self, requests):
+            return await self.inner.agenerate(requests)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    inner = _PausingBackend()
+    Naive(inner).pause_generation()
+    assert inner.events == [] and not Naive(inner).supports_weight_updates
+
+
+def test_backends_without_weights_of_the_trainer_keep_the_no_op_hooks():
+    from megatron.rl.inference.fake import FakeInference
+
+    fake = FakeInference()
+    control = EngineControl(fake)
+    control.start(0)
+    control.stop(drained=False)
+    control.start(1)
+    control.close()  # nothing to pause: the no-op defaults, no AttributeError
+    assert FakeInference.supports_weight_updates
+
+
 # ----------------------------------------------------------------------------------------------- staleness
 
 
@@ -134,6 +236,9 @@ def test_staleness_metrics_are_exact_on_a_scripted_schedule():
     # staleness per generated token: A 2,2,1,0 | 2,1 ; B 1,1,1 | 1 ; C 0,0 | 0,0,0  -> 15 tokens, sum 12, 9 stale
     assert m == {"staleness_mean": 12 / 15, "staleness_max": 2.0, "off_policy_token_share": 9 / 15}
     assert staleness_metrics([None, [-1, -1]], 3) == {}  # nothing known: no metrics rather than zeros
+    # restored by the rollout bank into checkpoint 3 from weights of version 4 that were lost: off-policy too
+    assert staleness_metrics([[-1, 4, 4, 3]], 3) == {"staleness_mean": 2 / 3, "staleness_max": 1.0,
+                                                     "off_policy_token_share": 2 / 3}
 
 
 def test_is_weight_stats_are_exact_on_scripted_logprobs():
