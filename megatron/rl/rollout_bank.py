@@ -11,8 +11,10 @@ rank: the model-parallel ranks of one engine hold identical copies). A record is
 is one UTF-8 JSON object (no pickle) with a ``kind``:
 
 * ``"checkpoint"``: closes a compacted file (checkpoint save, and at every start): ``iteration``
-  (the checkpoint's), ``agent_state`` (the agents' prompt positions at that moment) and ``layout`` (groups per
-  step, group size, world size; a resume with another layout is refused).
+  (the checkpoint's), ``agent_state`` (the agents' prompt positions at that moment), ``layout`` (groups per
+  step, group size, data-parallel and world size; restoring into another layout is refused), ``attempt`` (of
+  the run that wrote it) and ``submission`` (the pipeline's next index, indices in flight, indices done; see
+  below).
 * ``"group"``: a completed group: ``uid`` (unique: ``g{index}``, or ``g{index}.r{attempt}`` when submitted by
   a resumed run), its submission ``index``, ``batch`` and ``attempt``,
   ``submitted`` / ``finished`` (the policy versions when it entered the backend and when it completed; every
@@ -44,6 +46,18 @@ last record written after that checkpoint (the last ``"group"`` after a ``"check
 regenerated (those groups never completed; their submission indices are generated anew with fresh prompts).
 A bank compacted at an iteration after ``k`` (resuming from an older checkpoint on purpose) no longer holds the
 groups consumed since ``k``: it is discarded with a warning and the run regenerates, as without the bank.
+
+**Submission indices.** With ``G`` consumption the groups trained by checkpoint ``k`` are not the first ``k x P``
+indices, so the resumed pipeline does not restart at index ``k x P``: it continues from the ``submission`` of the
+last ``"checkpoint"`` record: the next new index stays, indices that were in flight then come back (submitted
+again, first) unless they completed since, and every index completed since (restored or trained) is never
+submitted again. The lag bound and the per-iteration count therefore continue as if the run had not stopped.
+Indices submitted again get the uid ``g{index}.r{attempt}`` (the attempt counts resumes), so uids stay unique.
+
+**Which runs.** Any asynchronous-rollout configuration, also lag 0 (the pipeline then runs the synchronous
+schedule; the bank saves the groups of an iteration killed mid-collection or between its update and the next
+checkpoint). A run that does not resume (no ``--load``) empties the bank. Model-parallel ranks of one engine
+each keep an identical file; a resume must keep the data-parallel size and per-step shapes.
 """
 from __future__ import annotations
 
