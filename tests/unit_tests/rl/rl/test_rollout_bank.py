@@ -272,57 +272,55 @@ class Run:
 
 
 def test_crash_and_resume_trains_every_completed_group_once_over_random_schedules(tmp_path):
+    """Up to three attempts per schedule, each killed after a random number of completions (a kill can also come
+    before the first checkpoint, or right after a resume), then one that runs to the end."""
     from tests.unit_tests.rl.rl.test_rollout_pipeline import _random_config
 
-    restored_total = 0
+    restored_total = crashes_total = 0
     for seed in range(100):
         rng = random.Random(seed)
         cfg, P = _random_config(rng)
         path = tmp_path / f"bank{seed}.log"
         total, save_every = rng.randint(3, 6), rng.randint(1, 2)
-        # attempt 1: train, saving every `save_every` iterations, crash after some completions
-        run = Run(path, cfg, P, rng, 0, None, resuming=False, crash_after=rng.randint(1, (total + 2) * P))
-        trained: dict[int, list[str]] = {}
-        checkpoint, ckpt_agent = 0, run.state_dict()
-        crashed = False
-        for v in range(total):
-            try:
-                got = run.pipe.next_batch()
-            except Crash:
-                crashed = True
+        checkpoint, ckpt_agent = 0, None
+        trained: dict[int, list[str]] = {}  # iteration -> uids, as the surviving lineage saw it
+        produced: dict[str, str] = {}
+        for attempt in range(4):
+            crash_after = rng.randint(1, (total + 2) * P) if attempt < 3 else None
+            run = Run(path, cfg, P, rng, checkpoint, ckpt_agent, resuming=attempt > 0, crash_after=crash_after)
+            ctx = (seed, attempt, cfg, P, checkpoint)
+            expected = set(produced) - {u for it in trained if it <= checkpoint for u in trained[it]}
+            assert set(run.restored) == expected, ("restored", ctx)
+            restored_total += len(run.restored)
+            trained = {it: u for it, u in trained.items() if it <= checkpoint}  # the rest was lost
+            crashed = False
+            for v in range(checkpoint, total):
+                try:
+                    got = run.pipe.next_batch()
+                except Crash:
+                    crashed = True
+                    break
+                assert all(v - f.ticket.version <= cfg["generation_lag"] for f in got), ("lag bound", ctx)
+                uids = [f.ticket.uid for f in got]
+                run.bank.consumed(v + 1, uids)
+                trained[v + 1] = uids
+                run.pipe.advance()
+                if (v + 1) % save_every == 0 or v + 1 == total:
+                    checkpoint, ckpt_agent = v + 1, run.state_dict()
+                    run.bank.checkpoint_saved(v + 1, dataclasses.asdict(run.pipe.submission_state()))
+            run.pipe.close()
+            assert not set(run.produced) & set(produced), ("a restored group was generated again", ctx)
+            produced.update(run.produced)
+            if not crashed:
                 break
-            uids = [f.ticket.uid for f in got]
-            run.bank.consumed(v + 1, uids)
-            trained[v + 1] = uids
-            run.pipe.advance()
-            if (v + 1) % save_every == 0:
-                checkpoint, ckpt_agent = v + 1, run.state_dict()
-                run.bank.checkpoint_saved(v + 1, dataclasses.asdict(run.pipe.submission_state()))
-        run.pipe.close()
+            crashes_total += 1
+            run.bank.close()
+        left = {g.uid for g in run.bank.bank.groups()} - run.bank.bank.consumed()
         run.bank.close()
-        produced1 = dict(run.produced)
-        if not crashed:
-            continue
-        # attempt 2: resume from the last checkpoint, run to the end
-        run2 = Run(path, cfg, P, rng, checkpoint, ckpt_agent, resuming=True)
-        restored_total += len(run2.restored)
-        kept = [u for it in sorted(trained) if it <= checkpoint for u in trained[it]]
-        for v in range(checkpoint, total):
-            got = run2.pipe.next_batch()
-            assert all(v - f.ticket.version <= cfg["generation_lag"] for f in got), ("lag bound", seed, cfg)
-            kept += [f.ticket.uid for f in got]
-            run2.bank.consumed(v + 1, [f.ticket.uid for f in got])
-            run2.pipe.advance()
-        run2.pipe.close()
-        left = {g.uid for g in run2.bank.bank.groups()} - run2.bank.bank.consumed()
-        run2.bank.close()
-        produced2 = run2.produced
-        ctx = (seed, cfg, P, checkpoint)
+        kept = [u for it in sorted(trained) for u in trained[it]]
+        assert sorted(trained) == list(range(1, total + 1)), ctx
         assert len(kept) == len(set(kept)) == total * P, ("trained twice or missing", ctx)
-        assert not set(produced1) & set(produced2), ("a restored group was generated again", ctx)
-        assert set(kept) | left == set(produced1) | set(produced2), ("a completed group was lost", ctx)
+        assert set(kept) | left == set(produced), ("a completed group was lost", ctx)
         assert not set(kept) & left, ctx
-        problems = list(produced1.values()) + list(produced2.values())
-        assert len(problems) == len(set(problems)), ("a prompt was drawn twice", ctx)
-        assert set(run2.restored) == set(produced1) - {u for it in trained if it <= checkpoint for u in trained[it]}
-    assert restored_total > 50  # the schedules did restore groups
+        assert len(set(produced.values())) == len(produced), ("a prompt was drawn twice", ctx)
+    assert restored_total > 100 and crashes_total > 100  # the schedules did crash and restore
