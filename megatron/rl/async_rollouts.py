@@ -200,7 +200,6 @@ class VersionRecorder(ForwardingInference):
                                             for i, m in enumerate(r.generation_mask)]
 
 
-
 class AsyncRollouts:
     """The trainer's rollout source with the pipeline: ``collect(iteration)`` -> this DP rank's groups."""
 

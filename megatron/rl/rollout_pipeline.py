@@ -281,7 +281,8 @@ class RolloutPipeline:
     def submission_state(self) -> SubmissionState:
         """See :class:`SubmissionState` (for the durable rollout bank)."""
         inflight = [t.index for ts in self._inflight.values() for t in ts]
-        return SubmissionState(self._next_index, tuple(sorted({*inflight, *self._resubmit})), tuple(sorted(self._skip)))
+        return SubmissionState(self._next_index, tuple(sorted({*inflight, *self._resubmit})),
+                               tuple(sorted(self._skip)))
 
     def _submit(self, tickets: list[GroupTicket]) -> None:
         task = self._loop.create_task(self._run(tickets))
