@@ -64,7 +64,8 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
                                         f"(0: no cap besides the lag bound).")
     if not ac.enabled:
         return
-    dp = cfg.parallel.data_parallel_size
+    # Pipelines run per data-parallel rank, or per inference replica with a separate inference layout.
+    dp = rl.inference_layout.sizes(cfg).dp if rl.inference_layout.enabled else cfg.parallel.data_parallel_size
     local_groups = rl.prompts_per_step // max(dp, 1)
     if ac.consumption_granularity == "G":
         whole = [f"--grpo-advantage-estimator={rl.advantage_estimator}"] if needs_whole_batches(
@@ -74,12 +75,18 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
         need(not whole, f"--rl-consumption-granularity G trains on groups as they finish, from several submission "
                         f"batches, but {' and '.join(whole)} normalises over a whole batch: use "
                         f"--rl-consumption-granularity B.")
+    # Ranks that serve one engine in lockstep: the inference copy's replica with a separate layout (whose groups
+    # are then regrouped from each replica's first rank), else the training model replica.
+    s = rl.inference_layout.sizes(cfg) if rl.inference_layout.enabled else None
     p = cfg.parallel
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size > 1
+    model_parallel = (s.tp * s.pp * s.ep if s is not None else
+                      p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size) > 1
+    generating = ("the separate inference layout's replicas (--rl-inference-*-model-parallel-size)" if s is not None
+                  else "the training model's replicas")
     need(ac.consumption_granularity == "B" or not model_parallel,
-         "--rl-consumption-granularity G with model parallelism: which groups finish first can differ between the "
-         "ranks of one model replica (rewards run in threads), and they must train on the same groups; use "
-         "--rl-consumption-granularity B.")
+         f"--rl-consumption-granularity G with model parallelism of {generating}: which groups finish first can "
+         f"differ between the ranks of one model replica (rewards run in threads), and they must train on the same "
+         f"groups; use --rl-consumption-granularity B.")
     cap = ac.max_inflight_requests
     if cap:
         need(cap >= rl.group_size, f"--rl-max-inflight-requests={cap} is below --grpo-group-size={rl.group_size}: "
@@ -95,9 +102,6 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
          f"--rl-partial-rollouts continues in-flight requests with the updated weights, but "
          f"--inference-backend={rl.inference_backend} is a server the trainer cannot update; drop "
          f"--rl-partial-rollouts (a --rl-generation-lag alone works with it).")
-    need(not rl.inference_layout.enabled,
-         "asynchronous rollouts (--rl-generation-lag / --rl-partial-rollouts / --rl-*-granularity / "
-         "--rl-max-inflight-requests) are not wired to a separate inference layout yet: drop one of the two.")
     need(rl.serve_inference is None,
          "asynchronous rollouts are not wired to --rl-serve-inference yet: drop one of the two.")
 
@@ -205,13 +209,15 @@ class VersionRecorder(InferenceInterface):
 class AsyncRollouts:
     """The trainer's rollout source with the pipeline: ``collect(iteration)`` -> this DP rank's groups."""
 
-    def __init__(self, ctx: Any, rl: Any, start_iteration: int, gen_rank: int, gen_size: int):
+    def __init__(self, ctx: Any, rl: Any, start_iteration: int, gen_rank: int, gen_size: int, shard: Any = None):
         from megatron.rl.agent.api import GroupedRolloutRequest
         from megatron.rl.inference.api import GenerationArgs
         from megatron.rl.rl_utils import derive_seed
 
         ac: AsyncRolloutConfig = rl.async_rollouts
         self.config = ac
+        self.shard = shard  # RolloutShard of a separate inference layout (None: this DP rank generates its own)
+        self.inference = ctx.inference
         recorder = VersionRecorder(ctx.inference)
         inference: Any = recorder
         if ac.submission_granularity == "R" and ac.max_inflight_requests:
@@ -236,11 +242,20 @@ class AsyncRollouts:
         if iteration < self.pipeline.version:
             raise RuntimeError(f"rollout pipeline at version {self.pipeline.version} asked for iteration {iteration}")
         self.pipeline.version = iteration  # the weights now are those after `iteration` updates
-        return [f.group for f in self.pipeline.next_batch()]
+        groups = [f.group for f in self.pipeline.next_batch()]
+        if self.shard is not None:
+            from megatron.core import parallel_state as ps
+
+            return self.shard.regroup_for_training(groups, ps.get_data_parallel_rank(),
+                                                   ps.get_data_parallel_world_size())
+        return groups
 
     def weights_updated(self, version: int) -> None:
         """After the optimizer steps: paused in-flight requests continue now, with the weights of ``version``
-        (while the trainer evaluates, logs or saves, the engine already generates)."""
+        (while the trainer evaluates, logs or saves, the engine already generates). With a separate inference
+        layout the copy is refit first, on every rank (collective), while its engine is paused or stopped."""
+        if self.shard is not None:
+            self.inference.refit_for_update()
         self.control.resume(version)
 
     def close(self) -> None:
@@ -251,12 +266,18 @@ class AsyncRollouts:
 
 
 def build_async_rollouts(ctx: Any, rl: Any, start_iteration: int) -> AsyncRollouts | None:
-    """The pipeline-backed rollout source, or None for the synchronous path (every async flag at its default)."""
+    """The pipeline-backed rollout source, or None for the synchronous path (every async flag at its default).
+
+    One pipeline per data-parallel rank; with a separate inference layout, one per inference replica (every
+    rank of a replica runs the same pipeline in lockstep), whose batches are regrouped by training DP rank."""
     if not rl.async_rollouts.enabled:
         return None
     from megatron.core import parallel_state as ps
 
-    return AsyncRollouts(ctx, rl, start_iteration, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    shard = getattr(ctx.inference, "rollout_shard", None)  # separate inference layout: prompts split by replica
+    if shard is None:
+        return AsyncRollouts(ctx, rl, start_iteration, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    return AsyncRollouts(ctx, rl, start_iteration, shard.rank, shard.size, shard=shard)
 
 
 # --------------------------------------------------------------------------- staleness
