@@ -128,8 +128,12 @@ class EngineControl(PhaseControl):
 
             self._session = inference_session(self.backend)
             self._session.__enter__()
-            if hasattr(self.backend, "set_policy_version"):
-                self.backend.set_policy_version(version)
+        # Every phase, not only when this control enters the session: an evaluation between iterations stops
+        # the engine (its own rollout phase), the resume after the next update then finds it stopped and sets
+        # no version, and the next generation restarts it with the old one (the quickstart with lag 1 reported
+        # staleness 2 three iterations after each evaluation).
+        if hasattr(self.backend, "set_policy_version"):
+            self.backend.set_policy_version(version)
 
     def stop(self, drained: bool) -> None:
         if drained:
