@@ -75,14 +75,14 @@ def curve_table(curves: dict[str, dict[int, float]], baseline: str = "sync") -> 
     its = sorted(set().union(*(c.keys() for c in curves.values())))
     others = [n for n in names if n != baseline and baseline in curves]
     head = ["iter"] + names + [f"{n}-{baseline}" for n in others]
-    width = max(len(h) for h in head) + 1
-    lines = ["".join(h.rjust(width) for h in head)]
+    widths = [max(len(h), 6) + 2 for h in head]
+    lines = ["".join(h.rjust(w) for h, w in zip(head, widths))]
 
     def fmt(v):
         return "-" if v is None else f"{v:.3f}"
 
     def row(label, values):
-        lines.append(label.rjust(width) + "".join(fmt(v).rjust(width) for v in values))
+        lines.append("".join(c.rjust(w) for c, w in zip([label] + [fmt(v) for v in values], widths)))
 
     for it in its:
         vals = [curves[n].get(it) for n in names]
