@@ -102,6 +102,14 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
          f"--rl-partial-rollouts continues in-flight requests with the updated weights, but "
          f"--inference-backend={rl.inference_backend} is a server the trainer cannot update; drop "
          f"--rl-partial-rollouts (a --rl-generation-lag alone works with it).")
+    need(not (ac.partial_rollouts and s is not None and model_parallel),
+         f"--rl-partial-rollouts with a separate inference layout whose replicas span several ranks (inference "
+         f"TP x PP x EP = {s.tp * s.pp * s.ep if s is not None else 1}): at an update each rank pauses or drains "
+         f"by its own pipeline's view of what is still in flight, and the ranks of one lockstep replica can "
+         f"disagree (a completion reaches one rank's event loop first), leaving one rank paused mid-step while "
+         f"the other goes on (a deadlock, seen on CPU). Use one-rank inference replicas "
+         f"(--rl-inference-tensor-model-parallel-size 1 etc.), or drop --rl-partial-rollouts (a lag alone "
+         f"drains before every refit).")
     need(rl.serve_inference is None,
          "asynchronous rollouts are not wired to --rl-serve-inference yet: drop one of the two.")
 
