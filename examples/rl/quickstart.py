@@ -43,6 +43,28 @@ def model_flags(gpu: bool) -> list[str]:
                     "--disable-bias-linear", "--tokenizer-type", "ByteLevelTokenizer", "--seed", "1"]
 
 
+def rl_flags(pre_ckpt: Path, rl_ckpt: Path, env_config: Path, metrics: Path, tensorboard: Path, *, nproc: int,
+             group_size: int = 8, lr: str = "5e-4", iters: int = 200) -> list[str]:
+    """The GRPO stage's flags after the model's (shared with tools/async_quality.py, which runs this recipe
+    synchronously and with asynchronous rollouts from one pretrained checkpoint)."""
+    n = max(nproc, 1)
+    return ["--pretrained-checkpoint", str(pre_ckpt), "--load", str(rl_ckpt), "--save", str(rl_ckpt),
+            "--save-interval", "10", "--langrl-env-config", str(env_config),
+            "--grpo-prompts-per-step", str(16 * n), "--grpo-group-size", str(group_size),
+            "--micro-batch-size", "8", "--global-batch-size", str(16 * group_size * n),
+            "--rl-use-sequence-packing", "--rl-max-new-tokens", "8", "--rl-default-temperature", "1.0",
+            "--lr", lr, "--lr-decay-style", "constant", "--clip-grad", "1.0",
+            "--train-iters", str(iters), "--eval-interval", "10", "--rl-prompts-per-eval", "200",
+            "--rl-eval-temperature", "1.0", "--log-interval", "1", "--rl-metrics-jsonl", str(metrics),
+            "--tensorboard-dir", str(tensorboard)]
+
+
+def write_env_config(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("environments:\n  - type: arithmetic\n    weight: 1\n    args: " + json.dumps(TASK) + "\n")
+    return path
+
+
 def launcher(nproc: int) -> list[str]:
     if nproc <= 1:
         return [sys.executable]
@@ -99,6 +121,24 @@ def has_checkpoint(path: Path) -> bool:
     return (path / "latest_checkpointed_iteration.txt").exists()
 
 
+def pretrain(out: Path, *, nproc: int, gpu: bool, iters: int = 600, noise: float = NOISE) -> Path:
+    """Stages 1-2: the noisy corpus and the pretrained checkpoint under ``out`` (each skipped when present)."""
+    corpus, pre_ckpt = out / "data" / "arithmetic.jsonl", out / "pretrain"
+    if not corpus.exists():
+        from megatron.rl.environments.arithmetic import write_pretraining_corpus
+
+        write_pretraining_corpus(corpus, num_documents=4000, examples_per_document=16, noise=noise, seed=7, **TASK)
+        print(f"wrote the pretraining corpus {corpus}")
+    if not has_checkpoint(pre_ckpt):
+        run(launcher(nproc) + [str(REPO / "pretrain_gpt.py"), *model_flags(gpu),
+             "--micro-batch-size", "32", "--global-batch-size", str(32 * max(nproc, 1)),
+             "--train-iters", str(iters), "--lr", "3e-3", "--min-lr", "3e-4",
+             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(min(20, iters // 5)), "--weight-decay", "0.01",
+             "--clip-grad", "1.0", "--data-path", str(corpus), "--split", "98,2,0", "--log-interval", "25",
+             "--save", str(pre_ckpt)], out / "logs" / "pretrain.log")
+    return pre_ckpt
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -115,37 +155,15 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     nproc = args.nproc or (torch.cuda.device_count() if gpu else 1)
     out = args.out.resolve()
-    corpus, pre_ckpt, rl_ckpt = out / "data" / "arithmetic.jsonl", out / "pretrain", out / "rl"
+    pre_ckpt, rl_ckpt = out / "pretrain", out / "rl"
     metrics = out / "metrics.jsonl"
     start = time.time()
 
-    if not corpus.exists():
-        from megatron.rl.environments.arithmetic import write_pretraining_corpus
-
-        write_pretraining_corpus(corpus, num_documents=4000, examples_per_document=16, noise=args.noise, seed=7, **TASK)
-        print(f"wrote the pretraining corpus {corpus}")
-
-    if not has_checkpoint(pre_ckpt):
-        run(launcher(nproc) + [str(REPO / "pretrain_gpt.py"), *model_flags(gpu),
-             "--micro-batch-size", "32", "--global-batch-size", str(32 * max(nproc, 1)),
-             "--train-iters", str(args.pretrain_iters), "--lr", "3e-3", "--min-lr", "3e-4",
-             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(min(20, args.pretrain_iters // 5)), "--weight-decay", "0.01",
-             "--clip-grad", "1.0", "--data-path", str(corpus), "--split", "98,2,0", "--log-interval", "25",
-             "--save", str(pre_ckpt)], out / "logs" / "pretrain.log")
-
-    env_config = out / "arithmetic.yaml"
-    env_config.write_text("environments:\n  - type: arithmetic\n    weight: 1\n    args: "
-                          + json.dumps(TASK) + "\n")
+    pretrain(out, nproc=nproc, gpu=gpu, iters=args.pretrain_iters, noise=args.noise)
+    env_config = write_env_config(out / "arithmetic.yaml")
     run(launcher(nproc) + [str(REPO / "train_rl.py"), *model_flags(gpu),
-         "--pretrained-checkpoint", str(pre_ckpt), "--load", str(rl_ckpt), "--save", str(rl_ckpt),
-         "--save-interval", "10", "--langrl-env-config", str(env_config),
-         "--grpo-prompts-per-step", str(16 * max(nproc, 1)), "--grpo-group-size", str(args.group_size),
-         "--micro-batch-size", "8", "--global-batch-size", str(16 * args.group_size * max(nproc, 1)),
-         "--rl-use-sequence-packing", "--rl-max-new-tokens", "8", "--rl-default-temperature", "1.0",
-         "--lr", args.rl_lr, "--lr-decay-style", "constant", "--clip-grad", "1.0",
-         "--train-iters", str(args.rl_iters), "--eval-interval", "10", "--rl-prompts-per-eval", "200",
-         "--rl-eval-temperature", "1.0", "--log-interval", "1", "--rl-metrics-jsonl", str(metrics),
-         "--tensorboard-dir", str(out / "tensorboard")], out / "logs" / "train_rl.log")
+         *rl_flags(pre_ckpt, rl_ckpt, env_config, metrics, out / "tensorboard", nproc=nproc, group_size=args.group_size,
+                   lr=args.rl_lr, iters=args.rl_iters)], out / "logs" / "train_rl.log")
 
     from tools.plot_metrics import load_series, plot
 

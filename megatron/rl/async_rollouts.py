@@ -68,7 +68,8 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
          "default is <--save>/rollout_bank) and a run that saves no checkpoint cannot resume from it; add --save.")
     if not ac.enabled:
         return
-    dp = cfg.parallel.data_parallel_size
+    # Pipelines run per data-parallel rank, or per inference replica with a separate inference layout.
+    dp = rl.inference_layout.sizes(cfg).dp if rl.inference_layout.enabled else cfg.parallel.data_parallel_size
     local_groups = rl.prompts_per_step // max(dp, 1)
     if ac.consumption_granularity == "G":
         whole = [f"--grpo-advantage-estimator={rl.advantage_estimator}"] if needs_whole_batches(
@@ -78,12 +79,18 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
         need(not whole, f"--rl-consumption-granularity G trains on groups as they finish, from several submission "
                         f"batches, but {' and '.join(whole)} normalises over a whole batch: use "
                         f"--rl-consumption-granularity B.")
+    # Ranks that serve one engine in lockstep: the inference copy's replica with a separate layout (whose groups
+    # are then regrouped from each replica's first rank), else the training model replica.
+    s = rl.inference_layout.sizes(cfg) if rl.inference_layout.enabled else None
     p = cfg.parallel
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size > 1
+    model_parallel = (s.tp * s.pp * s.ep if s is not None else
+                      p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size) > 1
+    generating = ("the separate inference layout's replicas (--rl-inference-*-model-parallel-size)" if s is not None
+                  else "the training model's replicas")
     need(ac.consumption_granularity == "B" or not model_parallel,
-         "--rl-consumption-granularity G with model parallelism: which groups finish first can differ between the "
-         "ranks of one model replica (rewards run in threads), and they must train on the same groups; use "
-         "--rl-consumption-granularity B.")
+         f"--rl-consumption-granularity G with model parallelism of {generating}: which groups finish first can "
+         f"differ between the ranks of one model replica (rewards run in threads), and they must train on the same "
+         f"groups; use --rl-consumption-granularity B.")
     cap = ac.max_inflight_requests
     if cap:
         need(cap >= rl.group_size, f"--rl-max-inflight-requests={cap} is below --grpo-group-size={rl.group_size}: "
@@ -99,9 +106,14 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
          f"--rl-partial-rollouts continues in-flight requests with the updated weights, but "
          f"--inference-backend={rl.inference_backend} does not see the trainer's weight updates (e.g. a server "
          f"the trainer cannot update); drop --rl-partial-rollouts (a --rl-generation-lag alone works with it).")
-    need(not rl.inference_layout.enabled,
-         "asynchronous rollouts (--rl-generation-lag / --rl-partial-rollouts / --rl-*-granularity / "
-         "--rl-max-inflight-requests) are not wired to a separate inference layout yet: drop one of the two.")
+    need(not (ac.partial_rollouts and s is not None and model_parallel),
+         f"--rl-partial-rollouts with a separate inference layout whose replicas span several ranks (inference "
+         f"TP x PP x EP = {s.tp * s.pp * s.ep if s is not None else 1}): at an update each rank pauses or drains "
+         f"by its own pipeline's view of what is still in flight, and the ranks of one lockstep replica can "
+         f"disagree (a completion reaches one rank's event loop first), leaving one rank paused mid-step while "
+         f"the other goes on (a deadlock, seen on CPU). Use one-rank inference replicas "
+         f"(--rl-inference-tensor-model-parallel-size 1 etc.), or drop --rl-partial-rollouts (a lag alone "
+         f"drains before every refit).")
     need(rl.serve_inference is None,
          "asynchronous rollouts are not wired to --rl-serve-inference yet: drop one of the two.")
 
@@ -129,7 +141,11 @@ class EngineControl(PhaseControl):
 
             self._session = inference_session(self.backend)
             self._session.__enter__()
-            self.backend.set_policy_version(version)
+        # Every phase, not only when this control enters the session: an evaluation between iterations stops
+        # the engine (its own rollout phase), the resume after the next update then finds it stopped and sets
+        # no version, and the next generation restarts it with the old one (the quickstart with lag 1 reported
+        # staleness 2 three iterations after each evaluation).
+        self.backend.set_policy_version(version)
 
     def stop(self, drained: bool) -> None:
         if drained:
@@ -204,13 +220,15 @@ class AsyncRollouts:
     """The trainer's rollout source with the pipeline: ``collect(iteration)`` -> this DP rank's groups."""
 
     def __init__(self, ctx: Any, rl: Any, start_iteration: int, gen_rank: int, gen_size: int,
-                 bank: BankSession | None = None, resuming: bool = False):
+                 bank: BankSession | None = None, resuming: bool = False, shard: Any = None):
         from megatron.rl.agent.api import GroupedRolloutRequest
         from megatron.rl.inference.api import GenerationArgs
         from megatron.rl.rl_utils import derive_seed
 
         ac: AsyncRolloutConfig = rl.async_rollouts
         self.config = ac
+        self.shard = shard  # RolloutShard of a separate inference layout (None: this DP rank generates its own)
+        self.inference = ctx.inference
         recorder = VersionRecorder(ctx.inference)
         inference: Any = recorder
         if ac.submission_granularity == "R" and ac.max_inflight_requests:
@@ -252,7 +270,13 @@ class AsyncRollouts:
         batch = self.pipeline.next_batch()
         if self.bank is not None:  # they feed the update of iteration + 1 (1-based, as logged and saved)
             self.bank.consumed(iteration + 1, [f.ticket.uid for f in batch])
-        return [f.group for f in batch]
+        groups = [f.group for f in batch]
+        if self.shard is not None:  # generated per replica / lockstep group: this DP rank's share of them
+            from megatron.core import parallel_state as ps
+
+            return self.shard.regroup_for_training(groups, ps.get_data_parallel_rank(),
+                                                   ps.get_data_parallel_world_size())
+        return groups
 
     def checkpoint_saved(self, iteration: int) -> None:
         """Checkpoint ``iteration`` is published: the bank forgets the groups it trained."""
@@ -265,7 +289,10 @@ class AsyncRollouts:
 
     def weights_updated(self, version: int) -> None:
         """After the optimizer steps: paused in-flight requests continue now, with the weights of ``version``
-        (while the trainer evaluates, logs or saves, the engine already generates)."""
+        (while the trainer evaluates, logs or saves, the engine already generates). With a separate inference
+        layout the copy is refit first, on every rank (collective), while its engine is paused or stopped."""
+        if self.shard is not None:
+            self.inference.refit_for_update()
         self.control.resume(version)
 
     def close(self) -> None:
@@ -290,24 +317,30 @@ def build_async_rollouts(ctx: Any, rl: Any, start_iteration: int, save: str | No
     """The pipeline-backed rollout source, or None for the synchronous path (every async flag at its default).
 
     save: ``--save`` (the bank's default home). resuming: this run continues an earlier one (``--load``), so the
-    durable rollout bank restores what it holds; otherwise the bank starts empty."""
+    durable rollout bank restores what it holds; otherwise the bank starts empty.
+
+    One pipeline per data-parallel rank; with a separate inference layout (or MoE EP > 1, whose EP ranks share
+    one engine), one per inference replica / lockstep group (every rank of it runs the same pipeline in
+    lockstep), whose batches are regrouped by training DP rank."""
     if not rl.async_rollouts.enabled:
         return None
     import torch
     from megatron.core import parallel_state as ps
 
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    shard = getattr(ctx.inference, "rollout_shard", None)  # separate layout / MoE EP > 1: split by replica
+    gen_rank, gen_size = ((shard.rank, shard.size) if shard is not None else
+                          (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
     bank = None
     if rl.async_rollouts.durable_rollout_bank:
         from megatron.rl.rollout_bank import BankSession, RolloutBank, bank_path
 
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        layout = {"groups_per_step": rl.prompts_per_step // dp_size, "group_size": rl.group_size,
-                  "data_parallel_size": dp_size, "world_size": world}
+        layout = {"groups_per_step": rl.prompts_per_step // gen_size, "group_size": rl.group_size,
+                  "data_parallel_size": gen_size, "world_size": world}
         bank = BankSession(RolloutBank(bank_path(rollout_bank_dir(rl.async_rollouts, save), rank)), ctx.agent,
                            layout)
-    return AsyncRollouts(ctx, rl, start_iteration, dp_rank, dp_size, bank=bank, resuming=resuming)
+    return AsyncRollouts(ctx, rl, start_iteration, gen_rank, gen_size, bank=bank, resuming=resuming, shard=shard)
 
 
 # --------------------------------------------------------------------------- staleness

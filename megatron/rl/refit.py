@@ -158,7 +158,19 @@ class LayoutInference(InferenceInterface):
 
     A rollout phase refits first when the trainer changed since the last refit. ``rollout_shard``
     tells the RL loop how prompts are split over the inference replicas.
+
+    Asynchronous rollouts (:mod:`megatron.rl.async_rollouts`): the refit after an optimizer step is the weight
+    update the rollout pipeline sees. The pipeline calls :meth:`refit_for_update` on every rank right after
+    the optimizer step (or the skipped one), before paused requests continue: without partial rollouts the
+    pipeline has drained and the engine is stopped; with them the engine is paused (:meth:`pause_generation`:
+    in-flight requests keep their KV cache, the engine thread holds after its current step) and released by
+    :meth:`resume_generation` only after the refit. So no engine step runs during a refit, every token after
+    a pause comes from the refit weights, and every rank refits at the same point whether or not its own
+    replica had requests in flight (the refit is collective over the world). The loop's
+    :func:`refit_after_iteration` then only reports that refit's time.
     """
+
+    supports_weight_updates = True  # the refit after each optimizer step brings the trainer's weights over
 
     def __init__(self, backend: Any, copy: InferenceCopy, groups: InferenceGroups):
         from megatron.rl.inference_layout import RolloutShard
@@ -167,12 +179,44 @@ class LayoutInference(InferenceInterface):
         self.copy = copy
         self.groups = groups
         self.rollout_shard = RolloutShard.for_groups(groups)
+        self._pending_refit_s: float | None = None  # a refit done by refit_for_update, not yet reported
 
     def mark_trainer_updated(self) -> None:
         self.copy.stale = True
 
     def refit_if_stale(self) -> float:
         return self.copy.refit() if self.copy.stale else 0.0
+
+    def refit_for_update(self) -> float:
+        """The trainer's weights changed (asynchronous rollouts, all ranks): refit now, while the engine is
+        stopped or paused; :func:`refit_after_iteration` reports it instead of refitting again."""
+        self.mark_trainer_updated()
+        seconds = self.refit_if_stale()
+        self._pending_refit_s = (self._pending_refit_s or 0.0) + seconds
+        return seconds
+
+    def take_pending_refit(self) -> float | None:
+        """Seconds of the refits :meth:`refit_for_update` did since the last call (None: none)."""
+        seconds, self._pending_refit_s = self._pending_refit_s, None
+        return seconds
+
+    # ------------------------------------------------------- asynchronous rollouts: policy versions and pausing
+
+    @property
+    def engine_steps(self) -> int:
+        return self.backend.engine_steps
+
+    def set_policy_version(self, version: int) -> None:
+        self.backend.set_policy_version(version)
+
+    def pause_generation(self) -> None:
+        self.backend.pause_generation()
+
+    def resume_generation(self, version: int) -> None:
+        if self.copy.stale and version >= 0:  # version -1: shutting down, nothing generated from here is trained
+            raise RuntimeError("resuming the inference copy's paused requests before its refit: call "
+                               "refit_for_update() after the optimizer step first")
+        self.backend.resume_generation(version)
 
     @contextlib.contextmanager
     def rollout_phase(self) -> Iterator["LayoutInference"]:
@@ -222,10 +266,14 @@ def start_inference_copy(ctx, rl, inference: LayoutInference) -> None:
 
 def refit_after_iteration(inference: LayoutInference, metrics: dict[str, float]) -> None:
     """After an RL iteration that updated the trainer: refit now and add ``time_refit_s`` / ``refit_fraction``."""
+    done_s = inference.take_pending_refit()  # asynchronous rollouts refit right after the update, on every rank
     if metrics.get("skipped_update"):
         return  # no optimizer step ran: the copy still equals the trainer
-    inference.mark_trainer_updated()
-    refit_s = inference.refit_if_stale()
+    if done_s is not None:
+        refit_s = done_s
+    else:
+        inference.mark_trainer_updated()
+        refit_s = inference.refit_if_stale()
     metrics.update(time_refit_s=refit_s,
                    refit_fraction=refit_s / max(metrics.get("time_total_s", 0.0) + refit_s, 1e-9))
 
