@@ -86,7 +86,7 @@ def evaluate(agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: in
 
     dp_group, dp_rank, dp_size = (ps.get_data_parallel_group(), ps.get_data_parallel_rank(),
                                   ps.get_data_parallel_world_size())
-    shard = getattr(inference, "rollout_shard", None)  # a separate inference layout: split by replica
+    shard = getattr(inference, "rollout_shard", None)  # split by lockstep group (MegatronInference)
     if shard is not None:
         dp_rank, dp_size = shard.rank, shard.size
     request = evaluation_request(rl, seed, dp_rank, dp_size, inference)
@@ -183,7 +183,7 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     loaded = load_checkpoint(source, model, None, None, load_optimizer=False, load_rng=False,
                              model_args=checkpoint_model_args(cfg, tokenizer))
     inference = build_training_inference(cfg, rl, model, tokenizer)
-    shard = getattr(inference, "rollout_shard", None)  # a separate inference layout: prompts split by replica
+    shard = getattr(inference, "rollout_shard", None)  # prompts split by lockstep group (MegatronInference)
     agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
                               else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
     if rl.inference_layout.enabled:
