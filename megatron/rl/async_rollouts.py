@@ -205,13 +205,14 @@ class VersionRecorder(InferenceInterface):
 class AsyncRollouts:
     """The trainer's rollout source with the pipeline: ``collect(iteration)`` -> this DP rank's groups."""
 
-    def __init__(self, ctx: Any, rl: Any, start_iteration: int, gen_rank: int, gen_size: int):
+    def __init__(self, ctx: Any, rl: Any, start_iteration: int, gen_rank: int, gen_size: int, shard: Any = None):
         from megatron.rl.agent.api import GroupedRolloutRequest
         from megatron.rl.inference.api import GenerationArgs
         from megatron.rl.rl_utils import derive_seed
 
         ac: AsyncRolloutConfig = rl.async_rollouts
         self.config = ac
+        self.shard = shard  # prompts split by lockstep group (RolloutShard), or None: by DP rank (gen_rank)
         recorder = VersionRecorder(ctx.inference)
         inference: Any = recorder
         if ac.submission_granularity == "R" and ac.max_inflight_requests:
@@ -236,7 +237,13 @@ class AsyncRollouts:
         if iteration < self.pipeline.version:
             raise RuntimeError(f"rollout pipeline at version {self.pipeline.version} asked for iteration {iteration}")
         self.pipeline.version = iteration  # the weights now are those after `iteration` updates
-        return [f.group for f in self.pipeline.next_batch()]
+        groups = [f.group for f in self.pipeline.next_batch()]
+        if self.shard is not None:  # generated per lockstep group (MoE EP > 1): this DP rank's share of all
+            from megatron.core import parallel_state as ps
+
+            return self.shard.regroup_for_training(groups, ps.get_data_parallel_rank(),
+                                                   ps.get_data_parallel_world_size())
+        return groups
 
     def weights_updated(self, version: int) -> None:
         """After the optimizer steps: paused in-flight requests continue now, with the weights of ``version``
@@ -256,6 +263,9 @@ def build_async_rollouts(ctx: Any, rl: Any, start_iteration: int) -> AsyncRollou
         return None
     from megatron.core import parallel_state as ps
 
+    shard = getattr(ctx.inference, "rollout_shard", None)  # MoE EP > 1: one engine serves several DP ranks
+    if shard is not None:
+        return AsyncRollouts(ctx, rl, start_iteration, shard.rank, shard.size, shard)
     return AsyncRollouts(ctx, rl, start_iteration, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
 
 
