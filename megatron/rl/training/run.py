@@ -33,21 +33,19 @@ class ResumePolicy:
 
     load_required: ``--load`` naming a place without a checkpoint is an error (except for auto-resume and
     ``--pretrained-checkpoint``, see :func:`resolve_load_dir`); else the run starts fresh.
-    finetune: ``--finetune`` loads the weights only and restarts at iteration 0.
     label: what an iteration is called in the log ("RL iteration").
     evaluate_only: the program only runs the model (``--eval-only``): no optimizer, scheduler, DDP wrapper or
     metrics writer is built, and checkpoints give their weights only.
     """
 
     load_required: bool
-    finetune: bool
     label: str
     evaluate_only: bool = False
 
 
-PRETRAIN_RESUME = ResumePolicy(load_required=True, finetune=True, label="iteration")
-RL_RESUME = ResumePolicy(load_required=False, finetune=False, label="RL iteration")
-EVAL_ONLY = ResumePolicy(load_required=True, finetune=False, label="iteration", evaluate_only=True)
+PRETRAIN_RESUME = ResumePolicy(load_required=True, label="iteration")
+RL_RESUME = ResumePolicy(load_required=False, label="RL iteration")
+EVAL_ONLY = ResumePolicy(load_required=True, label="iteration", evaluate_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,21 +137,26 @@ class TrainingRun:
                                    None if model is not None else self.scheduler, load_optimizer=False,
                                    load_rng=False, model_args=self.model_args,
                                    verify_checksums=not c.no_verify_checkpoint_checksums)
-        finetune = self.policy.finetune and c.finetune
         return load_checkpoint(path, self.model, self.optimizer, self.scheduler,
-                               load_optimizer=not (c.no_load_optim or finetune),
-                               load_rng=not (c.no_load_rng or finetune), model_args=self.model_args,
+                               load_optimizer=not (c.no_load_optim or c.finetune),
+                               load_rng=not (c.no_load_rng or c.finetune), model_args=self.model_args,
                                verify_checksums=not c.no_verify_checkpoint_checksums)
 
     def resume(self) -> Resumed:
         """Load the reference model (from ``--pretrained-checkpoint``), then resume from ``--load`` or start
-        from ``--pretrained-checkpoint`` (weights only), or from the freshly initialised weights."""
+        from ``--pretrained-checkpoint`` (weights only), or from the freshly initialised weights.
+
+        ``--finetune`` (Megatron-LM's meaning, in every program): ``--load`` gives the weights only; the run
+        starts at iteration 0 with a fresh optimizer, scheduler, RNG and run state (RL: the prompt streams
+        start over)."""
         c = self.cfg.checkpoint
         if self.ref_model is not None:
             self._load(c.pretrained_checkpoint, weights_only=True, model=self.ref_model)
         if self.load_dir is not None:
             loaded = self._load(self.load_dir, weights_only=self.policy.evaluate_only)
-            if self.policy.finetune and c.finetune:
+            if c.finetune:
+                log.info("--finetune: weights of %s (%s %s); starting at %s 0 with a fresh optimizer", loaded.path,
+                         self.policy.label, loaded.iteration, self.policy.label)
                 return Resumed(0, {}, True, loaded)
             log.info("%s %s at %s %s", "loaded" if self.policy.evaluate_only else "resumed from", loaded.path,
                      self.policy.label, loaded.iteration)

@@ -4,6 +4,7 @@ evaluation of the same weights does. One process, in-process megatron-core engin
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,10 @@ from megatron.rl.rl_config import add_rl_args, rl_config_from_args
 from megatron.rl.training.checkpointing import CheckpointError
 from megatron.rl.training.config import parse_args
 from megatron.rl.training.initialize import destroy_megatron
+
+# The checkpoint and the training run's evaluation take ~60 s together; test_rl_train_e2e's
+# test_eval_only_prints_a_pass_at_k_table runs --eval-only in the default suite.
+pytestmark = pytest.mark.slow
 
 AGENTS = "tests.unit_tests.rl.rl.rl_test_agents"
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -80,8 +85,6 @@ def test_eval_only_honours_no_verify_checkpoint_checksums(checkpoint, tmp_path):
 
     _, ckpt, in_training = checkpoint
     tampered = tmp_path / "ckpt"
-    import shutil
-
     shutil.copytree(ckpt, tampered)
     manifest_path = tampered / "iter_0000003" / MANIFEST_FILENAME
     manifest = json.loads(manifest_path.read_text())
