@@ -119,3 +119,29 @@ def test_moe_ep2_colocated_run_gets_every_rollout_and_the_ranks_train_on_the_sam
     assert [h["rl_loss"] for h in first["history"]] == [h["rl_loss"] for h in second["history"]]
     # and the iterations differ (the prompt stream moved on, shared by the group)
     assert first["collected"][0]["problems"] != first["collected"][1]["problems"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow  # ~100 s on the loaded 2-core machine
+def test_inference_copy_with_expert_parallelism_gets_every_rollout(tmp_path):
+    """The same bug in the separate layout: train TP=2 (EP=1), generate with a TP=1 EP=2 copy. The copy's two
+    replicas share one EP group, so one engine; prompts were split by replica and the groups gathered from the
+    group's one source, so half the rollouts (and evaluation prompts) were dropped without a failure count."""
+    env = tmp_path / "env.yaml"
+    env.write_text(f'environments: [{{type: "{AGENTS}:HashReward", weight: 1}}]\n')
+    result_dir = tmp_path / "results"
+    result_dir.mkdir()
+    ep = FLAGS.index("--expert-model-parallel-size")
+    flags = FLAGS[:ep] + FLAGS[ep + 2:]  # training EP 1
+    script = Path(__file__).parents[1] / "inference_layout" / "scripts" / "layout_rl_run.py"
+    run_torchrun(script, [*flags, "--langrl-env-config", env, "--tensor-model-parallel-size", "2",
+                          "--sequence-parallel", "--disable-bias-linear", "--rl-inference-tensor-model-parallel-size",
+                          "1", "--rl-inference-expert-model-parallel-size", "2", "--rl-verify-model-weights-swap"],
+                 timeout=600, env={"LAYOUT_RESULT_DIR": str(result_dir)})
+    ranks = [json.loads(p.read_text()) for p in sorted(result_dir.glob("rank*.json"))]
+    assert len(ranks) == 2
+    for r in ranks:
+        assert [(h["num_sequences"], h["failed_rollouts"]) for h in r["history"]] == [(16.0, 0.0), (16.0, 0.0)]
+        assert max(h["logprob_gap_max"] for h in r["history"]) < 1e-5
+        assert [e["eval/HashReward/num_prompts"] for e in r["evals"]] == [4, 4], r["evals"]
+    assert ranks[0]["token_digests"] == ranks[1]["token_digests"]
