@@ -158,8 +158,10 @@ class TrainingRun:
                 log.info("--finetune: weights of %s (%s %s); starting at %s 0 with a fresh optimizer", loaded.path,
                          self.policy.label, loaded.iteration, self.policy.label)
                 return Resumed(0, {}, True, loaded)
-            log.info("%s %s at %s %s", "loaded" if self.policy.evaluate_only else "resumed from", loaded.path,
-                     self.policy.label, loaded.iteration)
+            if self.policy.evaluate_only:
+                log.info("loaded the weights of %s", loaded.path)
+            else:
+                log.info("resumed from %s at %s %s", loaded.path, self.policy.label, loaded.iteration)
             return Resumed(int(loaded.iteration or 0), dict(loaded.run_state), True, loaded)
         if c.pretrained_checkpoint:
             loaded = self._load(c.pretrained_checkpoint, weights_only=True)
