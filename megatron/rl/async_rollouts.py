@@ -227,7 +227,8 @@ class AsyncRollouts:
 
         ac: AsyncRolloutConfig = rl.async_rollouts
         self.config = ac
-        self.shard = shard  # RolloutShard of a separate inference layout (None: this DP rank generates its own)
+        # RolloutShard of a separate inference layout or of MoE EP > 1's lockstep groups (None: by DP rank)
+        self.shard = shard
         self.inference = ctx.inference
         recorder = VersionRecorder(ctx.inference)
         inference: Any = recorder
@@ -291,7 +292,9 @@ class AsyncRollouts:
         """After the optimizer steps: paused in-flight requests continue now, with the weights of ``version``
         (while the trainer evaluates, logs or saves, the engine already generates). With a separate inference
         layout the copy is refit first, on every rank (collective), while its engine is paused or stopped."""
-        if self.shard is not None:
+        from megatron.rl.refit import LayoutInference
+
+        if isinstance(self.inference, LayoutInference):  # MoE EP > 1 shards too, but generates with the trainer
             self.inference.refit_for_update()
         self.control.resume(version)
 

@@ -191,24 +191,10 @@ def layout_rank_lists(s: LayoutSizes) -> dict[str, list[list[int]]]:
 
 
 def lockstep_ranks(s: LayoutSizes) -> list[list[int]]:
-    """Ranks whose forwards communicate (union of TP, PP, EP groups): one inference replica each."""
-    lists = layout_rank_lists(s)
-    parent = list(range(s.world))
+    """Ranks whose forwards communicate (union of TP, PP, EP groups): one lockstep group each."""
+    from megatron.rl.inference.lockstep import lockstep_rank_groups
 
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for kind in ("tp", "pp", "ep", "expt_tp"):
-        for ranks in lists[kind]:
-            for r in ranks[1:]:
-                parent[find(r)] = find(ranks[0])
-    comps: dict[int, list[int]] = {}
-    for r in range(s.world):
-        comps.setdefault(find(r), []).append(r)
-    return sorted(comps.values())
+    return lockstep_rank_groups(s.world, s.tp, s.pp, s.ep, s.expert_tp)
 
 
 @dataclasses.dataclass
@@ -257,25 +243,29 @@ def build_inference_groups(s: LayoutSizes, backend: str | None = None) -> Infere
 
 @dataclasses.dataclass
 class RolloutShard:
-    """How rollout and evaluation prompts are split with a separate inference layout: by inference replica.
+    """How rollout and evaluation prompts are split when an in-process engine serves them: by lockstep group.
 
-    Every rank of replica ``rank`` (of ``size``) asks for the same prompts (its replica serves them in
-    lockstep); :meth:`gather` collects one result per replica, in replica order, on every rank.
+    Every rank of lockstep group ``rank`` (of ``size``) asks for the same prompts (its engine serves them in
+    lockstep); :meth:`gather` collects one result per group, in group order, on every rank. With a separate
+    inference layout the groups are its replicas; at the training layout they are the model-parallel groups,
+    which with expert parallelism span several training data-parallel ranks.
     """
 
     rank: int
     size: int
-    sources: list[int]  # the lowest global rank of each replica, in replica order
+    sources: list[int]  # the lowest global rank of each lockstep group, in group order
+
+    @classmethod
+    def for_lockstep(cls, lockstep: list[list[int]], rank: int) -> "RolloutShard":
+        """The share of global ``rank`` given every lockstep group (:func:`lockstep_ranks`; pure). Groups are
+        ordered by their lowest rank, which in megatron-core's rank order is their data-parallel order."""
+        ordered = sorted(lockstep)
+        index = next(i for i, members in enumerate(ordered) if rank in members)
+        return cls(rank=index, size=len(ordered), sources=[members[0] for members in ordered])
 
     @classmethod
     def for_groups(cls, groups: InferenceGroups) -> "RolloutShard":
-        s = groups.sizes
-        dp_of = {}
-        for dp_ranks in layout_rank_lists(s)["dp"]:
-            for i, r in enumerate(dp_ranks):
-                dp_of[r] = i
-        sources = sorted((dp_of[m[0]], m[0]) for m in lockstep_ranks(s))
-        return cls(rank=groups.replica_rank, size=groups.num_replicas, sources=[src for _, src in sources])
+        return cls.for_lockstep(lockstep_ranks(groups.sizes), groups.lockstep_source)
 
     def gather(self, obj: Any) -> list[Any]:
         """``obj`` of every replica (from its source rank), in replica order; collective over the world."""

@@ -86,7 +86,7 @@ def evaluate(agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: in
 
     dp_group, dp_rank, dp_size = (ps.get_data_parallel_group(), ps.get_data_parallel_rank(),
                                   ps.get_data_parallel_world_size())
-    shard = getattr(inference, "rollout_shard", None)  # a separate inference layout: split by replica
+    shard = getattr(inference, "rollout_shard", None)  # split by lockstep group (MegatronInference)
     if shard is not None:
         dp_rank, dp_size = shard.rank, shard.size
     request = evaluation_request(rl, seed, dp_rank, dp_size, inference)
@@ -160,30 +160,25 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     """``train_rl.py --eval-only``: load the checkpoint, evaluate every environment, print the table.
 
     Takes the model flags of the training run and ``--load`` (its latest checkpoint) or
-    ``--pretrained-checkpoint``; builds no optimizer. Returns the merged ``eval/`` metrics (all ranks).
+    ``--pretrained-checkpoint``. Built by :class:`~megatron.rl.training.run.TrainingRun` with the
+    :data:`~megatron.rl.training.run.EVAL_ONLY` policy (the training build and load, checkpoint flags
+    included, without optimizer or DDP). Returns the merged ``eval/`` metrics (all ranks).
     """
     from megatron.core import parallel_state as ps
 
     from megatron.rl.agent.env_config import build_agent_from_config
     from megatron.rl.inference.api import build_training_inference
-    from megatron.rl.training.checkpointing import latest_checkpoint, load_checkpoint
-    from megatron.rl.training.initialize import initialize_megatron
-    from megatron.rl.training.model_provider import build_model, checkpoint_model_args
-    from megatron.rl.training.tokenizer import build_tokenizer
+    from megatron.rl.training.run import EVAL_ONLY, TrainingRun, resolve_load_dir
 
     c = cfg.checkpoint
-    source = c.load if c.load and latest_checkpoint(c.load) is not None else c.pretrained_checkpoint
-    if source is None:
+    if resolve_load_dir(cfg, required=False) is None and not c.pretrained_checkpoint:
         raise ConfigError(f"--eval-only: --load {c.load} holds no checkpoint (no latest_checkpointed_iteration.txt "
                           f"or iter_* directory); pass the directory a training run saved to.")
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
-    initialize_megatron(cfg)
-    tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
-    model = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer)
-    loaded = load_checkpoint(source, model, None, None, load_optimizer=False, load_rng=False,
-                             model_args=checkpoint_model_args(cfg, tokenizer))
-    inference = build_training_inference(cfg, rl, model, tokenizer)
-    shard = getattr(inference, "rollout_shard", None)  # a separate inference layout: prompts split by replica
+    run = TrainingRun.build(cfg, EVAL_ONLY)
+    loaded = run.resume().loaded
+    inference = build_training_inference(cfg, rl, run.model, run.tokenizer)
+    shard = getattr(inference, "rollout_shard", None)  # prompts split by lockstep group (MegatronInference)
     agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
                               else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
     if rl.inference_layout.enabled:

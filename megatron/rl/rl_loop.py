@@ -105,7 +105,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     if c.load is None and c.save is None:
         log.info("no --save: this run will not be resumable")
     backend = build_training_inference(cfg, rl, model, tokenizer)
-    shard = getattr(backend, "rollout_shard", None)  # separate inference layout: prompts split by replica
+    shard = getattr(backend, "rollout_shard", None)  # prompts split by lockstep group (MegatronInference)
     agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
                               else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
     if run_state.get("agent"):

@@ -104,8 +104,11 @@ def _dp():
 def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
     """This DP rank's ``P / DP`` rollout groups for ``iteration`` (deterministic given the seed).
 
-    With a separate inference layout the inference replicas generate ``P / replicas`` groups each, and the
-    groups are then regrouped by training DP rank (:class:`~megatron.rl.inference_layout.RolloutShard`).
+    When the backend splits prompts another way (its ``rollout_shard``: an in-process engine whose lockstep
+    groups are not one per DP rank, i.e. a separate inference layout's replicas, or expert parallelism at the
+    training layout), each lockstep group generates ``P / groups`` groups (every rank of it the same ones),
+    and the groups are then regrouped by training DP rank
+    (:class:`~megatron.rl.inference_layout.RolloutShard`).
     """
     if ctx.rollouts is not None:  # asynchronous rollouts: the pipeline's next batch (may be generated ahead)
         return ctx.rollouts.collect(iteration)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron.rl.inference.api import InferenceResponse
 
-__all__ = ["Job", "Plan", "Stepper", "LockstepScheduler", "broadcast_plan", "lockstep_group"]
+__all__ = ["Job", "Plan", "Stepper", "LockstepScheduler", "broadcast_plan", "lockstep_group", "lockstep_rank_groups"]
 
 # The source re-shares an empty plan this often while idle, so waiting ranks never hit the process group's
 # collective timeout.
@@ -328,3 +328,27 @@ def connected_components(rank_sets: list[list[int]]) -> list[list[int]]:
     for r in range(len(rank_sets)):
         components.setdefault(find(r), []).append(r)
     return sorted(components.values())
+
+
+def lockstep_rank_groups(world: int, tp: int, pp: int, ep: int = 1, expert_tp: int | None = None) -> list[list[int]]:
+    """The lockstep groups of a layout, from its sizes alone (pure): sorted lists of global ranks, sorted.
+
+    The same union of tensor-, pipeline-, expert- and expert-tensor-parallel groups as :func:`lockstep_group`,
+    with the groups megatron-core's ``RankGenerator`` builds in its default order ``tp-cp-ep-dp-pp``.
+    ``expert_tp`` defaults to ``tp`` (megatron-core's default). Without expert parallelism there is one
+    group per data-parallel rank (the model-parallel group); with it, the EP group joins the ranks of
+    ``ep`` data-parallel ranks into one group.
+    """
+    from megatron.core.parallel_state import RankGenerator
+
+    etp = expert_tp or tp
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order=order)
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order=order)
+    talks_to: list[set[int]] = [{r} for r in range(world)]
+    for generator, kinds in ((dense, ("tp", "pp")), (expert, ("ep", "tp"))):
+        for kind in kinds:
+            for ranks in generator.get_ranks(kind):
+                for r in ranks:
+                    talks_to[r].update(ranks)
+    return connected_components([sorted(s) for s in talks_to])

@@ -26,7 +26,8 @@ Model parallelism (TP / PP / EP)
     and every rank adds exactly those (:mod:`megatron.rl.inference.lockstep`). Sampling happens on every
     rank from identical gathered logits with identically seeded generators, so every rank returns
     identical responses. With expert parallelism the lockstep group spans the EP ranks too, so they all
-    serve the source's requests. ``exit_inference_mode`` is collective over the lockstep group. Pure
+    serve the source's requests: ``rollout_shard`` then tells the RL loop to split prompts by lockstep group
+    instead of by data-parallel rank. ``exit_inference_mode`` is collective over the lockstep group. Pure
     data-parallel ranks are independent.
 
 Log-probs and sampling
@@ -62,7 +63,7 @@ from megatron.rl.inference.api import (
     expand_checked,
 )
 from megatron.rl.inference.chat_template import render_chat
-from megatron.rl.inference.lockstep import Job, LockstepScheduler, broadcast_plan, lockstep_group
+from megatron.rl.inference.lockstep import Job, LockstepScheduler, broadcast_plan, lockstep_group, lockstep_rank_groups
 from megatron.rl.inference.megatron_engine import EngineSettings, EngineTokenizer, unwrap_gpt_model
 from megatron.rl.inference.megatron_session import EngineSession, EosIds
 from megatron.rl.runtime import setup_runtime
@@ -110,8 +111,10 @@ class MegatronInference(InferenceInterface):
         self.settings = settings or EngineSettings.for_device(runtime.device)
         self.max_sequence_length = int(max_sequence_length or self.settings.max_sequence_length
                                        or self._gpt.max_sequence_length)
+        self.rollout_shard = None  # how the RL loop splits prompts when not by training data-parallel rank
         if process_groups is None:
             group, source, self.lockstep_size = lockstep_group()
+            self.rollout_shard = _training_layout_shard(source, self.lockstep_size)
         else:
             group, source = process_groups.lockstep_group, process_groups.lockstep_source
             self.lockstep_size = 1 if group is None else dist.get_world_size(group)
@@ -282,6 +285,31 @@ class MegatronInference(InferenceInterface):
         return Job(seq=-1, prompt_ids=ids, max_new_tokens=min(args.max_tokens, room),
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                     stop=list(args.stop), prompt_text=prompt_text)
+
+
+def _training_layout_shard(source: int, size: int) -> Any:
+    """The prompt split for an engine at the training layout: None (by data-parallel rank, as always) unless
+    expert parallelism joins several data-parallel ranks into one lockstep group; then a
+    :class:`~megatron.rl.inference_layout.RolloutShard` by lockstep group, so that those ranks ask for the
+    same prompts (the group serves its lowest rank's requests) and get their training share afterwards."""
+    from megatron.core import parallel_state as ps
+
+    from megatron.rl.inference_layout import RolloutShard
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    lockstep = lockstep_rank_groups(dist.get_world_size(), ps.get_tensor_model_parallel_world_size(),
+                                    ps.get_pipeline_model_parallel_world_size(),
+                                    ps.get_expert_model_parallel_world_size(),
+                                    ps.get_expert_tensor_parallel_world_size())
+    if len(lockstep) == ps.get_data_parallel_world_size():
+        return None
+    shard = RolloutShard.for_lockstep(lockstep, dist.get_rank())
+    mine = sorted(lockstep)[shard.rank]
+    if (mine[0], len(mine)) != (source, size):  # megatron-core's rank order changed under us: say so
+        raise InferenceError(f"the lockstep group computed from the layout sizes ({mine}) differs from the process "
+                             f"groups' (source rank {source}, {size} ranks)")
+    return shard
 
 
 def _with_prompt(error: _RequestError, prompt_text: str | None) -> _RequestError:

@@ -8,7 +8,9 @@ starts from ``--pretrained-checkpoint``) and :meth:`TrainingRun.save` writes a c
 run state (pretraining: consumed samples; RL: the agents' prompt positions).
 
 Pretraining and RL treat ``--load`` differently (:class:`ResumePolicy`, one instance each); the rules are
-unchanged from before the two builds were merged.
+unchanged from before the two builds were merged. ``train_rl.py --eval-only`` is a third policy,
+:data:`EVAL_ONLY`: the same build without optimizer, scheduler, DDP wrapper or metrics writer, and weights
+only from ``--load`` (or ``--pretrained-checkpoint``).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from megatron.rl.training.config import TrainingConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ResumePolicy", "PRETRAIN_RESUME", "RL_RESUME", "Resumed", "TrainingRun", "resolve_load_dir"]
+__all__ = ["ResumePolicy", "PRETRAIN_RESUME", "RL_RESUME", "EVAL_ONLY", "Resumed", "TrainingRun",
+           "resolve_load_dir"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,27 +33,31 @@ class ResumePolicy:
 
     load_required: ``--load`` naming a place without a checkpoint is an error (except for auto-resume and
     ``--pretrained-checkpoint``, see :func:`resolve_load_dir`); else the run starts fresh.
-    finetune: ``--finetune`` loads the weights only and restarts at iteration 0.
     label: what an iteration is called in the log ("RL iteration").
+    evaluate_only: the program only runs the model (``--eval-only``): no optimizer, scheduler, DDP wrapper or
+    metrics writer is built, and checkpoints give their weights only.
     """
 
     load_required: bool
-    finetune: bool
     label: str
+    evaluate_only: bool = False
 
 
-PRETRAIN_RESUME = ResumePolicy(load_required=True, finetune=True, label="iteration")
-RL_RESUME = ResumePolicy(load_required=False, finetune=False, label="RL iteration")
+PRETRAIN_RESUME = ResumePolicy(load_required=True, label="iteration")
+RL_RESUME = ResumePolicy(load_required=False, label="RL iteration")
+EVAL_ONLY = ResumePolicy(load_required=True, label="iteration", evaluate_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class Resumed:
     """Where a run starts: the iteration, the run state saved with it (empty for a fresh start) and whether a
-    checkpoint of this run (not only pretrained weights) was loaded."""
+    checkpoint of this run (not only pretrained weights) was loaded; ``loaded``: what the loader restored (its
+    path and saved iteration), None without a checkpoint."""
 
     iteration: int
     run_state: dict
     from_checkpoint: bool
+    loaded: Any = dataclasses.field(default=None, compare=False)  # checkpointing.LoadedCheckpoint
 
 
 def resolve_load_dir(cfg: TrainingConfig, required: bool = True) -> str | None:
@@ -99,7 +106,8 @@ class TrainingRun:
               metrics_writer: Any = None) -> "TrainingRun":
         """Build the run (collective: initialises megatron). ``ref_model``: also build a frozen copy of the
         model (no DDP), loaded from ``--pretrained-checkpoint`` by :meth:`resume`. ``metrics_writer``: use this
-        writer instead of the one ``--tensorboard-dir`` / ``--wandb-project`` ask for."""
+        writer instead of the one ``--tensorboard-dir`` / ``--wandb-project`` ask for. With
+        ``policy.evaluate_only`` the model is not DDP-wrapped and optimizer, scheduler and writer are None."""
         from megatron.rl.logging import setup_distributed_logging
         from megatron.rl.training.initialize import initialize_megatron
         from megatron.rl.training.metrics import build_metrics_writer
@@ -111,10 +119,11 @@ class TrainingRun:
         load_dir = resolve_load_dir(cfg, required=policy.load_required)
         tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
         runtime = initialize_megatron(cfg)
-        model = build_model(cfg, tokenizer=tokenizer)
-        optimizer, scheduler = build_optimizer(cfg, model)
+        trains = not policy.evaluate_only
+        model = build_model(cfg, wrap_with_ddp=trains, tokenizer=tokenizer)
+        optimizer, scheduler = build_optimizer(cfg, model) if trains else (None, None)
         ref = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if ref_model else None
-        writer = metrics_writer if metrics_writer is not None else build_metrics_writer(cfg)
+        writer = metrics_writer if metrics_writer is not None else build_metrics_writer(cfg) if trains else None
         return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler,
                    checkpoint_model_args(cfg, tokenizer), ref, writer)
 
@@ -128,27 +137,36 @@ class TrainingRun:
                                    None if model is not None else self.scheduler, load_optimizer=False,
                                    load_rng=False, model_args=self.model_args,
                                    verify_checksums=not c.no_verify_checkpoint_checksums)
-        finetune = self.policy.finetune and c.finetune
         return load_checkpoint(path, self.model, self.optimizer, self.scheduler,
-                               load_optimizer=not (c.no_load_optim or finetune),
-                               load_rng=not (c.no_load_rng or finetune), model_args=self.model_args,
+                               load_optimizer=not (c.no_load_optim or c.finetune),
+                               load_rng=not (c.no_load_rng or c.finetune), model_args=self.model_args,
                                verify_checksums=not c.no_verify_checkpoint_checksums)
 
     def resume(self) -> Resumed:
         """Load the reference model (from ``--pretrained-checkpoint``), then resume from ``--load`` or start
-        from ``--pretrained-checkpoint`` (weights only), or from the freshly initialised weights."""
+        from ``--pretrained-checkpoint`` (weights only), or from the freshly initialised weights.
+
+        ``--finetune`` (Megatron-LM's meaning, in every program): ``--load`` gives the weights only; the run
+        starts at iteration 0 with a fresh optimizer, scheduler, RNG and run state (RL: the prompt streams
+        start over)."""
         c = self.cfg.checkpoint
         if self.ref_model is not None:
             self._load(c.pretrained_checkpoint, weights_only=True, model=self.ref_model)
         if self.load_dir is not None:
-            loaded = self._load(self.load_dir, weights_only=False)
-            if self.policy.finetune and c.finetune:
-                return Resumed(0, {}, True)
-            log.info("resumed from %s at %s %s", loaded.path, self.policy.label, loaded.iteration)
-            return Resumed(int(loaded.iteration or 0), dict(loaded.run_state), True)
+            loaded = self._load(self.load_dir, weights_only=self.policy.evaluate_only)
+            if c.finetune:
+                log.info("--finetune: weights of %s (%s %s); starting at %s 0 with a fresh optimizer", loaded.path,
+                         self.policy.label, loaded.iteration, self.policy.label)
+                return Resumed(0, {}, True, loaded)
+            if self.policy.evaluate_only:
+                log.info("loaded the weights of %s", loaded.path)
+            else:
+                log.info("resumed from %s at %s %s", loaded.path, self.policy.label, loaded.iteration)
+            return Resumed(int(loaded.iteration or 0), dict(loaded.run_state), True, loaded)
         if c.pretrained_checkpoint:
-            self._load(c.pretrained_checkpoint, weights_only=True)
+            loaded = self._load(c.pretrained_checkpoint, weights_only=True)
             log.info("starting from the pretrained checkpoint %s", c.pretrained_checkpoint)
+            return Resumed(0, {}, False, loaded)
         return Resumed(0, {}, False)
 
     def save(self, iteration: int, run_state: dict) -> None:

@@ -31,6 +31,7 @@ def test_build_save_resume_roundtrip_and_the_two_policies(tmp_path, megatron_cle
     with torch.no_grad():
         for p in run.model[0].module.parameters():
             p.add_(0.25)  # weights a fresh build would not have
+    run.scheduler.step(increment=5)  # scheduler state a fresh build would not have
     saved = _weights(run)
     run.save(3, {"iteration": 3, "consumed_samples": 24})
     run.close()
@@ -41,13 +42,18 @@ def test_build_save_resume_roundtrip_and_the_two_policies(tmp_path, megatron_cle
     start = run.resume()
     assert (start.iteration, start.run_state["consumed_samples"], start.from_checkpoint) == (3, 24, True)
     assert all(torch.equal(saved[n], w) for n, w in _weights(run).items())
+    assert run.scheduler.num_steps == 5
     destroy_megatron()
 
-    # --finetune: pretraining loads the weights and restarts at 0; RL resumes regardless (unchanged behaviour)
+    # --finetune (pretraining and RL alike; RL used to ignore it and resume at 3): the weights only, from
+    # iteration 0, without the run state (RL: prompt positions) and with a fresh scheduler and optimizer
     finetune = parse_args([*flags, "--finetune"], world_size=1)
-    assert TrainingRun.build(finetune, PRETRAIN_RESUME).resume() == Resumed(0, {}, True)
-    destroy_megatron()
-    assert TrainingRun.build(finetune, RL_RESUME).resume().iteration == 3
+    for policy in (PRETRAIN_RESUME, RL_RESUME):
+        run = TrainingRun.build(finetune, policy)
+        assert run.resume() == Resumed(0, {}, True)
+        assert all(torch.equal(saved[n], w) for n, w in _weights(run).items())
+        assert run.scheduler.num_steps == 0
+        destroy_megatron()
 
 
 def test_ref_model_is_a_frozen_copy_from_the_pretrained_checkpoint(tmp_path, megatron_cleanup):
