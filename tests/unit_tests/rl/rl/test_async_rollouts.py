@@ -181,9 +181,9 @@ def test_a_wrapped_backend_s_hooks_are_reached_through_the_wrappers():
     control = EngineControl(wrapped)
     control.start(3)
     control.stop(drained=False)  # partial rollouts: paused across the update
-    control.start(4)  # resumes the held requests first
+    control.start(4)  # resumes the held requests first, then labels the phase (every phase start sets it)
     control.stop(drained=True)
-    assert inner.events == [("enter",), ("version", 3), ("pause",), ("resume", 4), ("exit",)]
+    assert inner.events == [("enter",), ("version", 3), ("pause",), ("resume", 4), ("version", 4), ("exit",)]
 
 
 def test_a_wrapper_relying_on_getattr_alone_would_miss_the_hooks():
