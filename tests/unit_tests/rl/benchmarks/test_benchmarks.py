@@ -53,6 +53,7 @@ def test_training_flops_formula_and_matmul_params():
     assert table_rows(table) == {"a": ["b"], "x": ["1"]}
 
 
+@pytest.mark.slow  # runs the benchmark script end to end (~30-60 s of CPU): opt-in
 def test_training_packing_table():
     args = ["--seq-length", "256", "--num-seqs", "16", "--hidden", "32", "--layers", "1", "--heads", "2",
             "--micro-batch-size", "2", "--response-median", "16", "--rounds", "1"]
@@ -80,6 +81,7 @@ def test_training_packing_table():
         assert all(re.fullmatch(r"[0-9.]+x", c) for c in rows[ratio_row][5:7]), rows[ratio_row]
 
 
+@pytest.mark.slow  # runs the benchmark script end to end (~30-60 s of CPU): opt-in
 def test_mfu_table():
     out = run_bench("mfu.py", "--models", "toy", "--rounds", "1", "--matmul-size", "256")
     rows = table_rows(out)
@@ -97,6 +99,7 @@ def test_mfu_table():
     assert rows[toy][5].endswith("%")
 
 
+@pytest.mark.slow  # runs the benchmark script end to end (~30-60 s of CPU): opt-in
 def test_grpo_step_table():
     out = run_bench("grpo_step.py", "--iters", "2", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4",
                     "--hidden", "32", "--layers", "1", "--heads", "2", "--seq-length", "64",
@@ -157,6 +160,7 @@ def test_async_rollouts_benchmark_runs_and_prints_its_table():
     assert rows["synchronous"][1] == "1.00x" and rows["synchronous"][5] == "0.00"  # no staleness when synchronous
 
 
+@pytest.mark.slow  # runs the benchmark script end to end (~30-60 s of CPU): opt-in
 def test_decode_step_table():
     out = run_bench("decode_step.py", "--rows", "4", "--new-tokens", "4", "--rounds", "2")
     rows = table_rows(out)
