@@ -1,8 +1,9 @@
 """megatron-core forward steps for RL: scoring (old / reference log-probs) and the GRPO/PPO training loss.
 
 Both consume micro-batches of :class:`~megatron.rl.sequence_packing_utils.PackedBatch` rows. Attention
-never crosses sequences: with the local layer spec a block-diagonal causal ``attention_mask`` is passed;
-with TransformerEngine the rows are flattened to THD with ``PackedSeqParams``.
+never crosses sequences: with the local layer spec a block-diagonal causal ``attention_mask`` is passed
+(and each sequence is computed as if alone: :mod:`megatron.rl.packed_forward`); with
+TransformerEngine the rows are flattened to THD with ``PackedSeqParams``.
 
 Gradient scale. megatron-core's schedule (with ``calculate_per_token_loss=False``, our default) divides
 each micro-batch loss by ``num_microbatches`` and DDP averages gradients over data-parallel ranks. Our
@@ -20,6 +21,7 @@ import torch
 from megatron.rl.algorithms import LossNormalizers, aggregate_loss, compute_token_loss
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.logprobs import token_entropy, token_logprobs
+from megatron.rl.packed_forward import isolate_sequences
 from megatron.rl.sequence_packing_utils import PackedBatch
 
 # Per-token stats reported token-weighted as [value * n, n] pairs (see megatron.rl.training.loop).
@@ -28,12 +30,18 @@ _WEIGHTED_STATS = ("clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl_
 
 
 def model_forward(model, mb: PackedBatch, device: torch.device, use_thd: bool) -> torch.Tensor:
-    """Run the model on packed rows; returns logits [rows, S, V/TP] on the last stage, hidden states elsewhere."""
+    """Run the model on packed rows; returns logits [rows, S, V/TP] on the last stage, hidden states elsewhere.
+
+    Every sequence of a row gets RoPE at its own positions (0 .. L-1), as if it ran alone: megatron-core does
+    that itself for THD; the [rows, S] path needs :func:`~megatron.rl.packed_forward.isolate_sequences`,
+    which also keeps each sequence's attention product to its own keys.
+    """
     tokens, positions = mb.tokens.to(device), mb.position_ids.to(device)
     if use_thd:
         return model(tokens.reshape(1, -1), positions.reshape(1, -1), None,
                      packed_seq_params=mb.packed_seq_params())
-    return model(tokens, positions, mb.attention_mask().to(device))
+    with isolate_sequences(model, positions, mb.sequence_spans()):
+        return model(tokens, positions, mb.attention_mask().to(device))
 
 
 def _logits(output: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
