@@ -33,19 +33,24 @@ def peaked():
     backend.exit_inference_mode()
 
 
-def test_gap_on_many_mixed_requests_stays_below_1e_5(peaked):
+def _mixed_requests(seed: int, first_request_seed: int = 0) -> list:
+    """48 requests of 1-39 random prompt letters and 2-23 new tokens, sampled at T = 1."""
     from megatron.rl.inference.api import GenerationArgs, InferenceRequest
 
-    model, backend = peaked
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     requests = []
     for i in range(48):
         n = int(torch.randint(1, 40, (1,), generator=g))
         prompt = "".join(chr(int(c)) for c in torch.randint(97, 123, (n,), generator=g))
         max_tokens = int(torch.randint(2, 24, (1,), generator=g))
         requests.append(InferenceRequest(prompt=prompt, generation_args=GenerationArgs(
-            temperature=1.0, max_tokens=max_tokens, seed=i)))
-    responses = backend.generate(requests)
+            temperature=1.0, max_tokens=max_tokens, seed=first_request_seed + i)))
+    return requests
+
+
+def test_gap_on_many_mixed_requests_stays_below_1e_5(peaked):
+    model, backend = peaked
+    responses = backend.generate(_mixed_requests(0))
     gaps, magnitudes = [], []
     for r in responses:
         assert r.finish_reason in ("stop", "length"), r.error
@@ -61,20 +66,12 @@ def test_gap_to_the_packed_trainer_forward_stays_below_1e_5(peaked):
     """The same mix scored as the trainer does: responses packed several to a row (sequence packing), one
     [rows, S] forward. Before packed sequences got RoPE at their own positions (megatron.rl.packed_forward)
     this reached 2.9e-5 (sequences at row offsets > 0); now 3.3e-6, the engine's own residual."""
-    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
     from megatron.rl.logprobs import token_logprobs
     from megatron.rl.rl_loss import model_forward
     from megatron.rl.sequence_packing_utils import build_packed_batch, plan_packing, unpack_per_token
 
     model, backend = peaked
-    g = torch.Generator().manual_seed(1)
-    requests = []
-    for i in range(48):
-        n = int(torch.randint(1, 40, (1,), generator=g))
-        prompt = "".join(chr(int(c)) for c in torch.randint(97, 123, (n,), generator=g))
-        requests.append(InferenceRequest(prompt=prompt, generation_args=GenerationArgs(
-            temperature=1.0, max_tokens=int(torch.randint(2, 24, (1,), generator=g)), seed=100 + i)))
-    responses = backend.generate(requests)
+    responses = backend.generate(_mixed_requests(1, first_request_seed=100))
     assert all(r.finish_reason in ("stop", "length") for r in responses), [r.error for r in responses]
     tokens = [list(r.token_ids) for r in responses]
     masks = [[0] * r.prompt_length + [1] * (len(r.token_ids) - r.prompt_length) for r in responses]
