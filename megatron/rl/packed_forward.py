@@ -38,8 +38,8 @@ Defaults. The RoPE hook is always on (one gather per forward). Attention per seq
 (``--rl-packed-attention-per-sequence``): on this project's small CPU models the extra attention calls cost
 more than the masked product (training forward+backward 2.2x at 8 rows x 64 tokens with 8 distinct lengths,
 4.6x at 7 x 256 with 34, measured side by side on a loaded 2-core machine), while the masked product alone
-leaves the engine-trainer gap at ~3e-6 (tested < 1e-5). On large models the trade reverses (it skips the
-masked S x S work).
+leaves the engine-trainer gap at ~3e-6 (tested < 1e-5). On large models it should pay for itself (it skips
+the masked S x S work of short sequences in long rows); not measured.
 
 Where the second hook is not used, and why: with activation recomputation (``--recompute-granularity``) the
 backward pass re-runs the attention after this context has exited, so the recomputed forward would differ
@@ -51,12 +51,9 @@ table for all rows; with TransformerEngine the trainer uses THD anyway).
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Iterator, Sequence
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 Spans = Sequence[Sequence[tuple[int, int]]]  # per row: (start, length) of each real sequence, in row order
 
