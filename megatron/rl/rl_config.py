@@ -61,6 +61,13 @@ class RLConfig:
                                            "sequences).")
     max_sequences_per_bin: int = flag(16, name="--rl-sequence-packing-max-sequences-per-bin")
     packing_algo: str = flag("fifo", name="--rl-sequence-packing-algo", choices=registry_choices(PACKING_ALGOS))
+    # packed rows computed as if each sequence ran alone (megatron.rl.packed_forward; issue 15 item 5)
+    packed_attention_per_sequence: bool = flag(
+        False, name="--rl-packed-attention-per-sequence",
+        help="Local attention spec: attend within each packed sequence only, one attention call per sequence "
+             "length, so packed log-probs equal one-sequence-per-row log-probs bit for bit (default: one masked "
+             "product per row, within ~1e-6 of them and much faster on small models). RoPE always uses each "
+             "sequence's own positions.")
     temperature: float = flag(1.0, name="--rl-default-temperature")
     top_p: float = flag(1.0, name="--rl-default-top-p")
     top_k: int = flag(0, name="--rl-default-top-k")

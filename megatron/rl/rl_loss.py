@@ -1,8 +1,9 @@
 """megatron-core forward steps for RL: scoring (old / reference log-probs) and the GRPO/PPO training loss.
 
 Both consume micro-batches of :class:`~megatron.rl.sequence_packing_utils.PackedBatch` rows. Attention
-never crosses sequences: with the local layer spec a block-diagonal causal ``attention_mask`` is passed;
-with TransformerEngine the rows are flattened to THD with ``PackedSeqParams``.
+never crosses sequences: with the local layer spec a block-diagonal causal ``attention_mask`` is passed
+(RoPE at each sequence's own positions, optionally attention per sequence: :mod:`megatron.rl.packed_forward`); with
+TransformerEngine the rows are flattened to THD with ``PackedSeqParams``.
 
 Gradient scale. megatron-core's schedule (with ``calculate_per_token_loss=False``, our default) divides
 each micro-batch loss by ``num_microbatches`` and DDP averages gradients over data-parallel ranks. Our
@@ -20,6 +21,7 @@ import torch
 from megatron.rl.algorithms import LossNormalizers, aggregate_loss, compute_token_loss
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.logprobs import token_entropy, token_logprobs
+from megatron.rl.packed_forward import isolate_sequences
 from megatron.rl.sequence_packing_utils import PackedBatch
 
 # Per-token stats reported token-weighted as [value * n, n] pairs (see megatron.rl.training.loop).
@@ -27,13 +29,21 @@ _WEIGHTED_STATS = ("clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl_
                    "is_weight_mean", "is_truncated_fraction")
 
 
-def model_forward(model, mb: PackedBatch, device: torch.device, use_thd: bool) -> torch.Tensor:
-    """Run the model on packed rows; returns logits [rows, S, V/TP] on the last stage, hidden states elsewhere."""
+def model_forward(model, mb: PackedBatch, device: torch.device, use_thd: bool,
+                  per_sequence_attention: bool = False) -> torch.Tensor:
+    """Run the model on packed rows; returns logits [rows, S, V/TP] on the last stage, hidden states elsewhere.
+
+    Every sequence of a row gets RoPE at its own positions (0 .. L-1), as if it ran alone: megatron-core does
+    that itself for THD; the [rows, S] path needs :func:`~megatron.rl.packed_forward.isolate_sequences`, which
+    with ``per_sequence_attention`` also keeps each sequence's attention product to its own keys
+    (``--rl-packed-attention-per-sequence``: bit-identical to one sequence per row, slower on small models).
+    """
     tokens, positions = mb.tokens.to(device), mb.position_ids.to(device)
     if use_thd:
         return model(tokens.reshape(1, -1), positions.reshape(1, -1), None,
                      packed_seq_params=mb.packed_seq_params())
-    return model(tokens, positions, mb.attention_mask().to(device))
+    with isolate_sequences(model, positions, mb.sequence_spans(), per_sequence_attention):
+        return model(tokens, positions, mb.attention_mask().to(device))
 
 
 def _logits(output: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
@@ -45,7 +55,8 @@ def _store(target: torch.Tensor, logprobs: torch.Tensor) -> None:
     target.copy_(logprobs.reshape(target.shape).to(target.dtype).to(target.device))
 
 
-def scoring_forward_step(value_name: str, temperature: float, device: torch.device, use_thd: bool) -> Callable:
+def scoring_forward_step(value_name: str, temperature: float, device: torch.device, use_thd: bool,
+                         per_sequence_attention: bool = False) -> Callable:
     """Forward-only step writing per-token log-probs into ``mb.values[value_name]`` (last stage only).
 
     The micro-batches are views into the rank's full :class:`PackedBatch`, so the values land there.
@@ -59,7 +70,7 @@ def scoring_forward_step(value_name: str, temperature: float, device: torch.devi
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return model_forward(model, mb, device, use_thd), functools.partial(loss_func, mb)
+        return model_forward(model, mb, device, use_thd, per_sequence_attention), functools.partial(loss_func, mb)
 
     return forward_step
 
@@ -101,9 +112,10 @@ def compute_rl_loss(logits: torch.Tensor, mb: PackedBatch, loss_cfg: PolicyLossC
 
 def training_forward_step(loss_cfg: PolicyLossConfig, aggregation: str, normalizers: LossNormalizers,
                           temperature: float, grad_scale: float, device: torch.device, use_thd: bool,
-                          old_logprobs_from_forward: bool = False) -> Callable:
+                          old_logprobs_from_forward: bool = False, per_sequence_attention: bool = False) -> Callable:
     """Forward step whose loss back-propagates the GRPO/PPO objective (see the module doc for ``grad_scale``;
-    :func:`compute_rl_loss` for ``old_logprobs_from_forward``)."""
+    :func:`compute_rl_loss` for ``old_logprobs_from_forward``, :func:`model_forward` for
+    ``per_sequence_attention``)."""
 
     def loss_func(mb: PackedBatch, output: torch.Tensor):
         loss, report = compute_rl_loss(_logits(output, mb), mb, loss_cfg, aggregation, normalizers, temperature,
@@ -112,6 +124,6 @@ def training_forward_step(loss_cfg: PolicyLossConfig, aggregation: str, normaliz
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return model_forward(model, mb, device, use_thd), functools.partial(loss_func, mb)
+        return model_forward(model, mb, device, use_thd, per_sequence_attention), functools.partial(loss_func, mb)
 
     return forward_step

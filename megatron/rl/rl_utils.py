@@ -90,6 +90,7 @@ class StepContext:
     use_thd: bool = False
     ref_model: list | None = None  # only when --grpo-kl-beta > 0
     rollouts: Any = None  # asynchronous rollouts (megatron.rl.async_rollouts.AsyncRollouts); None: synchronous
+    packed_attention_per_sequence: bool = False  # --rl-packed-attention-per-sequence (megatron.rl.packed_forward)
 
 
 def _dp():
@@ -240,7 +241,8 @@ def score(model: list, step: StepBatch, value_name: str, temperature: float, ctx
     try:
         with torch.no_grad():
             loader = step.microbatches(ctx.micro_batch_size)
-            train_step(scoring_forward_step(value_name, temperature, ctx.device, ctx.use_thd), iter(loader), model,
+            train_step(scoring_forward_step(value_name, temperature, ctx.device, ctx.use_thd,
+                                            ctx.packed_attention_per_sequence), iter(loader), model,
                        None, None, step.num_microbatches, forward_only=True, **schedule_shape(ctx))
     finally:
         for chunk in model:
@@ -358,7 +360,8 @@ def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch]) -> dic
             last = pass_index * len(steps) + step_index == total_updates - 1
             fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
                                         grad_scale=float(step.num_microbatches * dp_size), device=ctx.device,
-                                        use_thd=ctx.use_thd, old_logprobs_from_forward=from_forward)
+                                        use_thd=ctx.use_thd, old_logprobs_from_forward=from_forward,
+                                        per_sequence_attention=ctx.packed_attention_per_sequence)
             report, grad_norm, was_skipped = train_step(fwd, iter(step.microbatches(ctx.micro_batch_size)), ctx.model,
                                                         ctx.optimizer, ctx.scheduler, step.num_microbatches,
                                                         scheduler_increment=int(last), **schedule_shape(ctx))

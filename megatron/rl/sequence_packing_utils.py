@@ -298,6 +298,11 @@ class PackedBatch:
         cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         return cu
 
+    def sequence_spans(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per row: (start, length) of each real sequence, in row order (padding excluded)."""
+        return tuple(() if b is None else tuple((self.info.seq_starts[s], self.info.seq_lengths[s])
+                                               for s in self.info.bins[b]) for b in self.bin_ids)
+
     def max_seqlen(self) -> int:
         return max(n for row in self.row_segments for n in row)
 

@@ -1,0 +1,204 @@
+"""Packed rows computed as if each sequence ran alone: RoPE at its own positions, attention over its own keys.
+
+A packed row (:class:`~megatron.rl.sequence_packing_utils.PackedBatch`) holds several sequences, each with
+``position_ids`` restarting at 0, and a block-diagonal causal ``attention_mask`` keeps them apart. Two things
+still made a packed sequence's log-probs differ from the same sequence run alone (and from the inference
+engine, which runs each request on its own) in fp32:
+
+1. **RoPE at row positions.** megatron-core 0.16.1's ``GPTModel`` ignores ``position_ids`` for rotary
+   embeddings: it asks its ``RotaryEmbedding`` for the table of positions ``0 .. S-1`` ([S, 1, 1, dim], one
+   for every row) and rotates queries and keys at their *row* positions, so a sequence at offset ``o > 0`` was
+   scored as if it started at ``o``. The attention logits are equal in exact arithmetic (RoPE is relative)
+   but not in floats: up to ~3e-5 on the log-probs of a peaked model.
+2. **A longer attention product.** Its queries meet all ``S`` keys of the row (the other sequences' masked to
+   -10000, i.e. probability 0); the softmax sums and the probability-value product then run over ``S``
+   entries instead of ``L``, in another order and another kernel blocking: up to ~7e-6 left after (1).
+
+With the THD format (TransformerEngine, ``PackedSeqParams``) megatron-core already handles both: its RoPE slices
+the table per ``cu_seqlens`` segment from position 0, and the fused attention runs per segment. The local layer
+spec has no THD path (``DotProductAttention`` asserts ``packed_seq_params is None``), so
+:func:`isolate_sequences` gives the [rows, S] forward the same semantics, for one forward call, with two hooks
+on megatron-core's own modules (no copy of their math):
+
+- :func:`rope_at_positions`: a forward hook on each ``RotaryEmbedding`` replaces its table with the table's rows
+  gathered at ``position_ids`` ([S, rows, 1, dim]); megatron-core's unfused bshd RoPE broadcasts it over the
+  heads as it broadcast the shared table over the rows. Table row ``p`` is the same float whatever the table's
+  length, so the rotated queries and keys equal those of the sequence alone, bit for bit.
+- :func:`attention_per_sequence`: each local ``DotProductAttention`` runs its own ``forward`` on each sequence's
+  queries, keys and values with ``attention_mask=None`` (megatron-core's causal mask), the call of the sequence
+  alone; sequences of equal length share one call as its batch. Padding positions get a zero output (nothing
+  real attends to them, and their loss mask is 0). Cost: one attention call per distinct length instead of
+  one per layer (Python and op overhead on small models), but no ``S x S`` masked work for short sequences
+  in long rows.
+
+Together: packed log-probs equal the one-sequence-per-row forward's bit for bit (tested), and those of each
+sequence run alone up to the linear layers' M-dependent rounding (<= 1e-6).
+
+Defaults. The RoPE hook is always on (one gather per forward). Attention per sequence is opt-in
+(``--rl-packed-attention-per-sequence``): on this project's small CPU models the extra attention calls cost
+more than the masked product (training forward+backward 2.2x at 8 rows x 64 tokens with 8 distinct lengths,
+4.6x at 7 x 256 with 34, measured side by side on a loaded 2-core machine), while the masked product alone
+leaves the engine-trainer gap at ~3e-6 (tested < 1e-5). On large models it should pay for itself (it skips
+the masked S x S work of short sequences in long rows); not measured.
+
+Where the second hook is not used, and why: with activation recomputation (``--recompute-granularity``) the
+backward pass re-runs the attention after this context has exited, so the recomputed forward would differ
+from the forward it differentiates; there the masked attention is kept (RoPE positions still apply: the table
+is computed once, outside the recomputed layers). Not supported at all (named errors): context parallelism
+(megatron-core slices the RoPE table per CP rank) and fused RoPE (TransformerEngine's bshd kernel takes one
+table for all rows; with TransformerEngine the trainer uses THD anyway).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+Spans = Sequence[Sequence[tuple[int, int]]]  # per row: (start, length) of each real sequence, in row order
+
+
+def _transformer_config(model: torch.nn.Module):
+    """The model's TransformerConfig (wrappers such as DDP carry configs of their own: skip those)."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "apply_rope_fusion"):
+            return config
+    return None
+
+
+def gather_rotary_table(table: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The RoPE table's rows at each token's position.
+
+    Args:
+        table: [S_table, 1, 1, dim] megatron-core's table (``RotaryEmbedding(S)``), row p = angles of position p.
+        position_ids: [rows, S] int64, each < S_table.
+    Returns: [S, rows, 1, dim], for queries/keys laid out [S, rows, heads, dim].
+    """
+    if table.dim() != 4 or table.shape[1] != 1 or table.shape[2] != 1:
+        raise ValueError(f"expected a shared RoPE table [S, 1, 1, dim], got {tuple(table.shape)}")
+    if position_ids.numel() and int(position_ids.max()) >= table.shape[0]:
+        raise ValueError(f"position id {int(position_ids.max())} is outside the RoPE table of {table.shape[0]} "
+                         f"positions")
+    return table[:, 0, 0, :][position_ids.t().to(table.device)].unsqueeze(2)
+
+
+@contextlib.contextmanager
+def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Iterator[None]:
+    """While active, every ``RotaryEmbedding`` in ``model`` returns its table gathered at ``position_ids``.
+
+    Wrap one [rows, S] (non-THD) forward call; ``position_ids`` [rows, S] are the ones given to the model. A model
+    without RoPE is left alone.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    modules = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    if not modules:
+        yield
+        return
+    config = _transformer_config(model)
+    if config is not None:
+        if getattr(config, "context_parallel_size", 1) > 1:
+            raise NotImplementedError("per-sequence RoPE positions in packed rows do not support context "
+                                      "parallelism (megatron-core slices the RoPE table per CP rank)")
+        if getattr(config, "apply_rope_fusion", False):
+            raise NotImplementedError("per-sequence RoPE positions need the unfused RoPE (apply_rope_fusion="
+                                      "False); fused RoPE comes with TransformerEngine, whose packed forward is "
+                                      "THD and needs no override")
+
+    def hook(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; per-sequence RoPE "
+                            f"positions support the plain [S, 1, 1, dim] table only")
+        return gather_rotary_table(output, position_ids)
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _length_groups(spans: Spans) -> tuple[int, list[torch.Tensor], torch.Tensor | None]:
+    """(rows, per distinct length n: [n, count] flat indices ``p * rows + r`` of its sequences' positions, all
+    of those indices concatenated). Built once per forward, shared by every layer."""
+    by_length: dict[int, list[tuple[int, int]]] = {}
+    for r, row in enumerate(spans):
+        used = 0
+        for start, n in row:
+            if start != used or n < 1:
+                raise ValueError(f"row {r}: sequence spans {list(row)} are not contiguous from position 0")
+            by_length.setdefault(n, []).append((r, start))
+            used += n
+    rows = len(spans)
+    groups = [torch.stack([torch.arange(start, start + n) * rows + r for r, start in seqs], dim=1)
+              for n, seqs in by_length.items()]
+    return rows, groups, (torch.cat([g.reshape(-1) for g in groups]) if groups else None)
+
+
+def _per_sequence(original, plan: tuple[int, list[torch.Tensor], torch.Tensor | None]):
+    """A ``DotProductAttention.forward`` replacement: ``original`` once per sequence length, over the sequences
+    of that length stacked as its batch (batch entries are independent products of the same shape, so each
+    sequence's result is the one it gets alone; one call per length keeps the per-call overhead down)."""
+    rows, groups, scatter = plan
+
+    def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        # query [S, rows, heads, dim]; key/value [S, rows, groups, dim]; output [S, rows, heads * dim]
+        s_len = query.shape[0]
+        if query.shape[1] != rows:
+            raise ValueError(f"{rows} rows of sequence spans for attention over {query.shape[1]} rows")
+        flat = [t.reshape(s_len * rows, *t.shape[2:]) for t in (query, key, value)]
+        contexts = []
+        for index in groups:
+            q, k, v = (t[index.to(t.device)] for t in flat)
+            context = original(q, k, v, None, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                               packed_seq_params=packed_seq_params)  # [n, count, heads * dim]
+            contexts.append(context.reshape(-1, context.shape[-1]))
+        width = query.shape[2] * value.shape[3]
+        out = query.new_zeros((s_len * rows, contexts[0].shape[-1] if contexts else width))
+        if contexts:  # padding keeps a zero output: nothing real attends to it and its loss mask is 0
+            out = out.index_copy(0, scatter.to(out.device), torch.cat(contexts))
+        return out.reshape(s_len, rows, -1)
+
+    return forward
+
+
+@contextlib.contextmanager
+def attention_per_sequence(model: torch.nn.Module, spans: Spans) -> Iterator[None]:
+    """While active, every local ``DotProductAttention`` in ``model`` attends within each span only.
+
+    ``spans[r]``: (start, length) of the real sequences of row ``r``, contiguous from position 0; the positions
+    after them are padding (zero attention output). Wrap one [rows, S] forward call. Other attention modules
+    (TransformerEngine's) are left alone.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    modules = [m for m in model.modules() if type(m) is DotProductAttention]
+    plan = _length_groups(spans)
+    for m in modules:
+        m.forward = _per_sequence(m.forward, plan)  # instance attribute: shadows the class's forward
+    try:
+        yield
+    finally:
+        for m in modules:
+            del m.forward
+
+
+def uses_recomputation(model: torch.nn.Module) -> bool:
+    config = _transformer_config(model)
+    return config is not None and getattr(config, "recompute_granularity", None) is not None
+
+
+@contextlib.contextmanager
+def isolate_sequences(model: torch.nn.Module, position_ids: torch.Tensor, spans: Spans,
+                      per_sequence_attention: bool = True) -> Iterator[None]:
+    """The hooks (the module doc) for one [rows, S] forward of packed rows: RoPE positions always, attention per
+    sequence when asked and without activation recomputation (the backward would re-run the attention
+    without it)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(rope_at_positions(model, position_ids))
+        if per_sequence_attention and not uses_recomputation(model):
+            stack.enter_context(attention_per_sequence(model, spans))
+        yield
