@@ -79,11 +79,11 @@ def sample_tokens(log_probs: torch.Tensor, temperature: torch.Tensor, top_k: tor
     vocab = probs.shape[1]
     own = [(i, generators[r]) for i, r in enumerate(sampled_rows) if generators[r] is not None]
     if len(own) == len(sampled_rows):
-        uniform = torch.stack([torch.rand(vocab, generator=g, device=probs.device) for _, g in own])
+        uniform = torch.empty(len(sampled_rows), vocab, device=probs.device)
     else:
         uniform = torch.rand(len(sampled_rows), vocab, generator=shared, device=probs.device)
-        for i, g in own:
-            uniform[i] = torch.rand(vocab, generator=g, device=probs.device)
+    for i, g in own:  # in place: the same draws as torch.rand(vocab, generator=g), without a tensor per row
+        uniform[i].uniform_(generator=g)
     choice = (probs / uniform.to(probs.dtype).log().neg_()).argmax(dim=-1)
     if every_row:
         return choice

@@ -318,6 +318,27 @@ def _patch_flash_attn():
         attention.is_fa_min_version = lambda *a, **k: True
 
 
+@cpu_patch("dynamic inference RoPE: cos/sin once per step",
+           "megatron-core's dynamic context rotates each layer's queries and keys with apply_rotary_pos_emb, which "
+           "gathers the step's frequencies and takes their cos and sin again in every layer (2 x layers times per "
+           "step, the same values); on CPU that is ~10% of a small model's decode step. The unfused formula then "
+           "runs on cos/sin computed once per step (rope_cache.py; bit for bit the same, tested)")
+def _patch_rope_once_per_step():
+    from megatron.rl.runtime import rope_cache
+
+    rope_cache.install()
+
+
+@cpu_patch("dynamic inference KV append: index_copy_",
+           "without Triton, megatron-core appends each layer's keys and values to the paged cache with an advanced-index "
+           "put over (block, slot) index tensors, ~0.2 ms per tensor and layer at 128 decode rows; index_copy_ at flat "
+           "slots computed once per step writes the same values (kv_append.py, tested against the original)")
+def _patch_kv_append():
+    from megatron.rl.runtime import kv_append
+
+    kv_append.install()
+
+
 @cpu_patch("inference.communication_utils._is_cuda",
            "pipeline-parallel inference asserts tensors are CUDA before send/recv/broadcast")
 def _patch_inference_comm():

@@ -1,0 +1,89 @@
+"""RoPE in megatron-core's dynamic inference with cos/sin computed once per step instead of once per layer.
+
+megatron-core 0.16.1's ``DynamicInferenceContext.apply_rotary_emb_query`` / ``apply_rotary_emb_key`` gather the
+step's rotary frequencies by token position and call ``apply_rotary_pos_emb``, whose unfused path
+(``_apply_rotary_pos_emb_bshd``) takes ``cos`` and ``sin`` of them: two gathers, two ``cos``, two ``sin`` and
+four ``mscale`` products per layer, all giving the same tensors in every layer of a step. :func:`install`
+replaces the two methods with versions that take the gathered ``cos``/``sin`` from a per-step cache on the
+context and then do exactly the rest of ``_apply_rotary_pos_emb_bshd`` (same ops, same shapes, so the same
+bits: ``test_rope_cache.py`` compares them with the originals). Configurations that path does not cover
+(fused RoPE, multi-latent attention, packed ``cu_seqlens``) call the originals.
+
+The cache key is the frequency tensor (megatron-core's ``RotaryEmbedding`` returns one cached object per
+length), the position buffer and its version counter (the context rewrites its position buffers in place
+at every step, which bumps it) and the token count; the cache lives on the context and dies with it.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["install", "rotate"]
+
+_ORIGINALS: dict[str, object] = {}
+
+
+def install() -> None:
+    """Replace the two context methods (idempotent). Called by the CPU layer's patch registry."""
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext as cls
+
+    if _ORIGINALS:
+        return
+    _ORIGINALS["query"], _ORIGINALS["key"] = cls.apply_rotary_emb_query, cls.apply_rotary_emb_key
+    cls.apply_rotary_emb_query = _apply_query
+    cls.apply_rotary_emb_key = _apply_key
+
+
+def original(name: str):
+    """The method :func:`install` replaced (``"query"`` or ``"key"``): for tests and fallbacks."""
+    return _ORIGINALS[name]
+
+
+def _plain(config, cu_seqlens=None) -> bool:
+    """Whether megatron-core would take the unfused bshd path that :func:`rotate` reproduces."""
+    return not config.apply_rope_fusion and not config.multi_latent_attention and cu_seqlens is None
+
+
+def _apply_query(self, query, query_emb, config, cu_seqlens_q, cp_group, mscale=1.0):
+    if not _plain(config, cu_seqlens_q):
+        return _ORIGINALS["query"](self, query, query_emb, config, cu_seqlens_q, cp_group, mscale)
+    n = self.padded_active_token_count
+    cos, sin = _step_cos_sin(self, query_emb, self.token_to_pos_ids, n, mscale, query.dtype)
+    query[:n] = rotate(query[:n], cos, sin, config.rotary_interleaved)
+    return query
+
+
+def _apply_key(self, key, key_emb, config, cp_group, mscale=1.0):
+    n = self.padded_active_token_count
+    if not _plain(config) or (self.is_decode_only() and key.shape[0] != n):
+        return _ORIGINALS["key"](self, key, key_emb, config, cp_group, mscale)  # (its assertion names the sizes)
+    cos, sin = _step_cos_sin(self, key_emb, self.token_to_position_in_request, n, mscale, key.dtype)
+    if self.is_decode_only():
+        return rotate(key[:n], cos, sin, config.rotary_interleaved)
+    key[:n] = rotate(key[:n], cos, sin, config.rotary_interleaved)
+    return key
+
+
+def _step_cos_sin(context, freqs: torch.Tensor, positions: torch.Tensor, n: int, mscale: float,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` of ``freqs[positions[:n]]`` as ``_apply_rotary_pos_emb_bshd`` computes them, memoised."""
+    cache = context.__dict__.setdefault("_rl_rope_cache", {})  # one entry per position buffer (queries, keys)
+    version = positions._version
+    hit = cache.get(id(positions))
+    if (hit is not None and hit[0] is freqs and hit[1] is positions
+            and hit[2:5] == (version, n, (float(mscale), dtype))):
+        return hit[5], hit[6]
+    emb = freqs[positions[:n]][:n]  # the originals' gather: [n, 1, 1, rot_dim]
+    cos = (torch.cos(emb) * mscale).to(dtype)
+    sin = (torch.sin(emb) * mscale).to(dtype)
+    cache[id(positions)] = (freqs, positions, version, n, (float(mscale), dtype), cos, sin)
+    return cos, sin
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``_apply_rotary_pos_emb_bshd`` (megatron-core 0.16.1, no MLA) given its ``cos_``/``sin_``: the same ops."""
+    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+    rot_dim = cos.shape[-1]
+    t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
+    t = (t * cos) + (_rotate_half(t, interleaved) * sin)
+    return torch.cat((t, t_pass), dim=-1)
