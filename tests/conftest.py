@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+# hypothesis' pytest plugin imports hypothesis lazily, in some runs only in the terminal summary; there, on
+# CPython 3.11.7, the late import twice crashed pytest after every test had passed ("SystemError: AST
+# constructor recursion depth mismatch"). Importing it while the session starts avoids that late compile.
+import hypothesis  # noqa: F401
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
