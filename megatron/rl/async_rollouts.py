@@ -106,14 +106,19 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
          f"--rl-partial-rollouts continues in-flight requests with the updated weights, but "
          f"--inference-backend={rl.inference_backend} does not see the trainer's weight updates (e.g. a server "
          f"the trainer cannot update); drop --rl-partial-rollouts (a --rl-generation-lag alone works with it).")
-    need(not (ac.partial_rollouts and s is not None and model_parallel),
-         f"--rl-partial-rollouts with a separate inference layout whose replicas span several ranks (inference "
-         f"TP x PP x EP = {s.tp * s.pp * s.ep if s is not None else 1}): at an update each rank pauses or drains "
-         f"by its own pipeline's view of what is still in flight, and the ranks of one lockstep replica can "
-         f"disagree (a completion reaches one rank's event loop first), leaving one rank paused mid-step while "
-         f"the other goes on (a deadlock, seen on CPU). Use one-rank inference replicas "
-         f"(--rl-inference-tensor-model-parallel-size 1 etc.), or drop --rl-partial-rollouts (a lag alone "
-         f"drains before every refit).")
+    # Every rank of a lockstep engine numbers its submissions, and the i-th one is matched to the source rank's
+    # i-th. With partial rollouts a phase ends with the pipeline's next requests half-submitted, at a point of its
+    # event loop that differs between the ranks; an evaluation then submits its requests in between on one rank
+    # and after them on another: misnumbered (error responses, seen on CPU with an inference TP=2 copy) or waited
+    # for forever (a hang). Without evaluations the pipeline alone submits, in the same order.
+    eval_on = bool(cfg.train.eval_interval) and rl.prompts_per_eval > 0
+    need(not (ac.partial_rollouts and rl.inference_backend == "megatron" and model_parallel and eval_on),
+         f"--rl-partial-rollouts with evaluations during training (--eval-interval={cfg.train.eval_interval}, "
+         f"--rl-prompts-per-eval={rl.prompts_per_eval}) and model parallelism of {generating}: an evaluation's "
+         f"requests reach the ranks of one lockstep engine at different points of the paused rollouts' "
+         f"submissions, so the ranks disagree on which request is which (wrong or failed evaluation rollouts, or "
+         f"a deadlock, seen on CPU). Drop the evaluations (--rl-prompts-per-eval 0) or --rl-partial-rollouts (a "
+         f"lag alone drains before every update), or use one-rank replicas.")
     need(rl.serve_inference is None,
          "asynchronous rollouts are not wired to --rl-serve-inference yet: drop one of the two.")
 
@@ -136,6 +141,14 @@ class EngineControl(PhaseControl):
 
     def start(self, version: int) -> None:
         self.resume(version)
+        if self._session is not None and not getattr(self.backend, "active", True):
+            # Something else stopped the engine since the last phase (an evaluation's rollout phase exits inference
+            # mode on the way out). Restart it here, on every rank at the same point, not lazily on the first
+            # request: a rank whose phase ends before it submits anything would find its engine stopped and skip
+            # pause_generation while the other ranks of its lockstep group pause theirs (a deadlock, seen with a
+            # TP=2 inference copy and partial rollouts). With the engine running on every rank at every phase end,
+            # pause or drain is the same on all of them (``drained`` depends only on the flags).
+            self._leave()
         if self._session is None:
             from megatron.rl.rl_utils import inference_session
 

@@ -206,6 +206,11 @@ class LayoutInference(InferenceInterface):
     def engine_steps(self) -> int:
         return self.backend.engine_steps
 
+    @property
+    def active(self) -> bool:
+        """The copy's engine is running (EngineControl restarts it at a phase start when something stopped it)."""
+        return self.backend.active
+
     def set_policy_version(self, version: int) -> None:
         self.backend.set_policy_version(version)
 

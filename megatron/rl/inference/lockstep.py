@@ -56,6 +56,7 @@ class Plan:
     jobs: list[Job]
     stop: bool
     pause: bool = False
+    hold: int = 0  # with pause: the source's resume() count when it planned it (which hold this is)
 
 
 class Stepper(Protocol):
@@ -103,6 +104,8 @@ class LockstepScheduler:
         self._stop_requested = False
         self._pause_requested = False
         self.paused = threading.Event()  # set while the loop holds its requests (every rank of the group)
+        self._resumes = 0  # resume() calls so far: a hold ends once this rank's trainer resumed after it began
+        self._hold: int | None = None  # engine thread: the hold in force (Plan.hold), None while stepping
         self.steps = 0  # engine steps started since construction (a batching diagnostic)
 
     # ------------------------------------------------------------------ lifecycle (caller threads)
@@ -127,8 +130,14 @@ class LockstepScheduler:
             self._lock.notify_all()
 
     def resume(self) -> None:
+        # ``paused`` acknowledges one pause: cleared here, so that the next pause_generation waits for the next hold.
+        # Otherwise a phase shorter than the engine thread's wake-up (lag 1: the batch was already finished) found
+        # the stale event, returned without pausing and went on, while its engine thread still waited for this
+        # resume to be seen and the partner's engine stepped into a TP all-reduce (a deadlock, seen on CPU).
         with self._lock:
             self._pause_requested = False
+            self._resumes += 1
+            self.paused.clear()
             self._lock.notify_all()
 
     def stopped(self, reason: str) -> None:
@@ -196,7 +205,7 @@ class LockstepScheduler:
                 if self._pause_requested and self.paused.is_set():  # held: heartbeat until resumed
                     self._lock.wait(timeout=self._heartbeat_s)
                 if self._pause_requested:
-                    plan = Plan(jobs=[], stop=False, pause=True)
+                    plan = Plan(jobs=[], stop=False, pause=True, hold=self._resumes)
                 else:
                     if idle and not self._queue and not self._stop_requested:
                         self._lock.wait(timeout=self._heartbeat_s)
@@ -210,12 +219,15 @@ class LockstepScheduler:
             idle = not stepper.has_unfinished()
             plan = self.next_plan(idle)
             if plan.pause:
+                self._hold = plan.hold
                 self.paused.set()
                 continue
-            if self.paused.is_set():  # resumed: the weights changed under the requests in flight
-                with self._lock:  # a non-source rank steps only once its own trainer is done updating
-                    while self._pause_requested and not self._stop_requested:
+            if self._hold is not None:  # resumed: the weights changed under the requests in flight
+                with self._lock:  # a non-source rank steps only once its own trainer resumed from this hold
+                    # (every rank pauses and resumes once per update, so the ranks' resume counts agree)
+                    while self._resumes <= self._hold and not self._stop_requested:
                         self._lock.wait(timeout=1.0)
+                self._hold = None
                 self.paused.clear()
                 stepper.resumed()
             for job in plan.jobs:

@@ -258,3 +258,37 @@ def test_pause_holds_every_rank_without_steps_until_resumed():
     group.stop(threads)
     assert resumed == [held[0], held[0]]  # each rank told its engine once, at the same step
     assert [len(results[r][0].generated_token_ids) for r in range(2)] == [40, 40]
+
+
+def test_a_pause_right_after_a_resume_waits_for_a_new_hold():
+    """Lag 1 makes a phase nearly instant: the trainer resumes and pauses again before the engine thread wakes.
+    The pause must not be acknowledged by the previous hold's ``paused`` (the rank then went on unpaused while
+    its engine thread still waited for the resume and its partner's engine stepped: a deadlock seen with a TP=2
+    inference copy), and a non-source rank must not step before its own trainer resumed from the new hold."""
+    class Idle:
+        def has_unfinished(self):
+            return False
+
+        def add(self, job):
+            raise AssertionError("no jobs")
+
+        async def step(self):
+            raise AssertionError("nothing to step")
+
+        def resumed(self):
+            pass
+
+    sched, stepper = LockstepScheduler(True, lambda plan: plan, heartbeat_s=0.01), Idle()
+    sched.start()
+    engine = threading.Thread(target=lambda: asyncio.run(sched.run(stepper)), daemon=True)
+    engine.start()
+    sched.request_pause()
+    assert sched.paused.wait(5)
+    sched.resume()
+    sched.request_pause()  # before the engine thread saw the resume
+    assert not sched.paused.is_set()  # was still set: this pause returned at once without holding anything
+    assert sched.paused.wait(5)  # the new hold
+    sched.resume()
+    sched.request_stop()
+    engine.join(5)
+    assert not engine.is_alive()

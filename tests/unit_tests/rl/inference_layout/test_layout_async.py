@@ -129,13 +129,17 @@ def test_g_consumption_is_judged_by_the_generating_layout(tmp_path):
     _rl(tmp_path, "--rl-inference-tensor-model-parallel-size", "2", "--rl-generation-lag", "1")  # B consumption
 
 
-def test_partial_rollouts_need_one_rank_inference_replicas(tmp_path):
-    with pytest.raises(ConfigError, match=r"--rl-partial-rollouts with a separate inference layout whose replicas "
-                                          r"span several ranks \(inference TP x PP x EP = 2\)"):
-        _rl(tmp_path, "--rl-inference-tensor-model-parallel-size", "2", "--rl-generation-lag", "1",
-            "--rl-partial-rollouts")
+def test_partial_rollouts_with_a_multi_rank_inference_replica_refuse_only_evaluations(tmp_path):
+    partial = ["--rl-inference-tensor-model-parallel-size", "2", "--rl-generation-lag", "1", "--rl-partial-rollouts"]
+    rl = _rl(tmp_path, *partial)  # no evaluation: the pipeline alone submits, in the same order on both ranks
+    assert rl.async_rollouts.partial_rollouts
+    with pytest.raises(ConfigError, match=r"--rl-partial-rollouts with evaluations during training \(--eval-interval"
+                                          r"=2, --rl-prompts-per-eval=4\) and model parallelism of the separate "
+                                          r"inference layout's replicas"):
+        _rl(tmp_path, *partial, "--eval-interval", "2", "--rl-prompts-per-eval", "4")
+    _rl(tmp_path, *partial, "--eval-interval", "2", "--rl-prompts-per-eval", "0")
     _rl(tmp_path, "--tensor-model-parallel-size", "2", "--rl-inference-tensor-model-parallel-size", "1",
-        "--rl-generation-lag", "1", "--rl-partial-rollouts")
+        "--rl-generation-lag", "1", "--rl-partial-rollouts", "--eval-interval", "2", "--rl-prompts-per-eval", "4")
 
 
 # ------------------------------------------------------------------------------------------- end to end
@@ -204,3 +208,16 @@ def test_lag_one_drains_a_two_rank_inference_replica_across_refits_and_evaluatio
     _check_lagged(results, 4, must_be_stale=True)
     for r in results:
         assert [e["iteration"] for e in r["evals"]] == [0, 2, 4]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_partial_rollouts_pause_a_two_rank_inference_replica_in_lockstep(tmp_path):
+    """The same copy with partial rollouts (no evaluations, see validate_async_rollouts): both ranks pause at every
+    update, the copy is refit while paused, and every request is answered (none misnumbered between the ranks)."""
+    case = ["--rl-inference-tensor-model-parallel-size", "2"]
+    results = _run(tmp_path, case, 4, "--rl-generation-lag", "1", "--rl-max-new-tokens", "24",
+                   "--rl-partial-rollouts")
+    _check_lagged(results, 4, must_be_stale=False)
+    for r in results:
+        assert all(h["failed_rollouts"] == 0 for h in r["history"]), r["history"]

@@ -12,9 +12,12 @@ class _Engine:
     def __init__(self):
         self.version = None
         self.active = False
+        self.entered = 0
+        self.pauses = []  # per pause_generation call: whether the engine was running (else it is a no-op)
 
     @contextlib.contextmanager
     def rollout_phase(self):
+        self.entered += 1
         self.active = True
         try:
             yield self
@@ -25,7 +28,7 @@ class _Engine:
         self.version = version
 
     def pause_generation(self):
-        pass
+        self.pauses.append(self.active)
 
     def resume_generation(self, version):
         if self.active:
@@ -43,3 +46,27 @@ def test_each_phase_start_sets_the_version_after_an_evaluation_stopped_the_engin
     control.start(1)  # next generation phase (the engine restarts on the first request)
     assert engine.version == 1  # was 0: the tokens of policy 1 were recorded as policy 0's (staleness 2, lag 1)
     control.close()
+
+
+def test_a_phase_start_restarts_an_engine_an_evaluation_stopped_so_every_rank_pauses_at_its_end():
+    """Two ranks of one lockstep engine: the pipeline's phase on rank 0 submits a request (which would restart a
+    stopped engine lazily), on rank 1 it ends on groups already finished. Before the fix rank 1's engine stayed
+    stopped, its pause_generation returned at once and it went on while rank 0 waited for it to pause (the
+    TP=2 inference copy deadlock). Now both engines run at the phase end and both pause."""
+    ranks = [_Engine(), _Engine()]
+    controls = [EngineControl(e) for e in ranks]
+    for c in controls:
+        c.start(0)
+        c.stop(drained=False)
+        c.resume(1)
+    for e in ranks:
+        e.active = False  # the evaluation after update 1 exited inference mode on both ranks (collective)
+    for rank, (c, e) in enumerate(zip(controls, ranks)):
+        c.start(1)
+        if rank == 0 and not e.active:  # agenerate restarts a stopped engine on the first request
+            e.active = True
+        c.stop(drained=False)
+    assert [e.pauses for e in ranks] == [[True, True], [True, True]]  # was [True, False] on rank 1
+    assert [e.entered for e in ranks] == [2, 2]
+    for c in controls:
+        c.close()
