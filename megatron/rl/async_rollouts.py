@@ -341,11 +341,10 @@ def build_async_rollouts(ctx: Any, rl: Any, start_iteration: int, save: str | No
     if not rl.async_rollouts.enabled:
         return None
     import torch
-    from megatron.core import parallel_state as ps
 
-    shard = getattr(ctx.inference, "rollout_shard", None)  # separate layout / MoE EP > 1: split by replica
-    gen_rank, gen_size = ((shard.rank, shard.size) if shard is not None else
-                          (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()))
+    from megatron.rl.rl_utils import generation_split
+
+    shard, gen_rank, gen_size = generation_split(ctx.inference)
     bank = None
     if rl.async_rollouts.durable_rollout_bank:
         from megatron.rl.rollout_bank import BankSession, RolloutBank, bank_path

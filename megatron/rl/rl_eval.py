@@ -82,18 +82,14 @@ def evaluate(agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: in
     """Evaluate (all ranks; collective over the DP group); returns the merged ``eval/`` metrics."""
     from megatron.core import parallel_state as ps
 
-    from megatron.rl.rl_utils import inference_session
+    from megatron.rl.rl_utils import generation_split, inference_session
 
-    dp_group, dp_rank, dp_size = (ps.get_data_parallel_group(), ps.get_data_parallel_rank(),
-                                  ps.get_data_parallel_world_size())
-    shard = getattr(inference, "rollout_shard", None)  # split by lockstep group (MegatronInference)
-    if shard is not None:
-        dp_rank, dp_size = shard.rank, shard.size
-    request = evaluation_request(rl, seed, dp_rank, dp_size, inference)
+    shard, rank, size = generation_split(inference)
+    request = evaluation_request(rl, seed, rank, size, inference)
     with inference_session(inference):
         response = asyncio.run(agent.evaluate(request))
     gathered = (shard.gather(response.metrics) if shard is not None
-                else parallel_utils.all_gather_object(response.metrics, dp_group))
+                else parallel_utils.all_gather_object(response.metrics, ps.get_data_parallel_group()))
     return merge_eval_metrics(gathered)
 
 
@@ -164,10 +160,9 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     :data:`~megatron.rl.training.run.EVAL_ONLY` policy (the training build and load, checkpoint flags
     included, without optimizer or DDP). Returns the merged ``eval/`` metrics (all ranks).
     """
-    from megatron.core import parallel_state as ps
-
     from megatron.rl.agent.env_config import build_agent_from_config
     from megatron.rl.inference.api import build_training_inference
+    from megatron.rl.rl_utils import generation_split
     from megatron.rl.training.run import EVAL_ONLY, TrainingRun, resolve_load_dir
 
     c = cfg.checkpoint
@@ -178,9 +173,7 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     run = TrainingRun.build(cfg, EVAL_ONLY)
     loaded = run.resume().loaded
     inference = build_training_inference(cfg, rl, run.model, run.tokenizer)
-    shard = getattr(inference, "rollout_shard", None)  # prompts split by lockstep group (MegatronInference)
-    agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
-                              else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
+    agent.set_data_parallel(*generation_split(inference)[1:])
     if rl.inference_layout.enabled:
         inference.refit_if_stale()  # the copy starts from the loaded weights
     agent.bind_inference(inference)

@@ -19,7 +19,7 @@ from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.rl_metrics import format_env_line
 from megatron.rl.rl_samples import samples_markdown
-from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
+from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, generation_split, rl_iteration
 from megatron.rl.rl_warnings import RunWarnings, WarningThresholds, warning_metrics
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.training.metrics import MetricsJsonl
@@ -80,8 +80,6 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
 
 
 def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
-    from megatron.core import parallel_state as ps
-
     from megatron.rl.agent.env_config import build_agent_from_config
     from megatron.rl.training.loop_control import LoopControl
     from megatron.rl.training.run import RL_RESUME, TrainingRun
@@ -105,9 +103,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     if c.load is None and c.save is None:
         log.info("no --save: this run will not be resumable")
     backend = build_training_inference(cfg, rl, model, tokenizer)
-    shard = getattr(backend, "rollout_shard", None)  # prompts split by lockstep group (MegatronInference)
-    agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
-                              else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
+    agent.set_data_parallel(*generation_split(backend)[1:])
     if run_state.get("agent"):
         agent.load_state_dict(run_state["agent"])
     inference = backend

@@ -99,6 +99,20 @@ def _dp():
     return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
 
+def generation_split(inference: Any) -> tuple[Any, int, int]:
+    """How prompts are split for generation: (the backend's ``rollout_shard`` or None, this rank's share, shares).
+
+    By training DP rank, unless the backend's lockstep groups are not one per DP rank (a separate inference
+    layout's replicas, or expert parallelism at the training layout): then by its
+    :class:`~megatron.rl.inference_layout.RolloutShard`, whose results are regrouped by DP rank afterwards.
+    """
+    shard = getattr(inference, "rollout_shard", None)
+    if shard is not None:
+        return shard, shard.rank, shard.size
+    _, dp_rank, dp_size = _dp()
+    return None, dp_rank, dp_size
+
+
 # --------------------------------------------------------------------------- 1-2. rollouts
 
 
@@ -113,9 +127,7 @@ def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
     """
     if ctx.rollouts is not None:  # asynchronous rollouts: the pipeline's next batch (may be generated ahead)
         return ctx.rollouts.collect(iteration)
-    _, dp_rank, dp_size = _dp()
-    shard = getattr(ctx.inference, "rollout_shard", None)
-    gen_rank, gen_size = (shard.rank, shard.size) if shard is not None else (dp_rank, dp_size)
+    shard, gen_rank, gen_size = generation_split(ctx.inference)
     args = GenerationArgs(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
                           max_tokens=rl.max_new_tokens, seed=derive_seed(ctx.seed, "rollouts", iteration, gen_rank))
     request = GroupedRolloutRequest(num_groups=rl.prompts_per_step // gen_size, rollouts_per_group=rl.group_size,
@@ -123,6 +135,7 @@ def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
     with inference_session(ctx.inference):
         response = asyncio.run(ctx.agent.generate_grouped_rollouts(request))
     if shard is not None:
+        _, dp_rank, dp_size = _dp()
         return shard.regroup_for_training(response.groups, dp_rank, dp_size)
     return response.groups
 
