@@ -305,10 +305,7 @@ class AsyncRollouts:
         """After the optimizer steps: paused in-flight requests continue now, with the weights of ``version``
         (while the trainer evaluates, logs or saves, the engine already generates). With a separate inference
         layout the copy is refit first, on every rank (collective), while its engine is paused or stopped."""
-        from megatron.rl.refit import LayoutInference
-
-        if isinstance(self.inference, LayoutInference):  # MoE EP > 1 shards too, but generates with the trainer
-            self.inference.refit_for_update()
+        self.inference.refit_for_update()
         self.control.resume(version)
 
     def close(self) -> None:

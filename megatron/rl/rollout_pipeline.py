@@ -419,6 +419,9 @@ class ForwardingInference(InferenceInterface):
     def resume_generation(self, version: int) -> None:
         self.inner.resume_generation(version)
 
+    def refit_for_update(self) -> None:
+        self.inner.refit_for_update()
+
     def rollout_phase(self):
         return self.inner.rollout_phase()
 

@@ -278,6 +278,11 @@ class InferenceInterface(abc.ABC):
     def resume_generation(self, version: int) -> None:
         """Continue the held requests with the updated weights, as policy ``version``. Default: nothing held."""
 
+    def refit_for_update(self) -> None:
+        """The trainer's weights changed (called on every rank, while generation is stopped or held): bring them
+        into the model that generates. Default: nothing to do (it generates with the trainer's parameters in
+        place, or never sees them)."""
+
     async def aclose(self) -> None:
         """Release resources (connections, KV caches). Default: nothing to release."""
 
