@@ -79,5 +79,24 @@ def build_optimizer(cfg: TrainingConfig, model_chunks: list):
     from megatron.core.utils import get_model_config
 
     optimizer = get_megatron_optimizer(optimizer_config_from_args(cfg), model_chunks)
+    use_foreach_updates(optimizer)
     get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
     return optimizer, build_scheduler(cfg, optimizer)
+
+
+def use_foreach_updates(optimizer) -> None:
+    """Have torch's Adam/AdamW/SGD (megatron-core's fallback without TransformerEngine or Apex) update all tensors
+    of a group in one multi-tensor call.
+
+    torch picks the multi-tensor path only for CUDA tensors; on CPU it updates the ~40 tensors of a small model one
+    by one, at ~10 ops each (24 ms of a 3M-parameter model's step against 15 ms). The multi-tensor update does the
+    same per-element arithmetic: the parameters are bit-for-bit the same (test_optimizer.py). Fused
+    (TE/Apex) optimizers have no ``foreach`` option and are left alone.
+    """
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)):
+            continue
+        for group in torch_optimizer.param_groups:
+            if group.get("foreach") is None and not group.get("fused"):
+                group["foreach"] = True
