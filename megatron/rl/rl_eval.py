@@ -10,7 +10,6 @@ environments ``eval/pass@K``.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -21,7 +20,7 @@ from typing import Sequence
 
 from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent, EvaluationRequest
-from megatron.rl.inference.api import GenerationArgs, InferenceInterface
+from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
@@ -87,7 +86,7 @@ def evaluate(agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: in
     shard, rank, size = generation_split(inference)
     request = evaluation_request(rl, seed, rank, size, inference)
     with inference_session(inference):
-        response = asyncio.run(agent.evaluate(request))
+        response = run_sync(agent.evaluate(request))
     gathered = (shard.gather(response.metrics) if shard is not None
                 else parallel_utils.all_gather_object(response.metrics, ps.get_data_parallel_group()))
     return merge_eval_metrics(gathered)

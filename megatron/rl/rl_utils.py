@@ -22,7 +22,6 @@ positions, :mod:`megatron.rl.microbatches`); with it, at the fixed ``[micro_batc
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import hashlib
@@ -38,7 +37,7 @@ from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent, GroupedRolloutRequest
 from megatron.rl.algorithms import LossNormalizers
 from megatron.rl.async_rollouts import staleness_metrics
-from megatron.rl.inference.api import GenerationArgs, InferenceInterface
+from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
 from megatron.rl.rl_metrics import RolloutObservations, observe_rollouts
@@ -133,7 +132,7 @@ def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
     request = GroupedRolloutRequest(num_groups=rl.prompts_per_step // gen_size, rollouts_per_group=rl.group_size,
                                     generation_args=args, inference_interface=ctx.inference)
     with inference_session(ctx.inference):
-        response = asyncio.run(ctx.agent.generate_grouped_rollouts(request))
+        response = run_sync(ctx.agent.generate_grouped_rollouts(request))
     if shard is not None:
         _, dp_rank, dp_size = _dp()
         return shard.regroup_for_training(response.groups, dp_rank, dp_size)
