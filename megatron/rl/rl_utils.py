@@ -293,6 +293,8 @@ class IterationResult:
 def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationResult:
     """Run one RL iteration (all ranks); returns the metrics (identical on every rank)."""
     t0 = time.perf_counter()
+    # CPU seconds of this process (every thread) in the iteration: steadier than wall time on a shared machine
+    cpu0 = time.process_time()
     groups = collect_local_groups(ctx, rl, iteration)
     t_gen = time.perf_counter() - t0
     observed = observe_rollouts(groups, rl.max_new_tokens, rl.observe.log_samples, _dp()[0])
@@ -316,7 +318,8 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
         ctx.scheduler.step(increment=1)
         if ctx.rollouts is not None:
             ctx.rollouts.weights_updated(iteration + 1)
-        metrics.update(skipped_update=1.0, time_total_s=time.perf_counter() - t0)
+        metrics.update(skipped_update=1.0, time_total_s=time.perf_counter() - t0,
+                       time_cpu_s=time.process_time() - cpu0)
         return IterationResult(iteration, metrics, observed)
 
     num_steps = rl.rollouts_per_step // ctx.global_batch_size
@@ -324,7 +327,8 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
     metrics.update(update_policy(ctx, rl, steps))
     if ctx.rollouts is not None:  # partial rollouts: paused requests continue with the new weights
         ctx.rollouts.weights_updated(iteration + 1)
-    metrics.update(num_sequences=float(len(sequences)), time_generate_s=t_gen, time_total_s=time.perf_counter() - t0)
+    metrics.update(num_sequences=float(len(sequences)), time_generate_s=t_gen, time_total_s=time.perf_counter() - t0,
+                   time_cpu_s=time.process_time() - cpu0)
     return IterationResult(iteration, metrics, observed)
 
 

@@ -148,7 +148,9 @@ def test_async_rollouts_every_batch_has_the_same_long_tail_lengths():
     assert all(sorted(b) == sorted(batches[0]) for b in batches)  # the same work in every iteration
     assert len({tuple(b) for b in batches}) > 1  # in different orders
     lengths = sorted(batches[0])
-    assert lengths[0] == 4 and lengths[-1] == 128 and lengths[8] <= 10  # a long tail
+    assert lengths[0] == 4 and lengths[-1] == 256 and lengths[8] <= 10  # the 4-256 tokens, a long tail
+    lighter = sorted(async_rollouts.answer_budget(i, 16, alpha=1.0) for i in range(16))
+    assert lighter[0] == 4 and lighter[-1] == 128  # the first version's default reached 128 tokens only
 
 
 @pytest.mark.slow
@@ -157,7 +159,8 @@ def test_async_rollouts_benchmark_runs_and_prints_its_table():
                     "--settings", "synchronous", "lag 1 + partial")
     rows = table_rows(out)
     assert set(rows) >= {"synchronous", "lag 1 + partial"}
-    assert rows["synchronous"][1] == "1.00x" and rows["synchronous"][5] == "0.00"  # no staleness when synchronous
+    assert rows["synchronous"][1] == "1.00x" and rows["synchronous"][3] == "1.00x"
+    assert rows["synchronous"][7] == "0.00"  # no staleness when synchronous
 
 
 @pytest.mark.slow  # runs the benchmark script end to end (~30-60 s of CPU): opt-in

@@ -160,3 +160,99 @@ def test_decode_folds_grouped_heads_without_changing_a_bit(monkeypatch):
     monkeypatch.setattr(ta, "MIN_QUERY_ROWS", heads // kv_heads + 1)  # too few heads per group to fold
     unfolded = ta.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
     assert torch.equal(folded, unfolded)
+
+
+def test_length_groups_split_only_where_padding_costs_more_than_a_group():
+    # 63 short requests and one long one: padding them all to the long one costs 63 x 240 slots
+    assert ta.length_groups([10] * 30 + [250] + [10] * 33, overhead=2048) == [[*range(30), *range(31, 64)], [30]]
+    assert ta.length_groups([250] * 64, overhead=2048) == [list(range(64))]  # one length: nothing to gain
+    assert ta.length_groups([20] * 7 + [250], overhead=2048) == [list(range(8))]  # 7 x 230 padded < a group
+    assert ta.length_groups([], overhead=1) == [[]]
+    # every request exactly once, groups ordered by length, each in request order
+    lens = [5, 9, 17, 30, 60, 120, 250, 3, 250, 70, 1, 33] * 8
+    groups = ta.length_groups(lens, overhead=64)
+    assert len(groups) > 2
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert all(g == sorted(g) for g in groups)
+    assert all(max(lens[i] for i in a) <= min(lens[i] for i in b) for a, b in zip(groups, groups[1:]))
+
+
+def _padded_cost(lens, groups, overhead):
+    return sum(overhead + len(g) * max(lens[i] for i in g) for g in groups)
+
+
+def test_length_groups_is_no_worse_than_one_batch_or_one_group_per_class():
+    g = torch.Generator().manual_seed(7)
+    for _ in range(50):
+        lens = torch.randint(1, 300, (int(torch.randint(2, 90, (1,), generator=g)),), generator=g).tolist()
+        overhead = int(torch.randint(1, 3000, (1,), generator=g))
+        groups = ta.length_groups(lens, overhead)
+        classes = {}
+        for i, n in enumerate(lens):
+            classes.setdefault((n - 1).bit_length(), []).append(i)
+        cost = _padded_cost(lens, groups, overhead)
+        assert cost <= _padded_cost(lens, [list(range(len(lens)))], overhead)
+        assert cost <= _padded_cost(lens, list(classes.values()), overhead)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_decode_of_far_apart_lengths_in_groups_matches_sdpa(monkeypatch, kv_heads):
+    """Short requests next to long ones (partial rollouts) are attended in groups; each still equals SDPA and
+    the single padded batch's result."""
+    g = torch.Generator().manual_seed(8)
+    heads, d, block = 4, 8, 4
+    lens = [3, 40, 2, 5, 37, 4, 1, 6]
+    ks = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
+    vs = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
+    k_cache, table = _paged(ks, block, num_blocks=40, perm_seed=4)
+    v_cache = torch.zeros_like(k_cache)
+    for b, vv in enumerate(vs):
+        for j in range((len(vv) + block - 1) // block):
+            chunk = vv[j * block:(j + 1) * block]
+            v_cache[table[b, j], :len(chunk)] = chunk
+    k_cache = k_cache.nan_to_num(0.0)
+    q = torch.randn(len(lens), 1, heads, d, generator=g)
+    args = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), causal=True, block_table=table)
+    monkeypatch.setattr(ta, "_SPLIT_OVERHEAD_ELEMENTS", {"cpu": 32 * heads * d})
+    calls = []
+    decode = ta._decode
+    monkeypatch.setattr(ta, "_decode", lambda q, *a: calls.append(q.shape[0]) or decode(q, *a))
+    grouped = ta.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+    assert sorted(calls) == [2, 6]  # the two long requests apart
+    for b in range(len(lens)):
+        ref = _sdpa_reference(q[b], ks[b], vs[b], causal_offset=lens[b] - 1)
+        torch.testing.assert_close(grouped[b], ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(ta, "_SPLIT_OVERHEAD_ELEMENTS", {"cpu": 1 << 40})
+    calls.clear()
+    single = ta.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+    assert calls == [len(lens)]
+    torch.testing.assert_close(grouped, single, atol=1e-6, rtol=1e-6)
+
+
+def test_varlen_step_with_new_prompts_and_long_decodes_in_groups_matches_sdpa(monkeypatch):
+    """A step that prefills new prompts while decoding long requests: grouped by key length, still exact."""
+    monkeypatch.setattr(ta, "_SPLIT_OVERHEAD_ELEMENTS", {"cpu": 32 * 4 * 8})
+    batches = []
+    attend = ta._attend_padded
+    monkeypatch.setattr(ta, "_attend_padded", lambda *a: batches.append(list(a[4])) or attend(*a))
+    g = torch.Generator().manual_seed(9)
+    heads, kv_heads, d, block = 4, 2, 8, 4
+    k_lens = [4, 41, 3, 38, 5, 1]
+    q_lens = [4, 1, 3, 1, 5, 1]
+    ks = [torch.randn(n, kv_heads, d, generator=g) for n in k_lens]
+    vs = [torch.randn(n, kv_heads, d, generator=g) for n in k_lens]
+    qs = [torch.randn(n, heads, d, generator=g) for n in q_lens]
+    k_cache, table = _paged(ks, block, num_blocks=40, perm_seed=5)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for b, vv in enumerate(vs):
+        for j in range((len(vv) + block - 1) // block):
+            chunk = vv[j * block:(j + 1) * block]
+            v_cache[table[b, j], :len(chunk)] = chunk
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = ta.flash_attn_varlen_func(torch.cat(qs), k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
+                                    causal=True, block_table=table)
+    assert sorted(map(sorted, batches)) == [[0, 2, 4, 5], [1, 3]]
+    for b in range(len(k_lens)):
+        ref = _sdpa_reference(qs[b], ks[b], vs[b], causal_offset=k_lens[b] - q_lens[b])
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], ref, atol=1e-5, rtol=1e-5)
