@@ -33,7 +33,7 @@ steps of the synchronous loop) and the engine's batch stays fuller (higher occup
 step's cost shrinks with fewer steps: on this tiny CPU model ~7-8 ms of a step is per-step work (module dispatch of
 the forward, the engine's bookkeeping, sampling), and the per-request work (MLP rows, attention over the cached
 tokens) is the same tokens in either schedule. The recompute of the old log-probs (decoupled PPO) costs each
-asynchronous iteration one scoring pass. See the README for the measured tables and why 1.5x is not reached here.
+asynchronous iteration one scoring pass. See the README for the measured tables and what limits the speedup here.
 """
 from __future__ import annotations
 
