@@ -29,11 +29,11 @@ iterations, the first version's default, understated the speedup by ~10%).
 
 Where the gain comes from: with partial rollouts an iteration waits for its first ``P`` groups, not its slowest,
 and the long answers carry over, so two iterations share one wait for the longest answer (about half the engine
-steps of the synchronous loop) and the engine's batch stays fuller (higher occupancy). That pays in proportion to
-what an engine step costs whatever its batch: on this tiny CPU model ~8.5 ms of a step is per-step work (module
-dispatch of the forward, the engine's bookkeeping, sampling) and ~0.06 ms per request in it; a GPU decode step is
-the same kind of cost. The recompute of the old log-probs (decoupled PPO) costs each asynchronous iteration one
-scoring pass.
+steps of the synchronous loop) and the engine's batch stays fuller (higher occupancy). Only the fixed part of a
+step's cost shrinks with fewer steps: on this tiny CPU model ~7-8 ms of a step is per-step work (module dispatch of
+the forward, the engine's bookkeeping, sampling), and the per-request work (MLP rows, attention over the cached
+tokens) is the same tokens in either schedule. The recompute of the old log-probs (decoupled PPO) costs each
+asynchronous iteration one scoring pass. See the README for the measured tables and what limits the speedup here.
 """
 from __future__ import annotations
 

@@ -162,6 +162,16 @@ def test_decode_folds_grouped_heads_without_changing_a_bit(monkeypatch):
     assert torch.equal(folded, unfolded)
 
 
+def _values_like(k_cache, table, vs, block, fill):
+    """The V cache of the requests whose K blocks ``table`` lists (unused slots hold ``fill``)."""
+    v_cache = torch.full_like(k_cache, fill)
+    for b, vv in enumerate(vs):
+        for j in range((len(vv) + block - 1) // block):
+            chunk = vv[j * block:(j + 1) * block]
+            v_cache[table[b, j], :len(chunk)] = chunk
+    return v_cache
+
+
 def test_length_groups_split_only_where_padding_costs_more_than_a_group():
     # 63 short requests and one long one: padding them all to the long one costs 63 x 240 slots
     assert ta.length_groups([10] * 30 + [250] + [10] * 33, overhead=2048) == [[*range(30), *range(31, 64)], [30]]
@@ -205,11 +215,7 @@ def test_decode_of_far_apart_lengths_in_groups_matches_sdpa(monkeypatch, kv_head
     ks = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
     vs = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
     k_cache, table = _paged(ks, block, num_blocks=40, perm_seed=4)
-    v_cache = torch.zeros_like(k_cache)
-    for b, vv in enumerate(vs):
-        for j in range((len(vv) + block - 1) // block):
-            chunk = vv[j * block:(j + 1) * block]
-            v_cache[table[b, j], :len(chunk)] = chunk
+    v_cache = _values_like(k_cache, table, vs, block, fill=0.0)
     k_cache = k_cache.nan_to_num(0.0)
     q = torch.randn(len(lens), 1, heads, d, generator=g)
     args = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), causal=True, block_table=table)
@@ -243,11 +249,7 @@ def test_varlen_step_with_new_prompts_and_long_decodes_in_groups_matches_sdpa(mo
     vs = [torch.randn(n, kv_heads, d, generator=g) for n in k_lens]
     qs = [torch.randn(n, heads, d, generator=g) for n in q_lens]
     k_cache, table = _paged(ks, block, num_blocks=40, perm_seed=5)
-    v_cache = torch.full_like(k_cache, float("nan"))
-    for b, vv in enumerate(vs):
-        for j in range((len(vv) + block - 1) // block):
-            chunk = vv[j * block:(j + 1) * block]
-            v_cache[table[b, j], :len(chunk)] = chunk
+    v_cache = _values_like(k_cache, table, vs, block, fill=float("nan"))
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
     out = ta.flash_attn_varlen_func(torch.cat(qs), k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
