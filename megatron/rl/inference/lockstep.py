@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 from typing import Any, Callable, Protocol
 
 import torch.distributed as dist
@@ -32,9 +31,6 @@ __all__ = ["Job", "Plan", "Stepper", "LockstepScheduler", "broadcast_plan", "loc
 # The source re-shares an empty plan this often while idle, so waiting ranks never hit the process group's
 # collective timeout.
 IDLE_HEARTBEAT_S = 5.0
-# From idle, the first step waits for a burst of submissions to end (LockstepScheduler._await_burst).
-ADMISSION_WINDOW_S = 0.004
-ADMISSION_MAX_WAIT_S = 0.05
 
 
 @dataclasses.dataclass
@@ -94,12 +90,10 @@ class LockstepScheduler:
         returns the source's plan. Collective over the lockstep group.
     """
 
-    def __init__(self, is_source: bool, share: SharePlan, heartbeat_s: float = IDLE_HEARTBEAT_S,
-                 admission_window_s: float = ADMISSION_WINDOW_S):
+    def __init__(self, is_source: bool, share: SharePlan, heartbeat_s: float = IDLE_HEARTBEAT_S):
         self.is_source = is_source
         self._share = share
         self._heartbeat_s = heartbeat_s
-        self._admission_window_s = admission_window_s
         self._lock = threading.Condition()
         self._next_seq = 0
         self._queue: list[Job] = []  # source only: submitted, not yet in a plan
@@ -215,29 +209,9 @@ class LockstepScheduler:
                 else:
                     if idle and not self._queue and not self._stop_requested:
                         self._lock.wait(timeout=self._heartbeat_s)
-                    if idle and self._queue:
-                        self._await_burst()
                     jobs, self._queue = self._queue, []
                     plan = Plan(jobs=jobs, stop=self._stop_requested and idle and not jobs)
         return self._share(plan)
-
-    def _await_burst(self) -> None:
-        """Idle and requests arriving (lock held): admit the rest of the burst before the first step.
-
-        A rollout phase submits its requests from many agent coroutines over ~10-30 ms. Stepping at the first
-        arrival prefilled those in one step and the rest in a second one, a step later: a second prefill and a
-        decode step of a few rows (~0.1 s of a 0.6 s phase at 128 requests on CPU). Waits while requests keep
-        coming, up to :data:`ADMISSION_MAX_WAIT_S` in all; a lone request waits one window.
-        """
-        deadline = time.monotonic() + ADMISSION_MAX_WAIT_S
-        while self._admission_window_s > 0 and not self._stop_requested and not self._pause_requested:
-            seen = len(self._queue)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._lock.wait(timeout=min(self._admission_window_s, remaining))
-            if len(self._queue) == seen:  # a quiet window: the burst is over
-                return
 
     async def run(self, stepper: Stepper) -> None:
         """Step until a plan says stop. An exception propagates; then call :meth:`abort`."""

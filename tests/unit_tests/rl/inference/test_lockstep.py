@@ -292,23 +292,3 @@ def test_a_pause_right_after_a_resume_waits_for_a_new_hold():
     sched.request_stop()
     engine.join(5)
     assert not engine.is_alive()
-
-
-@pytest.mark.parametrize("window_s", [0.0, 0.03])
-def test_an_idle_engine_admits_a_whole_burst_of_submissions_in_its_first_step(window_s):
-    """Requests submitted 5 ms apart (agent coroutines): with an admission window the first step holds all of them
-    (one prefill); without one the engine starts at the first arrival and admits the rest in later steps."""
-    scheduler = LockstepScheduler(True, lambda plan: plan, admission_window_s=window_s)
-    stepper = FakeStepper(scheduler)
-    scheduler.start()
-    thread = threading.Thread(target=asyncio.run, args=(scheduler.run(stepper),), daemon=True)
-    thread.start()
-    jobs = [_job([i + 1], max_new_tokens=2) for i in range(6)]
-    responses = _submit_all(scheduler, jobs, delay_s=0.005)
-    scheduler.request_stop()
-    thread.join(timeout=30)
-    assert [r.finish_reason for r in responses] == ["length"] * 6
-    if window_s:
-        assert stepper.batches[0] == list(range(6)) and len(stepper.batches) == 2
-    else:
-        assert len(stepper.batches[0]) < 6
