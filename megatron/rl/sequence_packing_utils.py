@@ -27,6 +27,7 @@ at position ``p`` score ``labels[p]``.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -333,9 +334,7 @@ class PackedBatch:
         # Segment id of every position: how many segment ends (cumulative lengths) lie at or before it. One
         # vectorised comparison for all rows (a repeat_interleave per row cost ~1 ms per row on CPU).
         width = max(len(row) for row in self.row_segments)
-        ends = torch.full((self.num_rows, width), s, dtype=torch.long)
-        for r, row in enumerate(self.row_segments):
-            ends[r, :len(row)] = torch.tensor(row).cumsum(0)
+        ends = torch.tensor([[*itertools.accumulate(row), *[s] * (width - len(row))] for row in self.row_segments])
         seg = (torch.arange(s)[None, :, None] >= ends[:, None, :]).sum(-1).to(self.tokens.device)
         same = seg[:, :, None] == seg[:, None, :]
         causal = torch.ones(s, s, dtype=torch.bool, device=self.tokens.device).tril()

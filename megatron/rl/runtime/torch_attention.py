@@ -236,10 +236,14 @@ def length_groups(lens: list[int], overhead: int) -> list[list[int]]:
     the shortest requests to the longest, each in request order; one group (all of ``range(len(lens))``)
     when splitting does not pay.
     """
+    # Not even a perfect split would pay: the common case, so it is checked before the per-request loop (this
+    # runs once per layer and step).
+    if not lens or len(lens) * max(lens) - sum(lens) <= overhead:
+        return [list(range(len(lens)))]
     classes: dict[int, list[int]] = {}
     for i, n in enumerate(lens):
         classes.setdefault((max(int(n), 1) - 1).bit_length(), []).append(i)  # n in (2^(c-1), 2^c]
-    if len(classes) < 2 or len(lens) * max(lens) - sum(lens) <= overhead:  # not even a perfect split would pay
+    if len(classes) < 2:
         return [list(range(len(lens)))]
     keys = sorted(classes)
     sizes = [len(classes[c]) for c in keys]
