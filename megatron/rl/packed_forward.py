@@ -120,53 +120,161 @@ def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Ite
             h.remove()
 
 
-def _length_groups(spans: Spans) -> tuple[int, list[torch.Tensor], torch.Tensor | None]:
-    """(rows, per distinct length n: [n, count] flat indices ``p * rows + r`` of its sequences' positions, all
-    of those indices concatenated). Built once per forward, shared by every layer."""
-    by_length: dict[int, list[tuple[int, int]]] = {}
+def _sequences(spans: Spans) -> list[tuple[int, int, int]]:
+    """(row, start, length) of every real sequence, checking that each row's spans are contiguous from 0."""
+    out = []
     for r, row in enumerate(spans):
         used = 0
         for start, n in row:
             if start != used or n < 1:
                 raise ValueError(f"row {r}: sequence spans {list(row)} are not contiguous from position 0")
-            by_length.setdefault(n, []).append((r, start))
+            out.append((r, start, n))
             used += n
-    rows = len(spans)
-    groups = [torch.stack([torch.arange(start, start + n) * rows + r for r, start in seqs], dim=1)
-              for n, seqs in by_length.items()]
-    return rows, groups, (torch.cat([g.reshape(-1) for g in groups]) if groups else None)
+    return out
 
 
-def _per_sequence(original, plan: tuple[int, list[torch.Tensor], torch.Tensor | None]):
-    """A ``DotProductAttention.forward`` replacement: ``original`` once per sequence length, over the sequences
-    of that length stacked as its batch (batch entries are independent products of the same shape, so each
-    sequence's result is the one it gets alone; one call per length keeps the per-call overhead down)."""
-    rows, groups, scatter = plan
+def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0) -> list[list[int]]:
+    """Which sequences (by their ``lengths``) share one attention call (pure).
+
+    ``"exact"``: one group per distinct length (each call is the sequences' own product, bit for bit).
+    ``"grouped"``: power-of-two length classes (``(2^(c-1), 2^c]``), adjacent classes merged where that is
+    cheaper: a group costs ``overhead + count x longest^2`` score elements per head (its queries x its padded
+    keys), and the split minimising the total is found exactly over the few classes. Groups come out shortest
+    first, each in sequence order.
+    """
+    if grouping == "exact":
+        by_length: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            by_length.setdefault(n, []).append(i)
+        return list(by_length.values())
+    if grouping != "grouped":
+        raise ValueError(f"grouping must be 'exact' or 'grouped', got {grouping!r}")
+    classes: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        classes.setdefault((max(int(n), 1) - 1).bit_length(), []).append(i)
+    keys = sorted(classes)
+    sizes = [len(classes[c]) for c in keys]
+    longest = [max(lengths[i] for i in classes[c]) for c in keys]
+    # best[j]: the cheapest split of classes[:j]; a group of classes i..j-1 pads to longest[j - 1]
+    best, cut = [0] * (len(keys) + 1), [0] * (len(keys) + 1)
+    for j in range(1, len(keys) + 1):
+        best[j], count = None, 0
+        for i in range(j - 1, -1, -1):
+            count += sizes[i]
+            cost = best[i] + overhead + count * longest[j - 1] ** 2
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(keys)
+    while j > 0:
+        groups.append(sorted(r for c in keys[cut[j]:j] for r in classes[c]))
+        j = cut[j]
+    return groups[::-1]
+
+
+def grouped_attention_cost(lengths: Sequence[int], overhead: int) -> int:
+    """Score elements per head, plus ``overhead`` per call, of the ``"grouped"`` attention of ``lengths``."""
+    return sum(overhead + len(g) * max(lengths[i] for i in g) ** 2
+               for g in attention_groups(lengths, "grouped", overhead))
+
+
+# What one more attention call costs, in score elements per head: a call's ~30 small ops (forward and backward)
+# against the per-element cost of the products, the masked softmax and their backward. CPU: fitted to forward +
+# backward times of masked and grouped rows on 2 cores (hidden 64-256, rows of 64-1024 tokens); GPUs: kernel
+# launches against memory bandwidth.
+_CALL_OVERHEAD_SCORES = {"cpu": 16 * 1024, "cuda": 4 * 1024 * 1024}
+
+
+def call_overhead_scores(device: torch.device) -> int:
+    return _CALL_OVERHEAD_SCORES.get(device.type, _CALL_OVERHEAD_SCORES["cuda"])
+
+
+def choose_attention(spans: Spans, seq_length: int, mode: str, device: torch.device) -> str:
+    """The attention of one [rows, S] packed forward: ``"masked"`` (one product over each whole row, the
+    sequences kept apart by the block-diagonal mask), ``"exact"`` or ``"grouped"`` (:func:`attention_groups`).
+
+    ``mode="auto"`` takes ``"grouped"`` where its estimated cost (its calls' padded products, one call overhead
+    each and one more for gathering and scattering the rows) is below the masked product's ``rows x S^2``
+    score elements per head: rows holding several sequences much shorter than the row. Rows of one sequence
+    each, or of a few sequences filling short rows, stay masked. A pure function of the spans, so every rank
+    and pipeline stage chooses alike.
+    """
+    if mode != "auto":
+        return mode
+    lengths = [n for row in spans for _, n in row]
+    if not lengths:
+        return "masked"
+    overhead = call_overhead_scores(device)
+    grouped = grouped_attention_cost(lengths, overhead) + overhead
+    return "grouped" if grouped < len(spans) * seq_length ** 2 else "masked"
+
+
+class _Plan:
+    """The attention calls of one forward: per call its [L, count] batch of flat positions (``p * rows + r``),
+    its mask (None when all its sequences have length L: megatron-core's causal default) and which of its
+    outputs are real; all calls' positions concatenated (``gather``: one gather per tensor and layer, whose
+    backward is one scatter, instead of one per call) and where the real outputs go (``scatter``). Built once
+    per forward, shared by every layer."""
+
+    def __init__(self, spans: Spans, grouping: str, device: torch.device):
+        seqs = _sequences(spans)
+        self.rows = len(spans)
+        self.calls: list[tuple[tuple[int, int], torch.Tensor | None, torch.Tensor | None]] = []
+        gather, dest = [], []
+        for group in attention_groups([n for _, _, n in seqs], grouping, call_overhead_scores(device)):
+            lens = torch.tensor([seqs[i][2] for i in group])
+            starts = torch.tensor([seqs[i][1] for i in group])
+            rows = torch.tensor([seqs[i][0] for i in group])
+            pos = torch.arange(int(lens.max()))
+            valid = pos[:, None] < lens[None, :]  # [L, count]
+            # padding positions read the sequence's first token (finite): masked as keys, dropped as outputs
+            index = torch.where(valid, starts[None, :] + pos[:, None], starts[None, :]) * self.rows + rows[None, :]
+            gather.append(index.reshape(-1))
+            dest.append(index[valid])
+            if bool(valid.all()):
+                self.calls.append((tuple(index.shape), None, None))
+            else:
+                allowed = (pos[None, :] <= pos[:, None])[None] & valid.t()[:, None, :]  # [count, Lq, Lk]
+                self.calls.append((tuple(index.shape), ~allowed[:, None], valid.reshape(-1).nonzero().squeeze(1)))
+        self.gather = torch.cat(gather) if gather else None
+        self.sizes = [a * b for (a, b), _, _ in self.calls]
+        self.scatter = torch.cat(dest) if dest else None
+
+
+def _per_sequence(original, plan: _Plan):
+    """A ``DotProductAttention.forward`` replacement: ``original`` once per call of ``plan``, over the call's
+    sequences stacked as its batch (batch entries are independent products, so a sequence's result depends on
+    its own queries and keys and the call's padded length only)."""
 
     def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         # query [S, rows, heads, dim]; key/value [S, rows, groups, dim]; output [S, rows, heads * dim]
-        s_len = query.shape[0]
+        s_len, rows = query.shape[0], plan.rows
         if query.shape[1] != rows:
             raise ValueError(f"{rows} rows of sequence spans for attention over {query.shape[1]} rows")
-        flat = [t.reshape(s_len * rows, *t.shape[2:]) for t in (query, key, value)]
         contexts = []
-        for index in groups:
-            q, k, v = (t[index.to(t.device)] for t in flat)
-            context = original(q, k, v, None, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
-                               packed_seq_params=packed_seq_params)  # [n, count, heads * dim]
-            contexts.append(context.reshape(-1, context.shape[-1]))
+        if plan.calls:
+            # index_select, not t[index]: its backward is an index_add, the latter's an accumulating index_put
+            # (~10x slower on CPU)
+            parts = [t.reshape(s_len * rows, *t.shape[2:]).index_select(0, plan.gather.to(t.device)).split(plan.sizes)
+                     for t in (query, key, value)]
+            for (shape, mask, keep), q, k, v in zip(plan.calls, *parts):
+                q, k, v = (t.view(*shape, *t.shape[1:]) for t in (q, k, v))
+                context = original(q, k, v, None if mask is None else mask.to(q.device),
+                                   attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                                   packed_seq_params=packed_seq_params)
+                context = context.reshape(-1, context.shape[-1])  # [L * count, heads * dim]
+                contexts.append(context if keep is None else context.index_select(0, keep.to(context.device)))
         width = query.shape[2] * value.shape[3]
         out = query.new_zeros((s_len * rows, contexts[0].shape[-1] if contexts else width))
         if contexts:  # padding keeps a zero output: nothing real attends to it and its loss mask is 0
-            out = out.index_copy(0, scatter.to(out.device), torch.cat(contexts))
+            out = out.index_copy(0, plan.scatter.to(out.device), torch.cat(contexts))
         return out.reshape(s_len, rows, -1)
 
     return forward
 
 
 @contextlib.contextmanager
-def attention_per_sequence(model: torch.nn.Module, spans: Spans) -> Iterator[None]:
+def attention_per_sequence(model: torch.nn.Module, spans: Spans, grouping: str = "exact") -> Iterator[None]:
     """While active, every local ``DotProductAttention`` in ``model`` attends within each span only.
 
     ``spans[r]``: (start, length) of the real sequences of row ``r``, contiguous from position 0; the positions
@@ -176,7 +284,10 @@ def attention_per_sequence(model: torch.nn.Module, spans: Spans) -> Iterator[Non
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     modules = [m for m in model.modules() if type(m) is DotProductAttention]
-    plan = _length_groups(spans)
+    if not modules:
+        yield
+        return
+    plan = _Plan(spans, grouping, next(model.parameters()).device)
     for m in modules:
         m.forward = _per_sequence(m.forward, plan)  # instance attribute: shadows the class's forward
     try:
@@ -193,12 +304,14 @@ def uses_recomputation(model: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def isolate_sequences(model: torch.nn.Module, position_ids: torch.Tensor, spans: Spans,
-                      per_sequence_attention: bool = True) -> Iterator[None]:
-    """The hooks (the module doc) for one [rows, S] forward of packed rows: RoPE positions always, attention per
-    sequence when asked and without activation recomputation (the backward would re-run the attention
-    without it)."""
+                      attention: str = "exact") -> Iterator[None]:
+    """The hooks (the module doc) for one [rows, S] forward of packed rows: RoPE positions always; attention
+    ``attention`` (:func:`choose_attention`: "masked", "exact", "grouped" or "auto"), where the per-sequence
+    kinds fall back to the masked product under activation recomputation (the backward would re-run the
+    attention without the hook)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(rope_at_positions(model, position_ids))
-        if per_sequence_attention and not uses_recomputation(model):
-            stack.enter_context(attention_per_sequence(model, spans))
+        kind = choose_attention(spans, position_ids.shape[-1], attention, position_ids.device)
+        if kind != "masked" and not uses_recomputation(model):
+            stack.enter_context(attention_per_sequence(model, spans, kind))
         yield

@@ -61,13 +61,18 @@ class RLConfig:
                                            "sequences).")
     max_sequences_per_bin: int = flag(16, name="--rl-sequence-packing-max-sequences-per-bin")
     packing_algo: str = flag("fifo", name="--rl-sequence-packing-algo", choices=registry_choices(PACKING_ALGOS))
-    # packed rows computed as if each sequence ran alone (megatron.rl.packed_forward; issue 15 item 5)
+    # packed rows computed as if each sequence ran alone (megatron.rl.packed_forward; issue 15 items 3 and 5)
     packed_attention_per_sequence: bool = flag(
         False, name="--rl-packed-attention-per-sequence",
-        help="Local attention spec: attend within each packed sequence only, one attention call per sequence "
-             "length, so packed log-probs equal one-sequence-per-row log-probs bit for bit (default: one masked "
-             "product per row, within ~1e-6 of them and much faster on small models). RoPE always uses each "
-             "sequence's own positions.")
+        help="Same as --rl-packed-attention exact (kept for existing scripts).")
+    packed_attention: str = flag(
+        "auto", name="--rl-packed-attention", choices=("auto", "masked", "grouped", "exact"),
+        help="Local attention spec, packed rows: masked = one product over each whole row, sequences kept apart "
+             "by a block-diagonal mask (its cost grows with the row length squared); exact = one call per "
+             "sequence length, log-probs bit-identical to one sequence per row; grouped = one call per group of "
+             "similar lengths (power-of-two classes), each sequence attending to its own keys only; auto (default) "
+             "= grouped where it costs less than masked (rows of several short sequences), else masked. RoPE "
+             "always uses each sequence's own positions.")
     temperature: float = flag(1.0, name="--rl-default-temperature")
     top_p: float = flag(1.0, name="--rl-default-top-p")
     top_k: int = flag(0, name="--rl-default-top-k")
@@ -130,6 +135,11 @@ class RLConfig:
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
 
+    @property
+    def packed_attention_mode(self) -> str:
+        """--rl-packed-attention, with the older --rl-packed-attention-per-sequence meaning "exact"."""
+        return "exact" if self.packed_attention_per_sequence else self.packed_attention
+
 
 def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The RL flags (generated from :class:`RLConfig`): an ``extra_args_provider`` for ``parse_args``."""
@@ -173,6 +183,9 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
         log.warning("--hidden-dropout=%s / --attention-dropout=%s: with dropout the policy being trained differs "
                     "from the one that scored the old log-probs, so PPO ratios are noisy (train_rl.py defaults "
                     "both to 0)", cfg.model.hidden_dropout, cfg.model.attention_dropout)
+    _need(not rl.packed_attention_per_sequence or rl.packed_attention in ("auto", "exact"),
+          f"--rl-packed-attention-per-sequence asks for exact per-sequence attention, but --rl-packed-attention="
+          f"{rl.packed_attention} asks for another; give one of the two.")
     dp = cfg.parallel.data_parallel_size
     gbs = cfg.train.global_batch_size
     for flag, value in (("--grpo-prompts-per-step", rl.prompts_per_step), ("--grpo-group-size", rl.group_size),

@@ -116,7 +116,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
                       pad_token_id=tokenizer.pad, seq_length=cfg.model.seq_length,
                       micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
                       device=run.runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
-                      ref_model=run.ref_model, packed_attention_per_sequence=rl.packed_attention_per_sequence)
+                      ref_model=run.ref_model, packed_attention=rl.packed_attention_mode)
     # asynchronous rollouts (issue 14); None: synchronous. A durable rollout bank restores what a resumed run lost.
     ctx.rollouts = build_async_rollouts(ctx, rl, iteration, save=c.save,
                                         resuming=start.from_checkpoint or bool(c.load))

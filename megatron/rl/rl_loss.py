@@ -30,19 +30,20 @@ _WEIGHTED_STATS = ("clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl_
 
 
 def model_forward(model, mb: PackedBatch, device: torch.device, use_thd: bool,
-                  per_sequence_attention: bool = False) -> torch.Tensor:
+                  packed_attention: str = "auto") -> torch.Tensor:
     """Run the model on packed rows; returns logits [rows, S, V/TP] on the last stage, hidden states elsewhere.
 
     Every sequence of a row gets RoPE at its own positions (0 .. L-1), as if it ran alone: megatron-core does
     that itself for THD; the [rows, S] path needs :func:`~megatron.rl.packed_forward.isolate_sequences`, which
-    with ``per_sequence_attention`` also keeps each sequence's attention product to its own keys
-    (``--rl-packed-attention-per-sequence``: bit-identical to one sequence per row, slower on small models).
+    also computes the attention as ``packed_attention`` says (``--rl-packed-attention``: one masked product per
+    row, per sequence length bit-identical to one sequence per row, or per group of similar lengths; "auto"
+    picks the cheaper of masked and grouped per micro-batch).
     """
     tokens, positions = mb.tokens.to(device), mb.position_ids.to(device)
     if use_thd:
         return model(tokens.reshape(1, -1), positions.reshape(1, -1), None,
                      packed_seq_params=mb.packed_seq_params())
-    with isolate_sequences(model, positions, mb.sequence_spans(), per_sequence_attention):
+    with isolate_sequences(model, positions, mb.sequence_spans(), packed_attention):
         return model(tokens, positions, mb.attention_mask().to(device))
 
 
@@ -56,7 +57,7 @@ def _store(target: torch.Tensor, logprobs: torch.Tensor) -> None:
 
 
 def scoring_forward_step(value_name: str, temperature: float, device: torch.device, use_thd: bool,
-                         per_sequence_attention: bool = False) -> Callable:
+                         packed_attention: str = "auto") -> Callable:
     """Forward-only step writing per-token log-probs into ``mb.values[value_name]`` (last stage only).
 
     The micro-batches are views into the rank's full :class:`PackedBatch`, so the values land there.
@@ -70,7 +71,7 @@ def scoring_forward_step(value_name: str, temperature: float, device: torch.devi
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return model_forward(model, mb, device, use_thd, per_sequence_attention), functools.partial(loss_func, mb)
+        return model_forward(model, mb, device, use_thd, packed_attention), functools.partial(loss_func, mb)
 
     return forward_step
 
@@ -112,10 +113,10 @@ def compute_rl_loss(logits: torch.Tensor, mb: PackedBatch, loss_cfg: PolicyLossC
 
 def training_forward_step(loss_cfg: PolicyLossConfig, aggregation: str, normalizers: LossNormalizers,
                           temperature: float, grad_scale: float, device: torch.device, use_thd: bool,
-                          old_logprobs_from_forward: bool = False, per_sequence_attention: bool = False) -> Callable:
+                          old_logprobs_from_forward: bool = False, packed_attention: str = "auto") -> Callable:
     """Forward step whose loss back-propagates the GRPO/PPO objective (see the module doc for ``grad_scale``;
     :func:`compute_rl_loss` for ``old_logprobs_from_forward``, :func:`model_forward` for
-    ``per_sequence_attention``)."""
+    ``packed_attention``)."""
 
     def loss_func(mb: PackedBatch, output: torch.Tensor):
         loss, report = compute_rl_loss(_logits(output, mb), mb, loss_cfg, aggregation, normalizers, temperature,
@@ -124,6 +125,6 @@ def training_forward_step(loss_cfg: PolicyLossConfig, aggregation: str, normaliz
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return model_forward(model, mb, device, use_thd, per_sequence_attention), functools.partial(loss_func, mb)
+        return model_forward(model, mb, device, use_thd, packed_attention), functools.partial(loss_func, mb)
 
     return forward_step

@@ -89,7 +89,7 @@ class StepContext:
     use_thd: bool = False
     ref_model: list | None = None  # only when --grpo-kl-beta > 0
     rollouts: Any = None  # asynchronous rollouts (megatron.rl.async_rollouts.AsyncRollouts); None: synchronous
-    packed_attention_per_sequence: bool = False  # --rl-packed-attention-per-sequence (megatron.rl.packed_forward)
+    packed_attention: str = "auto"  # --rl-packed-attention (megatron.rl.packed_forward.choose_attention)
 
 
 def _dp():
@@ -254,7 +254,7 @@ def score(model: list, step: StepBatch, value_name: str, temperature: float, ctx
         with torch.no_grad():
             loader = step.microbatches(ctx.micro_batch_size)
             train_step(scoring_forward_step(value_name, temperature, ctx.device, ctx.use_thd,
-                                            ctx.packed_attention_per_sequence), iter(loader), model,
+                                            ctx.packed_attention), iter(loader), model,
                        None, None, step.num_microbatches, forward_only=True, **schedule_shape(ctx))
     finally:
         for chunk in model:
@@ -377,7 +377,7 @@ def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch]) -> dic
             fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
                                         grad_scale=float(step.num_microbatches * dp_size), device=ctx.device,
                                         use_thd=ctx.use_thd, old_logprobs_from_forward=from_forward,
-                                        per_sequence_attention=ctx.packed_attention_per_sequence)
+                                        packed_attention=ctx.packed_attention)
             report, grad_norm, was_skipped = train_step(fwd, iter(step.microbatches(ctx.micro_batch_size)), ctx.model,
                                                         ctx.optimizer, ctx.scheduler, step.num_microbatches,
                                                         scheduler_increment=int(last), **schedule_shape(ctx))

@@ -48,13 +48,12 @@ def _per_sequence(lp, batch):
             for s, n in enumerate(info.seq_lengths)]
 
 
-def _packed_logprobs(model, batch, isolated=True, per_sequence_attention=True):
+def _packed_logprobs(model, batch, isolated=True, attention="exact"):
     from megatron.rl.logprobs import token_logprobs
     from megatron.rl.rl_loss import model_forward
 
     if isolated:
-        out = model_forward(model, batch, torch.device("cpu"), use_thd=False,
-                            per_sequence_attention=per_sequence_attention)
+        out = model_forward(model, batch, torch.device("cpu"), use_thd=False, packed_attention=attention)
     else:  # the forward before megatron.rl.packed_forward: mask only
         out = model(batch.tokens, batch.position_ids, batch.attention_mask())
     return _per_sequence(token_logprobs(out.reshape(batch.num_rows, S, -1), batch.labels), batch)
@@ -119,9 +118,9 @@ def test_default_rope_positions_alone_bring_packed_rows_close_to_one_sequence_pe
     still rounds differently, but far less than before."""
     model = _model(scale=3.0).eval()
     with torch.no_grad():
-        got = _packed_logprobs(model, _batch(sequences, 8), per_sequence_attention=False)
+        got = _packed_logprobs(model, _batch(sequences, 8), attention="masked")
         old = _packed_logprobs(model, _batch(sequences, 8), isolated=False)
-        ref = _packed_logprobs(model, _batch(sequences, 1), per_sequence_attention=False)
+        ref = _packed_logprobs(model, _batch(sequences, 1), attention="masked")
     worst = max(float((a - b).abs().max()) for a, b in zip(got, ref))
     assert worst < 1e-5 < max(float((a - b).abs().max()) for a, b in zip(old, ref)), worst
 
@@ -175,3 +174,99 @@ def test_recomputation_keeps_masked_attention_but_rope_positions(sequences, monk
         ref = [_alone_logprobs(model, ids) for ids in sequences]
     # RoPE at each sequence's own positions: within the masked attention's rounding of the alone forward
     assert max(float((a.detach() - b).abs().max()) for a, b in zip(lp, ref)) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------ grouped attention
+def _brute_force_cost(lengths, overhead):
+    """The cheapest split into contiguous runs of power-of-two length classes, by trying every split."""
+    import itertools
+
+    classes = sorted({(n - 1).bit_length() for n in lengths})
+    members = [[n for n in lengths if (n - 1).bit_length() == c] for c in classes]
+    best = None
+    for cuts in itertools.product([False, True], repeat=len(classes) - 1):
+        cost, group = 0, []
+        for i, m in enumerate(members):
+            group += m
+            if i == len(members) - 1 or cuts[i]:
+                cost += overhead + len(group) * max(group) ** 2
+                group = []
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+def test_attention_groups_exact_and_grouped():
+    from megatron.rl.packed_forward import attention_groups, grouped_attention_cost
+
+    lengths = [5, 3, 5, 9, 200, 3, 17]
+    assert attention_groups(lengths, "exact") == [[0, 2], [1, 5], [3], [4], [6]]
+    # no call overhead: every class alone (padding within a class only); a huge one: a single call
+    assert attention_groups(lengths, "grouped", 0) == [[1, 5], [0, 2], [3], [6], [4]]
+    assert attention_groups(lengths, "grouped", 10 ** 9) == [list(range(len(lengths)))]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        lens = torch.randint(1, 300, (n,), generator=g).tolist()
+        overhead = int(torch.randint(0, 20000, (1,), generator=g))
+        groups = attention_groups(lens, "grouped", overhead)
+        assert sorted(i for grp in groups for i in grp) == list(range(n))
+        assert grouped_attention_cost(lens, overhead) == _brute_force_cost(lens, overhead), (lens, overhead)
+    with pytest.raises(ValueError, match="grouping"):
+        attention_groups(lengths, "masked")
+
+
+def test_choose_attention_takes_grouped_only_where_the_masked_product_is_mostly_waste():
+    from megatron.rl.packed_forward import choose_attention
+
+    cpu = torch.device("cpu")
+    many_short = [[(0, 30), (30, 40), (70, 25), (95, 200)] for _ in range(8)]  # rows of 320, 4 sequences each
+    one_each = [[(0, 29)] for _ in range(128)]  # one sequence per row, rows cropped to the longest
+    few_in_short_rows = [[(0, 20), (20, 22), (42, 18)] for _ in range(8)]  # the quickstart's 64-token rows
+    assert choose_attention(many_short, 320, "auto", cpu) == "grouped"
+    assert choose_attention(one_each, 29, "auto", cpu) == "masked"
+    assert choose_attention(few_in_short_rows, 64, "auto", cpu) == "masked"
+    assert choose_attention([], 64, "auto", cpu) == "masked"
+    for mode in ("masked", "exact", "grouped"):
+        assert choose_attention(one_each, 29, mode, cpu) == mode
+
+
+@pytest.fixture(scope="module")
+def mixed_sequences():
+    """Lengths from 3 to 100 tokens: several power-of-two classes, so grouped calls pad within a class."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [3, 4, 7, 9, 12, 15, 18, 25, 31, 33, 40, 64, 70, 100, 5, 6, 11, 21]
+    return [torch.randint(0, 259, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_grouped_attention_matches_one_sequence_per_row(mixed_sequences):
+    """Grouped calls pad a sequence's keys to the longest of its group (masked out): close to the sequence alone
+    (another reduction length in the softmax and the product with V), far closer than the masked row product."""
+    from megatron.rl.packed_forward import _Plan
+
+    batch = _batch(mixed_sequences, 8)
+    plan = _Plan(batch.sequence_spans(), "grouped", torch.device("cpu"))
+    assert len(plan.calls) > 1 and any(mask is not None for _, mask, _ in plan.calls), "no padded call: no bite"
+    model = _model(scale=3.0).eval()
+    with torch.no_grad():
+        got = _packed_logprobs(model, batch, attention="grouped")
+        masked = _packed_logprobs(model, batch, attention="masked")
+        ref = _packed_logprobs(model, _batch(mixed_sequences, 1))  # exact, one sequence per row
+        alone = [_alone_logprobs(model, ids) for ids in mixed_sequences]
+    assert sum(float(r.abs().mean()) for r in ref) / len(ref) > 1.0, "not peaked: the test would not bite"
+    worst = max(float((a - b).abs().max()) for a, b in zip(got, ref))
+    assert worst < 1e-5, worst
+    assert max(float((a - b).abs().max()) for a, b in zip(got, alone)) < 1e-5
+    # the sequences of one length in a call without padding are the exact products
+    assert max(float((a - b).abs().max()) for a, b in zip(masked, ref)) < 1e-5
+
+
+def test_grouped_attention_gradients_match_one_sequence_per_row(mixed_sequences):
+    def grads(max_per_bin, attention):
+        model = _model(scale=3.0).train()
+        lp = _packed_logprobs(model, _batch(mixed_sequences, max_per_bin), attention=attention)
+        torch.cat(lp).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    packed, unpacked = grads(8, "grouped"), grads(1, "exact")
+    for name, g in unpacked.items():
+        torch.testing.assert_close(packed[name], g, rtol=1e-5, atol=1e-5 * float(g.abs().max()), msg=name)
