@@ -398,3 +398,63 @@ def test_megatron_gpt_packed_forward_equals_unpacked(torchrun):
 
 if __name__ == "__main__":
     _gpt_worker()
+
+
+def _loop_build(info, bin_ids, token_ids, loss_masks, pad, per_token, per_sequence, dtype):
+    """build_packed_batch's tensors written as a loop over rows and sequences (one slice each)."""
+    rows, s_len = len(bin_ids), info.bin_capacity
+    out = {"tokens": torch.full((rows, s_len), pad), "labels": torch.full((rows, s_len), pad),
+           "position_ids": torch.empty((rows, s_len), dtype=torch.long),
+           "loss_mask": torch.zeros((rows, s_len), dtype=dtype), "seq_ids": torch.full((rows, s_len), -1)}
+    values = {k: torch.zeros((rows, s_len), dtype=dtype) for k in (*per_token, *per_sequence)}
+    segments = []
+    for r, b in enumerate(bin_ids):
+        used, seg = 0, []
+        for s in (() if b is None else info.bins[b]):
+            o, n = info.seq_starts[s], info.seq_lengths[s]
+            ids = torch.as_tensor(token_ids[s])
+            out["tokens"][r, o:o + n] = ids
+            out["labels"][r, o:o + n - 1] = ids[1:]
+            out["position_ids"][r, o:o + n] = torch.arange(n)
+            out["loss_mask"][r, o:o + n - 1] = torch.as_tensor(loss_masks[s])[1:].to(dtype)
+            out["seq_ids"][r, o:o + n] = s
+            for k, v in per_token.items():
+                values[k][r, o:o + n - 1] = torch.as_tensor(v[s]).to(dtype)
+            for k, v in per_sequence.items():
+                values[k][r, o:o + n] = v[s].to(dtype)
+            used += n
+            seg.append(n)
+        out["position_ids"][r, used:] = torch.arange(s_len - used)
+        segments.append(tuple(seg + ([s_len - used] if used < s_len else [])))
+    return out, values, tuple(segments)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_build_packed_batch_equals_a_loop_over_sequences(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    cap = rng.choice([8, 16, 64])
+    lengths = [rng.randint(2, cap) for _ in range(n)]
+    info = plan_packing(lengths, cap, rng.randint(1, 6))
+    bins = list(range(info.num_bins))
+    rng.shuffle(bins)
+    rows = bins[:rng.randint(0, len(bins))] + [None] * rng.randint(0, 2)
+    rng.shuffle(rows)
+    as_tensor = seed % 2 == 0  # token ids and masks as tensors or as lists: both are accepted
+    tokens = [[rng.randint(0, 300) for _ in range(m)] for m in lengths]
+    masks = [[0] + [rng.randint(0, 1) for _ in range(m - 1)] for m in lengths]
+    if as_tensor:
+        tokens, masks = [torch.tensor(t) for t in tokens], [torch.tensor(m) for m in masks]
+    dtype = torch.float64 if seed % 3 == 0 else torch.float32
+    per_token = {"old_logprobs": [torch.randn(m - 1) for m in lengths], "ref": [[0.5] * (m - 1) for m in lengths]}
+    per_sequence = {"advantages": torch.randn(n, dtype=torch.float64)}
+    batch = build_packed_batch(info, rows, tokens, masks, 7, per_token=per_token, per_sequence=per_sequence,
+                               dtype=dtype)
+    ref, ref_values, ref_segments = _loop_build(info, rows, tokens, masks, 7, per_token, per_sequence, dtype)
+    for name, t in ref.items():
+        assert torch.equal(getattr(batch, name), t), name
+        assert getattr(batch, name).dtype == t.dtype, name
+    assert batch.values.keys() == ref_values.keys()
+    for name, t in ref_values.items():
+        assert torch.equal(batch.values[name], t) and batch.values[name].dtype == dtype, name
+    assert batch.row_segments == ref_segments and batch.bin_ids == tuple(rows)
