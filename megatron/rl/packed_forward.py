@@ -34,12 +34,18 @@ on megatron-core's own modules (no copy of their math):
 Together: packed log-probs equal the one-sequence-per-row forward's bit for bit (tested), and those of each
 sequence run alone up to the linear layers' M-dependent rounding (<= 1e-6).
 
-Defaults. The RoPE hook is always on (one gather per forward). Attention per sequence is opt-in
-(``--rl-packed-attention-per-sequence``): on this project's small CPU models the extra attention calls cost
-more than the masked product (training forward+backward 2.2x at 8 rows x 64 tokens with 8 distinct lengths,
-4.6x at 7 x 256 with 34, measured side by side on a loaded 2-core machine), while the masked product alone
-leaves the engine-trainer gap at ~3e-6 (tested < 1e-5). On large models it should pay for itself (it skips
-the masked S x S work of short sequences in long rows); not measured.
+Defaults. The RoPE hook is always on (one gather per forward). The attention is chosen per forward
+(``--rl-packed-attention``, :func:`choose_attention`): ``exact`` (one call per distinct sequence length, bit for
+bit the products the sequences have alone), ``grouped`` (one call per group of power-of-two length classes,
+each sequence padded to its group's longest and the padding masked: a few calls, at most ~4x the sequences'
+own score elements) and ``masked`` (one product over each whole row: ``rows x S^2`` score elements whatever the
+sequences). ``auto``, the default, takes grouped where a cost model (score elements plus a fixed cost per
+call) says it is cheaper than masked, else masked: rows of one sequence each and the quickstart's 64-token
+rows of three stay masked (bit for bit the forward before the option existed). Measured (training forward +
+backward, 2 cores): 9 rows x 320 tokens holding 64 sequences of 8-260 tokens 213 -> 150 ms; 11 rows x 1024
+holding 32 of 40-600 tokens 2.34 -> 1.35 s; in ``benchmarks/async_rollouts.py``'s synchronous setting the
+training step 0.26-0.31 -> 0.16-0.19 s. Every kind leaves the engine-trainer gap at ~3e-6 (tested < 1e-5):
+``exact`` needed one call per length, 2.2x-4.6x slower than masked on small models with many distinct lengths.
 
 Where the second hook is not used, and why: with activation recomputation (``--recompute-granularity``) the
 backward pass re-runs the attention after this context has exited, so the recomputed forward would differ
