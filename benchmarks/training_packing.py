@@ -95,8 +95,11 @@ def run(a) -> dict:
     sequences = make_sequences(lengths, tr.tokenizer.vocab_size, a.seed, group_size=8)
     real_tokens = sum(p + r for p, r in lengths)
 
+    # packed rows attend as --rl-packed-attention says (auto: per group of similar lengths where cheaper);
+    # "packed, masked" is the one masked product per row that packing used before (its S x S work per row)
+    rl_masked = dataclasses.replace(rl_packed, packed_attention="masked")
     layouts = {}
-    for name, rl in (("packed", rl_packed), ("padded", rl_padded)):
+    for name, rl in (("packed", rl_packed), ("packed, masked", rl_masked), ("padded", rl_padded)):
         (step,) = build_step_batches(sequences, rl, ctx, num_steps=1, need_ref=False)
         score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
         layouts[name] = (rl, step)
@@ -105,17 +108,18 @@ def run(a) -> dict:
         """One optimizer step of ``name``'s layout, exactly as rl_iteration runs it: (wall s, CPU s)."""
         rl, step = layouts[name]
         fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
-                                    grad_scale=float(step.num_microbatches), device=ctx.device, use_thd=False)
+                                    grad_scale=float(step.num_microbatches), device=ctx.device, use_thd=False,
+                                    packed_attention=rl.packed_attention_mode)
         loader = step.microbatches(ctx.micro_batch_size)
         return C.timed_wall_cpu(lambda: train_step(fwd, iter(loader), ctx.model, ctx.optimizer, ctx.scheduler,
                                                    step.num_microbatches, **schedule_shape(ctx)))
 
-    times = {"packed": [], "padded": []}  # (wall s, CPU s) per measured step
+    times = {name: [] for name in layouts}  # (wall s, CPU s) per measured step
     # Warm-up, untimed: the first step allocates the optimizer state and takes first-call paths, for
     # both layouts alike; one (cheaper, packed) step is enough.
     one_step("packed")
     for r in range(a.rounds):
-        for name in (("packed", "padded") if r % 2 == 0 else ("padded", "packed")):
+        for name in (list(layouts) if r % 2 == 0 else list(layouts)[::-1]):
             times[name].append(one_step(name))
             wall, cpu = times[name][-1]
             print(f"round {r + 1}/{a.rounds} {name}: {wall:.2f}s wall, {cpu:.2f}s CPU", file=sys.stderr, flush=True)
@@ -143,6 +147,11 @@ def run(a) -> dict:
     result.update(speedup=speedup, speedup_cpu=speedup_cpu, paired_speedup=paired, paired_speedup_cpu=paired_cpu)
     rows.append(["packed / padded", "", "", "", "", "", f"{speedup:.2f}x", f"{speedup_cpu:.2f}x", ""])
     rows.append(["packed / padded, per-round median", "", "", "", "", "", f"{paired:.2f}x", f"{paired_cpu:.2f}x", ""])
+    masked = C.median([tm[0] / tk[0] for tm, tk in zip(times["packed, masked"], times["packed"])])
+    masked_cpu = C.median([tm[1] / tk[1] for tm, tk in zip(times["packed, masked"], times["packed"])])
+    result.update(vs_masked=masked, vs_masked_cpu=masked_cpu)
+    rows.append(["packed / packed masked, per-round median", "", "", "", "", "", f"{masked:.2f}x",
+                 f"{masked_cpu:.2f}x", ""])
     resp = sorted(r for _, r in lengths)
     print(C.machine_line())
     print(f"model: {a.layers} layers, hidden {a.hidden}, {a.heads} heads; seq-length {a.seq_length}; "

@@ -59,7 +59,8 @@ def test_training_packing_table():
             "--micro-batch-size", "2", "--response-median", "16", "--rounds", "1"]
     out = run_bench("training_packing.py", *args)
     rows = table_rows(out)
-    assert {"packed", "padded", "packed / padded"} <= set(rows)
+    assert {"packed", "packed, masked", "padded", "packed / padded"} <= set(rows)
+    assert rows["packed, masked"][:3] == rows["packed"][:3]  # the same rows; only the attention differs
     # Efficiencies equal what the packing plan gives for the same seeded lengths, computed here directly.
     # Micro-batches are cropped to their rows (no pipeline parallelism): the positions are counted per
     # micro-batch as rows up to the last non-empty one x its longest row.
@@ -77,7 +78,8 @@ def test_training_packing_table():
             slots += len(used) * max(used)
         assert rows[name][2] == f"{100 * sum(lengths) / slots:.1f}%"
     assert int(rows["padded"][0]) == 16 > int(rows["packed"][0])
-    for ratio_row in ("packed / padded", "packed / padded, per-round median"):
+    for ratio_row in ("packed / padded", "packed / padded, per-round median",
+                      "packed / packed masked, per-round median"):
         assert all(re.fullmatch(r"[0-9.]+x", c) for c in rows[ratio_row][5:7]), rows[ratio_row]
 
 
