@@ -52,6 +52,8 @@ def one_process_runs(tmp_path_factory):
     runs = _launch(tmp, "one", {
         "ref": _variant(ctx, "dense", save=True),
         "packed": _variant(ctx, "dense", "--rl-use-sequence-packing"),
+        # attention per group of similar lengths (auto keeps these 64-token rows masked: forced here)
+        "packed_grouped": _variant(ctx, "dense", "--rl-use-sequence-packing", "--rl-packed-attention", "grouped"),
         "mbs1x8": _variant(ctx, "dense", "--micro-batch-size", "1"),
         "mbs8x1": _variant(ctx, "dense", "--micro-batch-size", "8"),
         "moe_ep1": _variant(ctx, "moe", save=True),
@@ -73,6 +75,10 @@ def two_process_runs(one_process_runs):
         "alt_tp2": _variant(ctx, "dense", *ALT, "--tensor-model-parallel-size", "2"),
         "alt_pp2_packed": _variant(ctx, "dense", *ALT, "--pipeline-model-parallel-size", "2",
                                    "--rl-use-sequence-packing"),
+        "tp2_packed_grouped": _variant(ctx, "dense", "--tensor-model-parallel-size", "2", "--rl-use-sequence-packing",
+                                       "--rl-packed-attention", "grouped"),
+        "pp2_packed_grouped": _variant(ctx, "dense", "--pipeline-model-parallel-size", "2",
+                                       "--rl-use-sequence-packing", "--rl-packed-attention", "grouped"),
     }, nproc=2)
     return {**one, **two}
 
@@ -109,7 +115,7 @@ def test_reference_is_nontrivial(one_process_runs):
     assert ref["num_microbatches"] == [4, 4]
 
 
-@pytest.mark.parametrize("name,ref", [("packed", "ref"), ("mbs1x8", "mbs8x1"), ("mbs1x8", "ref"),
+@pytest.mark.parametrize("name,ref", [("packed", "ref"), ("packed_grouped", "ref"), ("mbs1x8", "mbs8x1"), ("mbs1x8", "ref"),
                                       ("mbs8x1", "ref"), ("alt_packed_mbs1", "alt")])
 def test_packing_and_micro_batching_do_not_change_the_step(one_process_runs, name, ref):
     runs = one_process_runs[1]
@@ -133,7 +139,8 @@ def test_micro_batch_layouts_really_differ(one_process_runs):
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize("name,ref", [("tp2", "ref"), ("pp2", "ref"), ("dp2", "ref"), ("dp2_packed", "ref"),
-                                      ("moe_ep2", "moe_ep1"), ("alt_tp2", "alt"), ("alt_pp2_packed", "alt")])
+                                      ("moe_ep2", "moe_ep1"), ("alt_tp2", "alt"), ("alt_pp2_packed", "alt"),
+                                      ("tp2_packed_grouped", "ref"), ("pp2_packed_grouped", "ref")])
 def test_layouts_give_the_one_process_rl_step(two_process_runs, name, ref):
     d = _diffs(two_process_runs[name], two_process_runs[ref])
     assert max(d.values()) <= 1e-5, d

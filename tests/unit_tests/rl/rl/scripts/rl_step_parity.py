@@ -85,7 +85,8 @@ def run_variant(argv, ckpt, save_ckpt):
     t = cfg.train
     ctx = rl_utils.StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=None, inference=None,
                                pad_token_id=257, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
-                               global_batch_size=t.global_batch_size, seed=t.seed, device=runtime.device)
+                               global_batch_size=t.global_batch_size, seed=t.seed, device=runtime.device,
+                               packed_attention=rl.packed_attention_mode)
     num_steps = rl.rollouts_per_step // t.global_batch_size
     steps = rl_utils.build_step_batches(sequences, rl, ctx, num_steps, need_ref=ref_model is not None)
     for step in steps:
@@ -100,7 +101,7 @@ def run_variant(argv, ckpt, save_ckpt):
         for step in steps:
             fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
                                         grad_scale=float(step.num_microbatches * dp), device=runtime.device,
-                                        use_thd=False)
+                                        use_thd=False, packed_attention=ctx.packed_attention)
             loader = step.microbatches(t.micro_batch_size)
             report, grad_norm, skipped = train_step(fwd, iter(loader), model, optimizer, scheduler,
                                                     step.num_microbatches, seq_length=cfg.model.seq_length,
