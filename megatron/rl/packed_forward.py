@@ -143,10 +143,10 @@ def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0) -
     """Which sequences (by their ``lengths``) share one attention call (pure).
 
     ``"exact"``: one group per distinct length (each call is the sequences' own product, bit for bit).
-    ``"grouped"``: power-of-two length classes (``(2^(c-1), 2^c]``), adjacent classes merged where that is
-    cheaper: a group costs ``overhead + count x longest^2`` score elements per head (its queries x its padded
-    keys), and the split minimising the total is found exactly over the few classes. Groups come out shortest
-    first, each in sequence order.
+    ``"grouped"``: power-of-two length classes, adjacent classes merged where that is cheaper
+    (:func:`~megatron.rl.runtime.torch_attention.length_class_groups`): a group costs ``overhead + count x
+    longest^2`` score elements per head (its queries x its padded keys), and the split minimising the total is
+    found exactly. Groups come out shortest first, each in sequence order.
     """
     if grouping == "exact":
         by_length: dict[int, list[int]] = {}
@@ -155,26 +155,9 @@ def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0) -
         return list(by_length.values())
     if grouping != "grouped":
         raise ValueError(f"grouping must be 'exact' or 'grouped', got {grouping!r}")
-    classes: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        classes.setdefault((max(int(n), 1) - 1).bit_length(), []).append(i)
-    keys = sorted(classes)
-    sizes = [len(classes[c]) for c in keys]
-    longest = [max(lengths[i] for i in classes[c]) for c in keys]
-    # best[j]: the cheapest split of classes[:j]; a group of classes i..j-1 pads to longest[j - 1]
-    best, cut = [0] * (len(keys) + 1), [0] * (len(keys) + 1)
-    for j in range(1, len(keys) + 1):
-        best[j], count = None, 0
-        for i in range(j - 1, -1, -1):
-            count += sizes[i]
-            cost = best[i] + overhead + count * longest[j - 1] ** 2
-            if best[j] is None or cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], len(keys)
-    while j > 0:
-        groups.append(sorted(r for c in keys[cut[j]:j] for r in classes[c]))
-        j = cut[j]
-    return groups[::-1]
+    from megatron.rl.runtime.torch_attention import length_class_groups
+
+    return length_class_groups(lengths, overhead, power=2)
 
 
 def grouped_attention_cost(lengths: Sequence[int], overhead: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Sequence
 
 import torch
 
@@ -231,23 +232,30 @@ def length_groups(lens: list[int], overhead: int) -> list[list[int]]:
     """Split requests (their key lengths ``lens``) into groups, each attended as one padded batch (pure).
 
     Minimises the sum over groups of ``overhead + size x longest length`` (padded slots plus a group's fixed
-    cost in slots), over groups made of whole power-of-two length classes (``(2^(c-1), 2^c]``): within a class
-    padding at most doubles the work, and the few classes make an exact search cheap. Groups come out from
-    the shortest requests to the longest, each in request order; one group (all of ``range(len(lens))``)
-    when splitting does not pay.
+    cost in slots): :func:`length_class_groups`. One group (all of ``range(len(lens))``) when splitting does
+    not pay.
     """
     # Not even a perfect split would pay: the common case, so it is checked before the per-request loop (this
     # runs once per layer and step).
     if not lens or len(lens) * max(lens) - sum(lens) <= overhead:
         return [list(range(len(lens)))]
+    return length_class_groups(lens, overhead)
+
+
+def length_class_groups(lens: Sequence[int], overhead: int, power: int = 1) -> list[list[int]]:
+    """Groups of indices of ``lens`` minimising the sum over groups of ``overhead + size x longest^power`` (pure).
+
+    Groups are made of whole power-of-two length classes (``(2^(c-1), 2^c]``): within a class padding at most
+    doubles a request's length, and the few classes make an exact search cheap (a group spans adjacent
+    classes). Groups come out from the shortest lengths to the longest, each in index order. ``power`` 1 is
+    the cost of attending one query per request (decode), 2 of a whole sequence's queries (training).
+    """
     classes: dict[int, list[int]] = {}
     for i, n in enumerate(lens):
         classes.setdefault((max(int(n), 1) - 1).bit_length(), []).append(i)  # n in (2^(c-1), 2^c]
-    if len(classes) < 2:
-        return [list(range(len(lens)))]
     keys = sorted(classes)
     sizes = [len(classes[c]) for c in keys]
-    longest = [max(lens[i] for i in classes[c]) for c in keys]
+    longest = [max(lens[i] for i in classes[c]) ** power for c in keys]
     # best[j]: the cheapest split of classes[:j]; a group spans classes i..j-1 and pads to longest[j - 1]
     best, cut = [0] * (len(keys) + 1), [0] * (len(keys) + 1)
     for j in range(1, len(keys) + 1):
@@ -257,13 +265,10 @@ def length_groups(lens: list[int], overhead: int) -> list[list[int]]:
             cost = best[i] + overhead + count * longest[j - 1]
             if best[j] is None or cost < best[j]:
                 best[j], cut[j] = cost, i
-    if cut[len(keys)] == 0:
-        return [list(range(len(lens)))]
     groups, j = [], len(keys)
     while j > 0:
-        i = cut[j]
-        groups.append(sorted(r for c in keys[i:j] for r in classes[c]))
-        j = i
+        groups.append(sorted(r for c in keys[cut[j]:j] for r in classes[c]))
+        j = cut[j]
     return groups[::-1]
 
 
