@@ -76,6 +76,7 @@ def _attend_padded(q, k, v, out, rows, cq, ck, lens_q, lens_k, max_q, max_k, sca
     lq = torch.tensor([lens_q[b] for b in rows], dtype=torch.long, device=device)
     lk = torch.tensor([lens_k[b] for b in rows], dtype=torch.long, device=device)
     rows_q = max(max_q, MIN_QUERY_ROWS)
+    max_k = max(max_k, MIN_KEY_SLOTS)
     qpos = torch.arange(rows_q, device=device)
     kpos = torch.arange(max_k, device=device)
     q_valid = qpos[None, :] < lq[:, None]  # [n, Lq]
@@ -98,6 +99,11 @@ def _attend_padded(q, k, v, out, rows, cq, ck, lens_q, lens_k, max_q, max_k, sca
 
 
 MIN_QUERY_ROWS = 2  # see the module docstring: one-row products take another MKL kernel than the trainer's
+# Keys (masked past a request's length) every product runs over at least: the softmax and the product with V
+# round differently below 16 keys than from 16 on (from 16 on, more masked keys change no bit), and the trainer
+# attends over its micro-batch's row length, nearly always >= 16. Without it a decode step of a 13-token request
+# put its log-probs up to 1.3e-5 from the trainer's on the quickstart (tests/unit_tests/rl/runtime).
+MIN_KEY_SLOTS = 16
 
 
 def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masked: torch.Tensor,
@@ -186,6 +192,8 @@ def _decode(q, k_cache, v_cache, lens, causal, block_table, softmax_scale):
     """:func:`flash_attn_with_kvcache` of one padded batch: every request's keys padded to the longest."""
     batch, q_len, heads, dim = q.shape
     max_len = max(int(lens.max()), 1)
+    if block_table is not None:  # (a dense cache may hold fewer slots)
+        max_len = max(max_len, MIN_KEY_SLOTS)
     kv_heads = k_cache.shape[-2]
     key_valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [b, k]
     group = heads // kv_heads
@@ -290,6 +298,8 @@ def _gather_paged(k_cache, v_cache, block_table, key_valid: torch.Tensor, heads:
     block_size, kv_heads, dim = k_cache.shape[1:]
     num_blocks = (max_len + block_size - 1) // block_size
     blocks = block_table[:, :num_blocks].long().clamp(min=0)  # -1 marks unused blocks
+    if blocks.shape[1] < num_blocks:  # MIN_KEY_SLOTS past the table's end: masked slots, read from slot 0 below
+        blocks = torch.nn.functional.pad(blocks, (0, num_blocks - blocks.shape[1]))
     slots = (blocks[:, :, None] * block_size + torch.arange(block_size, device=blocks.device))
     slots = slots.view(batch, num_blocks * block_size)[:, :max_len]
     slots = torch.where(key_valid, slots, slots[:, :1])

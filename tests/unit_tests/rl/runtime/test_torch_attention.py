@@ -258,3 +258,32 @@ def test_varlen_step_with_new_prompts_and_long_decodes_in_groups_matches_sdpa(mo
     for b in range(len(k_lens)):
         ref = _sdpa_reference(qs[b], ks[b], vs[b], causal_offset=k_lens[b] - q_lens[b])
         torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def _short_and_long_decode(heads=4, kv_heads=2, d=16, block=16):
+    """A 13-key request decoded alone and next to a 40-key one (one padded batch): its output both ways."""
+    g = torch.Generator().manual_seed(11)
+    ks = [torch.randn(n, kv_heads, d, generator=g) * 3 for n in (13, 40)]
+    vs = [torch.randn(n, kv_heads, d, generator=g) for n in (13, 40)]
+    k_cache, table = _paged(ks, block, num_blocks=8, perm_seed=4)
+    v_cache = _values_like(k_cache, table, vs, block, 0.0)
+    k_cache = k_cache.nan_to_num(0.0)
+    q = torch.randn(2, 1, heads, d, generator=g) * 3
+    lens = torch.tensor([13, 40], dtype=torch.int32)
+    alone = ta.flash_attn_with_kvcache(q[:1], k_cache, v_cache, cache_seqlens=lens[:1], causal=True,
+                                       block_table=table[:1])
+    batched = ta.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True, block_table=table)
+    return alone[0], batched[0]
+
+
+def test_short_requests_attend_over_at_least_16_keys_like_longer_rows(monkeypatch):
+    """Below 16 keys the softmax and the product with V round differently than from 16 on, where more masked keys
+    change no bit: padding a short request's keys to 16 gives the bits it gets in any longer row (the trainer's
+    micro-batch rows, or a decode step next to a longer request). The quickstart's 11-token prompts put their
+    first decode steps at 12-14 keys, and their log-probs up to 1.3e-5 from the trainer's."""
+    alone, batched = _short_and_long_decode()
+    assert torch.equal(alone, batched)
+    monkeypatch.setattr(ta, "MIN_KEY_SLOTS", 1)  # as before: the request alone attends over its 13 keys
+    alone, batched = _short_and_long_decode()
+    assert not torch.equal(alone, batched), "13 and 40 keys round alike here: the test would not bite"
+    torch.testing.assert_close(alone, batched, rtol=1e-5, atol=1e-6)  # the same attention, other rounding
