@@ -224,9 +224,12 @@ class _Plan:
             else:
                 allowed = (pos[None, :] <= pos[:, None])[None] & valid.t()[:, None, :]  # [count, Lq, Lk]
                 self.calls.append((tuple(index.shape), ~allowed[:, None], valid.reshape(-1).nonzero().squeeze(1)))
-        self.gather = torch.cat(gather) if gather else None
         self.sizes = [a * b for (a, b), _, _ in self.calls]
-        self.scatter = torch.cat(dest) if dest else None
+        # on the model's device once, not once per layer
+        self.gather = torch.cat(gather).to(device) if gather else None
+        self.scatter = torch.cat(dest).to(device) if dest else None
+        self.calls = [(shape, None if mask is None else mask.to(device), None if keep is None else keep.to(device))
+                      for shape, mask, keep in self.calls]
 
 
 def _per_sequence(original, plan: _Plan):
@@ -244,27 +247,27 @@ def _per_sequence(original, plan: _Plan):
         if plan.calls:
             # index_select, not t[index]: its backward is an index_add, the latter's an accumulating index_put
             # (~10x slower on CPU)
-            parts = [t.reshape(s_len * rows, *t.shape[2:]).index_select(0, plan.gather.to(t.device)).split(plan.sizes)
+            parts = [t.reshape(s_len * rows, *t.shape[2:]).index_select(0, plan.gather).split(plan.sizes)
                      for t in (query, key, value)]
             for (shape, mask, keep), q, k, v in zip(plan.calls, *parts):
                 q, k, v = (t.view(*shape, *t.shape[1:]) for t in (q, k, v))
-                context = original(q, k, v, None if mask is None else mask.to(q.device),
-                                   attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                context = original(q, k, v, mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
                                    packed_seq_params=packed_seq_params)
                 context = context.reshape(-1, context.shape[-1])  # [L * count, heads * dim]
-                contexts.append(context if keep is None else context.index_select(0, keep.to(context.device)))
+                contexts.append(context if keep is None else context.index_select(0, keep))
         width = query.shape[2] * value.shape[3]
         out = query.new_zeros((s_len * rows, contexts[0].shape[-1] if contexts else width))
         if contexts:  # padding keeps a zero output: nothing real attends to it and its loss mask is 0
-            out = out.index_copy(0, plan.scatter.to(out.device), torch.cat(contexts))
+            out = out.index_copy(0, plan.scatter, torch.cat(contexts))
         return out.reshape(s_len, rows, -1)
 
     return forward
 
 
 @contextlib.contextmanager
-def attention_per_sequence(model: torch.nn.Module, spans: Spans, grouping: str = "exact") -> Iterator[None]:
-    """While active, every local ``DotProductAttention`` in ``model`` attends within each span only.
+def attention_per_sequence(model: torch.nn.Module, spans: Spans, grouping: str = "exact") -> Iterator[bool]:
+    """While active, every local ``DotProductAttention`` in ``model`` attends within each span only (yields
+    whether the model has any: other attention modules, TransformerEngine's, are left alone).
 
     ``spans[r]``: (start, length) of the real sequences of row ``r``, contiguous from position 0; the positions
     after them are padding (zero attention output). Wrap one [rows, S] forward call. Other attention modules
@@ -274,13 +277,13 @@ def attention_per_sequence(model: torch.nn.Module, spans: Spans, grouping: str =
 
     modules = [m for m in model.modules() if type(m) is DotProductAttention]
     if not modules:
-        yield
+        yield False
         return
     plan = _Plan(spans, grouping, next(model.parameters()).device)
     for m in modules:
         m.forward = _per_sequence(m.forward, plan)  # instance attribute: shadows the class's forward
     try:
-        yield
+        yield True
     finally:
         for m in modules:
             del m.forward
@@ -293,14 +296,15 @@ def uses_recomputation(model: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def isolate_sequences(model: torch.nn.Module, position_ids: torch.Tensor, spans: Spans,
-                      attention: str = "exact") -> Iterator[None]:
+                      attention: str = "exact") -> Iterator[bool]:
     """The hooks (the module doc) for one [rows, S] forward of packed rows: RoPE positions always; attention
     ``attention`` (:func:`choose_attention`: "masked", "exact", "grouped" or "auto"), where the per-sequence
     kinds fall back to the masked product under activation recomputation (the backward would re-run the
-    attention without the hook)."""
+    attention without the hook). Yields whether the forward needs the block-diagonal attention mask (the
+    masked product): the per-sequence attention ignores it."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(rope_at_positions(model, position_ids))
         kind = choose_attention(spans, position_ids.shape[-1], attention, position_ids.device)
-        if kind != "masked" and not uses_recomputation(model):
-            stack.enter_context(attention_per_sequence(model, spans, kind))
-        yield
+        per_sequence = kind != "masked" and not uses_recomputation(model)
+        hooked = per_sequence and stack.enter_context(attention_per_sequence(model, spans, kind))
+        yield not hooked

@@ -43,8 +43,8 @@ def model_forward(model, mb: PackedBatch, device: torch.device, use_thd: bool,
     if use_thd:
         return model(tokens.reshape(1, -1), positions.reshape(1, -1), None,
                      packed_seq_params=mb.packed_seq_params())
-    with isolate_sequences(model, positions, mb.sequence_spans(), packed_attention):
-        return model(tokens, positions, mb.attention_mask().to(device))
+    with isolate_sequences(model, positions, mb.sequence_spans(), packed_attention) as needs_mask:
+        return model(tokens, positions, mb.attention_mask().to(device) if needs_mask else None)
 
 
 def _logits(output: torch.Tensor, mb: PackedBatch) -> torch.Tensor:
