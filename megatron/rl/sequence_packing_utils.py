@@ -405,8 +405,10 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
     # Every real token's flat position (row * S + offset + i), laid out sequence after sequence: each tensor is
     # then filled by one scatter instead of ~10 small slice assignments per sequence (this runs on every
     # iteration's whole batch).
-    placed = [(r, s) for r, b in enumerate(bin_ids) for s in (() if b is None else info.bins[b])]
+    row_seqs = [() if b is None else info.bins[b] for b in bin_ids]
+    placed = [(r, s) for r, seqs in enumerate(row_seqs) for s in seqs]
     order = [s for _, s in placed]
+    order_t = torch.tensor(order, dtype=torch.long)
     lengths = torch.tensor([info.seq_lengths[s] for s in order], dtype=torch.long)
     starts = torch.tensor([r * s_len + info.seq_starts[s] for r, s in placed], dtype=torch.long)
     seq_start = torch.repeat_interleave(starts, lengths)  # [tokens]: flat position of the token's sequence start
@@ -414,25 +416,26 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
     within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)  # index in the sequence
     where = seq_start + within
     predicted = within < torch.repeat_interleave(lengths - 1, lengths)  # every token but each sequence's last
-    flat_ids = _concat_long([token_ids[s] for s in order])
+    flat_ids = _concat([token_ids[s] for s in order], torch.long)
     flat_mask = _concat([loss_masks[s] for s in order], dtype)
     if len(order) and bool(flat_mask[first].any()):
         bad = order[int(flat_mask[first].nonzero()[0])]
         raise ValueError(f"loss_masks[{bad}][0] is set, but the first token of a sequence has no "
                          f"prediction; only generated tokens (after the prompt) can be trained")
     pred_where = where[predicted]
-    next_ids = flat_ids[torch.arange(1, flat_ids.numel() + 1).clamp(max=max(flat_ids.numel() - 1, 0))]
 
     tokens = torch.full((rows * s_len,), pad_token_id, dtype=torch.long)
     tokens[where] = flat_ids
     labels = torch.full((rows * s_len,), pad_token_id, dtype=torch.long)
-    labels[pred_where] = next_ids[predicted]
+    # a predicted position holds the next token's label and mask (never past its sequence's end)
+    labels[pred_where] = flat_ids.roll(-1)[predicted]
     loss_mask = torch.zeros(rows * s_len, dtype=dtype)
-    loss_mask[pred_where] = flat_mask[1:][predicted[:-1]] if len(order) else flat_mask
+    loss_mask[pred_where] = flat_mask.roll(-1)[predicted]
     seq_ids = torch.full((rows * s_len,), -1, dtype=torch.long)
-    seq_ids[where] = torch.repeat_interleave(torch.tensor(order, dtype=torch.long), lengths)
+    seq_ids[where] = torch.repeat_interleave(order_t, lengths)
     # positions count from 0 in every sequence and in each row's padding tail
-    used = [sum(info.seq_lengths[s] for s in (() if b is None else info.bins[b])) for b in bin_ids]
+    row_lengths = [[info.seq_lengths[s] for s in seqs] for seqs in row_seqs]
+    used = [sum(ls) for ls in row_lengths]
     segment_start = torch.repeat_interleave(torch.tensor([r * s_len + u for r, u in enumerate(used)],
                                                          dtype=torch.long), s_len)
     segment_start[where] = seq_start
@@ -444,20 +447,12 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
         values[k] = flat.view(rows, s_len)
     for k, v in per_sequence.items():
         flat = torch.zeros(rows * s_len, dtype=dtype)
-        flat[where] = torch.repeat_interleave(v.to(dtype)[torch.tensor(order, dtype=torch.long)], lengths)
+        flat[where] = torch.repeat_interleave(v.to(dtype)[order_t], lengths)
         values[k] = flat.view(rows, s_len)
-    segments = []
-    for b, u in zip(bin_ids, used):
-        row_seg = [info.seq_lengths[s] for s in (() if b is None else info.bins[b])]
-        segments.append(tuple(row_seg + ([s_len - u] if u < s_len else [])))
+    segments = [tuple(ls + ([s_len - u] if u < s_len else [])) for ls, u in zip(row_lengths, used)]
     return PackedBatch(tokens.view(rows, s_len), labels.view(rows, s_len), position_ids.view(rows, s_len),
                        loss_mask.view(rows, s_len), seq_ids.view(rows, s_len), values, tuple(bin_ids),
                        tuple(segments), info)
-
-
-def _concat_long(items: Sequence) -> torch.Tensor:
-    """Sequences of ints (lists or tensors) -> one int64 tensor."""
-    return _concat(items, torch.long)
 
 
 def _concat(items: Sequence, dtype: torch.dtype) -> torch.Tensor:
