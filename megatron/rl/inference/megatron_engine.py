@@ -97,6 +97,7 @@ class EngineTokenizer:
         self.eod = getattr(tokenizer, "eod", None)
         self.pad = getattr(tokenizer, "pad", None)
         self.bos = getattr(tokenizer, "bos", None)
+        self._stop_triggers: dict[tuple[str, ...], frozenset[int] | None] = {}
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.inner.tokenize(text))
@@ -107,6 +108,14 @@ class EngineTokenizer:
 
     def offsets(self, ids: Sequence[int], text: str) -> list[int]:
         return list(self.inner.offsets(ids, text))
+
+    def stop_triggers(self, stops: Sequence[str]) -> frozenset[int] | None:
+        """The inner tokenizer's :meth:`~megatron.rl.training.tokenizer.Tokenizer.stop_triggers`, memoised."""
+        key = tuple(stops)
+        if key not in self._stop_triggers:
+            method = getattr(self.inner, "stop_triggers", None)
+            self._stop_triggers[key] = method(key) if method is not None else None
+        return self._stop_triggers[key]
 
 
 class SamplingController(TextGenerationController):

@@ -27,7 +27,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional, Sequence, Set, Type
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Type
 
 from megatron.rl.base import chat
 from megatron.rl.base.registry import Registry
@@ -107,6 +107,14 @@ class Tokenizer(ABC):
             result.append(previous)
         return result
 
+    def stop_triggers(self, stops: Sequence[str]) -> Optional[FrozenSet[int]]:
+        """The ids after which one of ``stops`` can newly appear in the generated text, or None if unknown.
+
+        An engine checking stop strings after every token only needs to detokenize when the newest token is
+        one of these. None (the default) means the tokenizer gives no such guarantee: check after every token.
+        """
+        return None
+
     def apply_chat_template(self, messages: List[Dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render a conversation to text (the built-in template; HF tokenizers use their own when present)."""
         return render_builtin_chat_template(messages, add_generation_prompt)
@@ -175,6 +183,14 @@ class ByteLevelTokenizer(Tokenizer):
                 out.append(self._special_text(token_id))
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def stop_triggers(self, stops: Sequence[str]) -> Optional[FrozenSet[int]]:
+        # UTF-8 decoding (errors="replace") is stable up to the end of every complete character: bytes added
+        # later never change text already decoded there. A stop string without U+FFFD therefore appears for the
+        # first time exactly when its last byte is appended (special ids in between render as nothing).
+        if not stops or any(not s or "\ufffd" in s for s in stops):
+            return None
+        return frozenset(s.encode("utf-8")[-1] for s in stops)
 
     def offsets(self, ids: Sequence[int], text: str) -> List[int]:
         # Feed bytes through an incremental decoder: a token starts at the number of characters

@@ -61,6 +61,33 @@ def test_byte_offsets_match_character_positions(text):
     assert tok.offsets(ids, tok.detokenize(ids)) == reference_offsets(text) + [len(text)]
 
 
+def test_byte_stop_triggers_hold_every_token_that_can_complete_a_stop_string():
+    """Brute force over random id streams (bytes of multi-byte characters cut anywhere, stray continuation
+    bytes, specials): whenever appending an id makes a stop string appear in the text, that id is a trigger."""
+    import random
+
+    tok = ByteLevelTokenizer()
+    stops = ["\n", "é", "🚀!", "ab", "\n\n"]
+    triggers = tok.stop_triggers(stops)
+    assert triggers == {ord("\n"), "é".encode()[-1], ord("!"), ord("b")}
+    pieces = [list(ch.encode()) for ch in "ab\n!é🚀x"] + [[0x80], [0xC3], [0xF0, 0x9F], [tok.eod], [tok.pad], [300]]
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(3000):
+        ids = [i for _ in range(rng.randint(1, 8)) for i in rng.choice(pieces)]
+        text = ""
+        for n in range(1, len(ids) + 1):
+            before, text = text, tok.detokenize(ids[:n])
+            for stop in stops:
+                if stop in text and stop not in before:
+                    checked += 1
+                    assert ids[n - 1] in tok.stop_triggers([stop]), (ids[:n], stop)
+    assert checked > 1000
+    # no guarantee for a stop string that holds the replacement character: every token is checked
+    assert tok.stop_triggers(["\ufffd"]) is None and tok.stop_triggers([]) is None
+    assert Tokenizer.stop_triggers(tok, ["x"]) is None  # the interface's default: unknown
+
+
 def test_byte_tokenizer_is_picklable():
     tok = ByteLevelTokenizer()
     clone = pickle.loads(pickle.dumps(tok))
