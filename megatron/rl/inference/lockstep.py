@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch.distributed as dist
 
@@ -188,14 +188,21 @@ class LockstepScheduler:
 
     def deliver(self, source_job: Job, response: InferenceResponse) -> None:
         """Hand a finished request's response to whoever submitted it on this rank."""
-        self._in_flight.pop(source_job.seq, None)
+        self.deliver_many([(source_job, response)])
+
+    def deliver_many(self, finished: Sequence[tuple[Job, InferenceResponse]]) -> None:
+        """:meth:`deliver` for several finished requests, waking each caller's loop once for all of them."""
+        ready = []
         with self._lock:
-            waiter = self._waiters.pop(source_job.seq, None)
-            if waiter is None:
-                if not self.is_source:
-                    self._early[source_job.seq] = (source_job, response)
-                return
-        _resolve(waiter, checked(waiter.job, source_job, response))
+            for source_job, response in finished:
+                self._in_flight.pop(source_job.seq, None)
+                waiter = self._waiters.pop(source_job.seq, None)
+                if waiter is None:
+                    if not self.is_source:
+                        self._early[source_job.seq] = (source_job, response)
+                    continue
+                ready.append((waiter, source_job, response))
+        _resolve_many([(waiter, checked(waiter.job, source_job, response)) for waiter, source_job, response in ready])
 
     def next_plan(self, idle: bool) -> Plan:
         """Source: take everything queued (waiting up to a heartbeat while idle); all ranks: agree on it."""
@@ -263,14 +270,25 @@ def checked(local: Job, source: Job, response: InferenceResponse) -> InferenceRe
 
 
 def _resolve(waiter: _Waiter, response: InferenceResponse) -> None:
-    def set_result() -> None:
-        if not waiter.future.done():  # the caller may have been cancelled (e.g. a client disconnect)
-            waiter.future.set_result(response)
+    _resolve_many([(waiter, response)])
 
-    try:
-        waiter.loop.call_soon_threadsafe(set_result)
-    except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
-        pass
+
+def _resolve_many(ready: Sequence[tuple[_Waiter, InferenceResponse]]) -> None:
+    """Set each waiter's future on its own loop: one ``call_soon_threadsafe`` per loop (each is a pipe write)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Waiter, InferenceResponse]]] = {}
+    for waiter, response in ready:
+        by_loop.setdefault(waiter.loop, []).append((waiter, response))
+
+    def set_results(pairs: list[tuple[_Waiter, InferenceResponse]]) -> None:
+        for waiter, response in pairs:
+            if not waiter.future.done():  # the caller may have been cancelled (e.g. a client disconnect)
+                waiter.future.set_result(response)
+
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(set_results, pairs)
+        except RuntimeError:  # the caller's loop is closed: nobody is waiting any more
+            pass
 
 
 def broadcast_plan(group: Any, source: int) -> SharePlan:

@@ -66,6 +66,8 @@ def finish_response(prompt_ids: list[int], tokens: list[int], log_probs: list[fl
             text, finish = text[:cut], "stop"
             # the shortest prefix whose text holds a stop string: keep the tokens up to the one completing it
             lo, hi = 1, len(tokens)
+            if first_stop(visible_text(tokens[:-1], eos_ids, detokenize), stops) is None:
+                lo = hi  # the last token completed it: the usual case (engines stop right after that token)
             while lo < hi:
                 mid = (lo + hi) // 2
                 if first_stop(visible_text(tokens[:mid], eos_ids, detokenize), stops) is not None:

@@ -5,8 +5,9 @@ step's rotary frequencies by token position and call ``apply_rotary_pos_emb``, w
 (``_apply_rotary_pos_emb_bshd``) takes ``cos`` and ``sin`` of them: two gathers, two ``cos``, two ``sin`` and
 four ``mscale`` products per layer, all giving the same tensors in every layer of a step. :func:`install`
 replaces the two methods with versions that take the gathered ``cos``/``sin`` from a per-step cache on the
-context and then do exactly the rest of ``_apply_rotary_pos_emb_bshd`` (same ops, same shapes, so the same
-bits: ``test_rope_cache.py`` compares them with the originals). Configurations that path does not cover
+context and then do the rest of ``_apply_rotary_pos_emb_bshd``'s arithmetic, with the negation of
+``rotate_half`` moved into the cached ``sin`` (:func:`rotate`; the same bits: ``test_rope_cache.py`` compares
+them with the originals). Configurations that path does not cover
 (fused RoPE, multi-latent attention, packed ``cu_seqlens``) call the originals.
 
 The cache key is the frequency tensor (megatron-core's ``RotaryEmbedding`` returns one cached object per
@@ -47,7 +48,7 @@ def _apply_query(self, query, query_emb, config, cu_seqlens_q, cp_group, mscale=
     if not _plain(config, cu_seqlens_q):
         return _ORIGINALS["query"](self, query, query_emb, config, cu_seqlens_q, cp_group, mscale)
     n = self.padded_active_token_count
-    cos, sin = _step_cos_sin(self, query_emb, self.token_to_pos_ids, n, mscale, query.dtype)
+    cos, sin = _step_cos_sin(self, query_emb, self.token_to_pos_ids, n, mscale, query.dtype, config.rotary_interleaved)
     query[:n] = rotate(query[:n], cos, sin, config.rotary_interleaved)
     return query
 
@@ -56,7 +57,8 @@ def _apply_key(self, key, key_emb, config, cp_group, mscale=1.0):
     n = self.padded_active_token_count
     if not _plain(config) or (self.is_decode_only() and key.shape[0] != n):
         return _ORIGINALS["key"](self, key, key_emb, config, cp_group, mscale)  # (its assertion names the sizes)
-    cos, sin = _step_cos_sin(self, key_emb, self.token_to_position_in_request, n, mscale, key.dtype)
+    cos, sin = _step_cos_sin(self, key_emb, self.token_to_position_in_request, n, mscale, key.dtype,
+                             config.rotary_interleaved)
     if self.is_decode_only():
         return rotate(key[:n], cos, sin, config.rotary_interleaved)
     key[:n] = rotate(key[:n], cos, sin, config.rotary_interleaved)
@@ -64,26 +66,41 @@ def _apply_key(self, key, key_emb, config, cp_group, mscale=1.0):
 
 
 def _step_cos_sin(context, freqs: torch.Tensor, positions: torch.Tensor, n: int, mscale: float,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``/``sin`` of ``freqs[positions[:n]]`` as ``_apply_rotary_pos_emb_bshd`` computes them, memoised."""
+                  dtype: torch.dtype, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` of ``freqs[positions[:n]]`` as ``_apply_rotary_pos_emb_bshd`` computes them, memoised;
+    ``sin`` comes as :func:`rotate` takes it (its first half negated when not interleaved)."""
     cache = context.__dict__.setdefault("_rl_rope_cache", {})  # one entry per position buffer (queries, keys)
     version = positions._version
     hit = cache.get(id(positions))
+    settings = (float(mscale), dtype, bool(interleaved))
     if (hit is not None and hit[0] is freqs and hit[1] is positions
-            and hit[2:5] == (version, n, (float(mscale), dtype))):
+            and hit[2:5] == (version, n, settings)):
         return hit[5], hit[6]
     emb = freqs[positions[:n]][:n]  # the originals' gather: [n, 1, 1, rot_dim]
     cos = (torch.cos(emb) * mscale).to(dtype)
     sin = (torch.sin(emb) * mscale).to(dtype)
-    cache[id(positions)] = (freqs, positions, version, n, (float(mscale), dtype), cos, sin)
+    if not interleaved:
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    cache[id(positions)] = (freqs, positions, version, n, settings, cos, sin)
     return cos, sin
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``_apply_rotary_pos_emb_bshd`` (megatron-core 0.16.1, no MLA) given its ``cos_``/``sin_``: the same ops."""
+    """``_apply_rotary_pos_emb_bshd`` (megatron-core 0.16.1, no MLA) given its ``cos_`` and ``sin_``, the same bits.
+
+    Not interleaved, ``sin`` comes with its first half negated (:func:`_step_cos_sin`): megatron's
+    ``rotate_half(t) * sin`` is ``cat(-t2, t1) * cat(s1, s2)``, and ``-t2 * s1`` is ``t2 * -s1`` exactly (IEEE
+    products are sign-symmetric), so ``cat(t2, t1) * cat(-s1, s2)`` gives it bit for bit with one op fewer
+    than the negation and once per step. The pass-through part is only concatenated when there is one.
+    """
     from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
     rot_dim = cos.shape[-1]
     t, t_pass = t[..., :rot_dim], t[..., rot_dim:]
-    t = (t * cos) + (_rotate_half(t, interleaved) * sin)
-    return torch.cat((t, t_pass), dim=-1)
+    if interleaved:
+        t = (t * cos) + (_rotate_half(t, interleaved) * sin)
+    else:
+        half = rot_dim // 2
+        t = (t * cos) + (torch.cat((t[..., half:], t[..., :half]), dim=-1) * sin)
+    return torch.cat((t, t_pass), dim=-1) if t_pass.shape[-1] else t

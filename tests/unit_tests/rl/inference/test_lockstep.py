@@ -292,3 +292,29 @@ def test_a_pause_right_after_a_resume_waits_for_a_new_hold():
     sched.request_stop()
     engine.join(5)
     assert not engine.is_alive()
+
+
+def test_deliver_many_wakes_each_callers_loop_once_and_hands_every_response_to_its_own_caller():
+    scheduler = LockstepScheduler(True, lambda plan: plan)
+    scheduler.start()
+    jobs = [_job([i]) for i in range(5)]
+    wakeups: list[int] = []
+
+    async def submit_and_deliver():
+        loop = asyncio.get_running_loop()
+        original = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            wakeups.append(len(args[0]) if args else 1)
+            return original(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+        futures = [scheduler.submit(job, loop) for job in jobs]
+        responses = [InferenceResponse(text=str(job.seq), token_ids=job.prompt_ids, prompt_length=1, logprobs=[],
+                                       finish_reason="length", prompt_text=job.prompt_text) for job in jobs]
+        scheduler.deliver_many(list(zip(jobs, responses))[::-1])  # in any order
+        return await asyncio.gather(*futures)
+
+    results = asyncio.run(submit_and_deliver())
+    assert [r.text for r in results] == [str(job.seq) for job in jobs]
+    assert wakeups == [5]  # one pipe write for the five, not one each

@@ -124,6 +124,31 @@ def test_stop_strings_and_max_tokens(setup):
     assert cut.logprobs == pytest.approx(full.logprobs[:pos + 2], abs=1e-6)
 
 
+def test_byte_level_stop_strings_are_detokenized_only_at_their_last_byte(setup, monkeypatch):
+    """The byte tokenizer's stop triggers: the engine checks the text only after a token that can complete a
+    stop string, and still stops right at the first one."""
+    from megatron.rl.inference import megatron_session
+
+    model, backend = setup
+    checks = []
+    original = megatron_session.completes_stop
+    monkeypatch.setattr(megatron_session, "completes_stop",
+                        lambda tokens, *a, **k: checks.append(tokens[-1]) or original(tokens, *a, **k))
+    prompt = "Once upon a time"
+    with backend.inference_mode():
+        full = backend.generate([_req(prompt, temperature=0, max_tokens=24)])[0]
+        generated = full.generated_token_ids
+        # an ASCII byte first sampled at index >= 3 (ASCII bytes always render as themselves)
+        index = next(i for i in range(3, len(generated)) if generated[i] < 128 and generated[i] not in generated[:i])
+        stop = chr(generated[index])
+        steps = backend.engine_steps
+        cut = backend.generate([_req(prompt, temperature=0, max_tokens=24, stop=[stop])])[0]
+        assert backend.engine_steps - steps <= index + 2  # stopped early
+    assert cut.finish_reason == "stop" and cut.generated_token_ids == generated[:index + 1]
+    assert cut.text == full.text[:full.text.index(stop)]
+    assert checks == [generated[index]]  # one check, at the completing token, instead of one per token
+
+
 def test_bad_requests_are_per_request_errors(setup):
     from megatron.rl.inference.api import GenerationArgs, InferenceRequest
 
@@ -239,3 +264,17 @@ def test_caller_releases_its_openmp_pool_while_the_engine_thread_works(setup, mo
     assert out[0].finish_reason in ("stop", "length"), out[0].error
     assert calls == [threading.get_ident()]
     assert backend._session.thread is not None and backend._session.thread.ident != threading.get_ident()
+
+
+def test_scalar_sampling_params_deep_copy_is_an_independent_equal_copy():
+    import copy
+
+    from megatron.core.inference.sampling_params import SamplingParams
+
+    from megatron.rl.inference.megatron_session import _scalar_sampling_params
+
+    params = _scalar_sampling_params()(num_tokens_to_generate=5, termination_id=3, return_log_probs=True)
+    clone = copy.deepcopy(params)
+    assert isinstance(clone, SamplingParams) and clone is not params and vars(clone) == vars(params)
+    clone.num_tokens_to_generate = 7  # the engine adjusts its request's copy
+    assert params.num_tokens_to_generate == 5

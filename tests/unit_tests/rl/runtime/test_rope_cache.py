@@ -38,10 +38,11 @@ def _freqs(length, dim, g):
 
 @pytest.mark.parametrize("decode_only", [True, False])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_matches_megatron_bit_for_bit_and_follows_new_positions(decode_only, interleaved):
+@pytest.mark.parametrize("rotary_share", [1.0, 0.5])
+def test_matches_megatron_bit_for_bit_and_follows_new_positions(decode_only, interleaved, rotary_share):
     g = torch.Generator().manual_seed(0)
     n, heads, kv_heads, dim = 37, 4, 2, 16
-    freqs = _freqs(96, dim, g)
+    freqs = _freqs(96, int(dim * rotary_share), g)  # a share < 1 rotates part of each head (--rotary-percent)
     config, cp = _config(interleaved), object()  # cp_group is only read by the packed (thd) path
     ctx = _Context(torch.randint(0, 96, (n,), generator=g), decode_only)
     ref = _Context(ctx.token_to_pos_ids, decode_only)
