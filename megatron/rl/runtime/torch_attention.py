@@ -17,6 +17,7 @@ prefill reproduce the trainer's numbers bit for bit for most requests
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from typing import Sequence
@@ -168,7 +169,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=Fals
     This runs once per layer per generated token, so it is written for speed: only the first ``max_len``
     cache slots of each request are gathered (one ``index_select`` of token rows; whole blocks would copy
     up to ``block_size - 1`` unused slots per request: 3x the data for 20-token RL rollouts in 64-token
-    blocks); attention is :func:`dot_product_attention` over exactly those slots.
+    blocks); attention is :func:`dot_product_attention` over exactly those slots. What only depends on the
+    lengths and the block table (groups, masks, gather indices) is worked out once per step
+    (:func:`_paged_decode_plan`) and reused by every layer.
 
     A padded batch costs every request the longest request's slots, so requests of very different lengths
     are attended in groups of similar length (:func:`length_groups`): with partial rollouts a step holds
@@ -176,40 +179,94 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=Fals
     batch of 63 ten-token requests and one of 250 tokens cost 5x the same batch without the long one.
     """
     batch, q_len, heads, dim = q.shape
+    if block_table is None:
+        return _decode_dense(q, k_cache, v_cache, cache_seqlens.long(), causal, softmax_scale)
+    plan = _paged_decode_plan(cache_seqlens, block_table, q.shape, k_cache.shape)
+    if len(plan) == 1:
+        return _decode_paged(q, k_cache, v_cache, plan[0], causal, softmax_scale)
+    out = q.new_empty(batch, q_len, heads, dim)
+    for part in plan:
+        out[part.rows] = _decode_paged(q[part.rows], k_cache, v_cache, part, causal, softmax_scale)
+    return out
+
+
+@dataclasses.dataclass
+class _DecodeGroup:
+    """One padded batch of a paged decode step: what every layer's attention of the step shares."""
+
+    rows: torch.Tensor | None  # indices into the step's batch (None: all of it)
+    lens: torch.Tensor  # [b] int64 cache lengths
+    max_len: int  # key slots attended (>= MIN_KEY_SLOTS)
+    masked: torch.Tensor  # [b, 1, 1, max_len]: slots past a request's length
+    fold: bool  # query heads sharing a KV head are the rows of one product
+    gather_rows: torch.Tensor  # rows of the flattened cache [*, dim] that make K and V [max_len, b, heads', dim]
+
+
+_STEP_PLAN = threading.local()
+
+
+def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q_shape: torch.Size,
+                       cache_shape: torch.Size) -> list[_DecodeGroup]:
+    """The step's :class:`_DecodeGroup` list, built by the first layer and reused by the others.
+
+    megatron-core hands every layer of a step the same ``cache_seqlens`` and ``block_table`` tensors and writes
+    the next step's values in place (which bumps their version counters), so the plan is keyed on those two
+    objects (held here, so their ids cannot be reused) and their versions.
+    """
+    batch, q_len, heads, dim = q_shape
+    overhead = split_overhead_slots(heads * dim, cache_seqlens.device)
+    key = (q_shape, cache_shape, cache_seqlens._version, block_table._version, overhead, MIN_KEY_SLOTS)
+    cached = getattr(_STEP_PLAN, "entry", None)
+    if cached is not None and cached[0] is cache_seqlens and cached[1] is block_table and cached[2] == key:
+        return cached[3]
     lens = cache_seqlens.long()
-    if block_table is not None and batch > 1:
-        groups = length_groups(lens.tolist(), split_overhead_slots(heads * dim, q.device))
-        if len(groups) > 1:  # lengths too far apart for one padded batch
-            out = q.new_empty(batch, q_len, heads, dim)
-            for rows in groups:
-                idx = torch.tensor(rows, dtype=torch.long, device=q.device)
-                out[idx] = _decode(q[idx], k_cache, v_cache, lens[idx], causal, block_table[idx], softmax_scale)
-            return out
-    return _decode(q, k_cache, v_cache, lens, causal, block_table, softmax_scale)
+    groups = [None]
+    if batch > 1:
+        split = length_groups(lens.tolist(), overhead)
+        if len(split) > 1:  # lengths too far apart for one padded batch
+            groups = [torch.tensor(rows, dtype=torch.long, device=cache_seqlens.device) for rows in split]
+    kv_heads = cache_shape[-2]
+    fold = q_len == 1 and heads // kv_heads >= MIN_QUERY_ROWS
+    plan = []
+    for rows in groups:
+        part_lens, part_table = (lens, block_table) if rows is None else (lens[rows], block_table[rows])
+        max_len = max(int(part_lens.max()), 1, MIN_KEY_SLOTS)
+        key_valid = torch.arange(max_len, device=lens.device)[None, :] < part_lens[:, None]  # [b, k]
+        gather_rows = _paged_rows(part_table, key_valid, cache_shape[1], kv_heads, kv_heads if fold else heads)
+        plan.append(_DecodeGroup(rows, part_lens, max_len, ~key_valid[:, None, None, :], fold, gather_rows))
+    _STEP_PLAN.entry = (cache_seqlens, block_table, key, plan)
+    return plan
 
 
-def _decode(q, k_cache, v_cache, lens, causal, block_table, softmax_scale):
-    """:func:`flash_attn_with_kvcache` of one padded batch: every request's keys padded to the longest."""
+def _decode_paged(q, k_cache, v_cache, part: _DecodeGroup, causal, softmax_scale):
+    """:func:`flash_attn_with_kvcache` of one padded batch of a paged cache (``part`` of the step's plan)."""
+    batch, q_len, heads, dim = q.shape
+    key, value = _gather_rows(k_cache, v_cache, part.gather_rows, (part.max_len, batch, -1, dim))
+    return _attend_decode(q, key, value, part.lens, part.max_len, part.masked, part.fold, causal, softmax_scale)
+
+
+def _decode_dense(q, k_cache, v_cache, lens, causal, softmax_scale):
+    """:func:`flash_attn_with_kvcache` of a dense cache [batch, max_len, kv_heads, dim] (tests, no paging)."""
     batch, q_len, heads, dim = q.shape
     max_len = max(int(lens.max()), 1)
-    if block_table is not None:  # (a dense cache may hold fewer slots)
-        max_len = max(max_len, MIN_KEY_SLOTS)
-    kv_heads = k_cache.shape[-2]
     key_valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [b, k]
-    group = heads // kv_heads
-    # One query per request and a grouped-query model: the query heads sharing a KV head are the rows of one
-    # product (megatron repeats K and V per query head instead: same per-row arithmetic, twice the copies).
-    fold = q_len == 1 and group >= MIN_QUERY_ROWS
-    expanded = kv_heads if fold else heads
-    if block_table is not None:
-        key, value = _gather_paged(k_cache, v_cache, block_table, key_valid, expanded)
-    else:
-        key, value = (_expand_heads(c[:, :max_len].masked_fill(~key_valid[:, :, None, None], 0.0), expanded)
-                      for c in (k_cache, v_cache))
-    masked = ~key_valid[:, None, None, :]  # [b, 1, 1, k]
+    fold = q_len == 1 and heads // k_cache.shape[-2] >= MIN_QUERY_ROWS
+    expanded = k_cache.shape[-2] if fold else heads
+    key, value = (_expand_heads(c[:, :max_len].masked_fill(~key_valid[:, :, None, None], 0.0), expanded)
+                  for c in (k_cache, v_cache))
+    return _attend_decode(q, key, value, lens, max_len, ~key_valid[:, None, None, :], fold, causal, softmax_scale)
+
+
+def _attend_decode(q, key, value, lens, max_len, masked, fold, causal, softmax_scale):
+    """Decode attention of queries ``q`` [b, q_len, heads, dim] over K/V [max_len, b, heads', dim] (megatron's
+    layout; heads' = KV heads when ``fold``, else query heads)."""
+    batch, q_len, heads, dim = q.shape
     scale = softmax_scale or dim ** -0.5
     if fold:
-        query = q.view(batch, kv_heads, group, dim).permute(2, 0, 1, 3)  # [group, b, kv_heads, dim]
+        # One query per request and a grouped-query model: the query heads sharing a KV head are the rows of one
+        # product (megatron repeats K and V per query head instead: same per-row arithmetic, twice the copies).
+        kv_heads = key.shape[2]
+        query = q.view(batch, kv_heads, heads // kv_heads, dim).permute(2, 0, 1, 3)  # [group, b, kv_heads, dim]
         out = dot_product_attention(query, key, value, masked, scale)
         return out.permute(1, 2, 0, 3).reshape(batch, 1, heads, dim).to(q.dtype)
     rows = max(q_len, MIN_QUERY_ROWS)
@@ -287,15 +344,22 @@ def _expand_heads(cache: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _gather_paged(k_cache, v_cache, block_table, key_valid: torch.Tensor, heads: int):
     """Each request's first ``k`` cache slots as K and V [k, b, heads, dim], contiguous, KV heads repeated
-    ``heads // kv_heads`` times.
+    ``heads // kv_heads`` times (:func:`_paged_rows`, then :func:`_gather_rows`)."""
+    batch, max_len = key_valid.shape
+    rows = _paged_rows(block_table, key_valid, k_cache.shape[1], k_cache.shape[2], heads)
+    return _gather_rows(k_cache, v_cache, rows, (max_len, batch, heads, k_cache.shape[-1]))
 
-    That is the layout megatron's ``DotProductAttention`` gives K and V before its products, built by one
-    ``index_select`` of ``dim``-sized rows per tensor (gather, transpose and head repeat in one copy: the
-    strided copy of ``repeat_interleave`` on the gathered cache cost 8 ms per decode layer at 128 requests).
-    Slots past a request's length read its slot 0 (finite, and multiplied by a zero probability).
+
+def _paged_rows(block_table, key_valid: torch.Tensor, block_size: int, kv_heads: int, heads: int) -> torch.Tensor:
+    """The rows of a flattened paged cache [num_blocks * block_size * kv_heads, dim] that, gathered in order,
+    give K or V [k, b, heads, dim] in the layout megatron's ``DotProductAttention`` gives them before its
+    products.
+
+    Gather, transpose and head repeat in one copy (the strided copy of ``repeat_interleave`` on the gathered
+    cache cost 8 ms per decode layer at 128 requests). Slots past a request's length read its slot 0 (finite,
+    and multiplied by a zero probability).
     """
     batch, max_len = key_valid.shape
-    block_size, kv_heads, dim = k_cache.shape[1:]
     num_blocks = (max_len + block_size - 1) // block_size
     blocks = block_table[:, :num_blocks].long().clamp(min=0)  # -1 marks unused blocks
     if blocks.shape[1] < num_blocks:  # MIN_KEY_SLOTS past the table's end: masked slots, read from slot 0 below
@@ -304,8 +368,12 @@ def _gather_paged(k_cache, v_cache, block_table, key_valid: torch.Tensor, heads:
     slots = slots.view(batch, num_blocks * block_size)[:, :max_len]
     slots = torch.where(key_valid, slots, slots[:, :1])
     head_of = torch.arange(heads, device=blocks.device) // (heads // kv_heads)
-    rows = (slots.t()[:, :, None] * kv_heads + head_of).reshape(-1)  # [k, b, heads] rows of [*, dim]
-    shape = (max_len, batch, heads, dim)
+    return (slots.t()[:, :, None] * kv_heads + head_of).reshape(-1)  # [k, b, heads] rows of [*, dim]
+
+
+def _gather_rows(k_cache, v_cache, rows: torch.Tensor, shape: tuple[int, ...]):
+    """K and V: ``rows`` of the flattened caches (one ``index_select`` each, into reused buffers), as ``shape``."""
+    dim = k_cache.shape[-1]
     kbuf, vbuf = _gather_buffers((rows.numel(), dim), k_cache.dtype, k_cache.device)
     # megatron-core's caches are contiguous slices of one buffer (a view); anything else is copied whole here
     key = torch.index_select(k_cache.reshape(-1, dim), 0, rows, out=kbuf).view(shape)

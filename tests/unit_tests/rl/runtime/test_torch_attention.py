@@ -221,8 +221,8 @@ def test_decode_of_far_apart_lengths_in_groups_matches_sdpa(monkeypatch, kv_head
     args = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), causal=True, block_table=table)
     monkeypatch.setattr(ta, "_SPLIT_OVERHEAD_ELEMENTS", {"cpu": 32 * heads * d})
     calls = []
-    decode = ta._decode
-    monkeypatch.setattr(ta, "_decode", lambda q, *a: calls.append(q.shape[0]) or decode(q, *a))
+    decode = ta._decode_paged
+    monkeypatch.setattr(ta, "_decode_paged", lambda q, *a: calls.append(q.shape[0]) or decode(q, *a))
     grouped = ta.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
     assert sorted(calls) == [2, 6]  # the two long requests apart
     for b in range(len(lens)):
@@ -287,3 +287,33 @@ def test_short_requests_attend_over_at_least_16_keys_like_longer_rows(monkeypatc
     alone, batched = _short_and_long_decode()
     assert not torch.equal(alone, batched), "13 and 40 keys round alike here: the test would not bite"
     torch.testing.assert_close(alone, batched, rtol=1e-5, atol=1e-6)  # the same attention, other rounding
+
+
+def test_a_steps_decode_plan_is_built_once_for_all_layers_and_again_when_lengths_change_in_place(monkeypatch):
+    """Every layer of a step gets the same length and block-table tensors: the groups, masks and gather rows are
+    worked out by the first layer only. The next step rewrites those tensors in place: a new plan, as if fresh."""
+    g = torch.Generator().manual_seed(12)
+    heads, kv_heads, d, block = 4, 2, 8, 4
+    full = [9, 30, 7, 12]
+    ks = [torch.randn(n, kv_heads, d, generator=g) for n in full]
+    vs = [torch.randn(n, kv_heads, d, generator=g) for n in full]
+    k_cache, table = _paged(ks, block, num_blocks=40, perm_seed=6)
+    v_cache = _values_like(k_cache, table, vs, block, fill=0.0)
+    k_cache = k_cache.nan_to_num(0.0)
+    q = torch.randn(len(full), 1, heads, d, generator=g)
+    builds = []
+    rows = ta._paged_rows
+    monkeypatch.setattr(ta, "_paged_rows", lambda *a: builds.append(1) or rows(*a))
+    lens = torch.tensor([n - 2 for n in full], dtype=torch.int32)
+    layers = [ta.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True, block_table=table)
+              for _ in range(3)]
+    assert len(builds) == 1 and all(torch.equal(out, layers[0]) for out in layers)
+    lens += 2  # the next step, written in place as megatron-core's context does
+    step2 = ta.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True, block_table=table)
+    assert len(builds) == 2
+    fresh = ta.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens.clone(), causal=True,
+                                       block_table=table.clone())
+    assert torch.equal(step2, fresh) and not torch.equal(step2, layers[0])
+    for b, n in enumerate(full):
+        torch.testing.assert_close(step2[b], _sdpa_reference(q[b], ks[b], vs[b], causal_offset=n - 1),
+                                   atol=1e-5, rtol=1e-5)
