@@ -28,7 +28,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 from megatron.core.utils import get_model_config
 
-from megatron.rl.inference.sampling import sample_tokens, tempered_log_probs
+from megatron.rl.inference.sampling import NoiseStream, sample_tokens, tempered_log_probs
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class SampleSpec:
     temperature: float
     top_k: int
     top_p: float
-    generator: torch.Generator | None = None
+    generator: NoiseStream | None = None
 
 
 class EngineTokenizer:
@@ -134,10 +134,10 @@ class SamplingController(TextGenerationController):
         self.shared_generator.manual_seed(seed)
         self._step_log_probs: torch.Tensor | None = None
 
-    def make_generator(self, seed: int) -> torch.Generator:
+    def make_generator(self, seed: int) -> NoiseStream:
         g = torch.Generator(device=self._sampled_tokens_cuda.device)
         g.manual_seed(int(seed))
-        return g
+        return NoiseStream(g)
 
     # --- overrides of megatron-core 0.16.1 TextGenerationController private steps ---
 

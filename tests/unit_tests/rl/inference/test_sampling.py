@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from megatron.rl.inference.sampling import sample_tokens, tempered_log_probs, truncation_mask
+from megatron.rl.inference.sampling import NoiseStream, sample_tokens, tempered_log_probs, truncation_mask
 
 
 def _reference_keep(logits_row: list[float], temperature: float, top_k: int, top_p: float) -> set[int]:
@@ -95,3 +95,29 @@ def test_seeded_rows_and_mixed_batches_follow_the_distribution():
                                [torch.Generator().manual_seed(i) for i in range(rows)], torch.Generator())
     freq = torch.bincount(all_seeded, minlength=4).float() / rows
     torch.testing.assert_close(freq, expected, atol=0.025, rtol=0)
+
+
+def test_noise_stream_gives_each_steps_draws_of_its_generator_bit_for_bit():
+    for vocab in (7, 384, NoiseStream.BLOCK_ELEMENTS + 5):
+        stream = NoiseStream(torch.Generator().manual_seed(3))
+        reference = torch.Generator().manual_seed(3)
+        for _ in range(max(3, 2 * NoiseStream.BLOCK_ELEMENTS // vocab + 2)):  # across block boundaries
+            assert torch.equal(stream.next(vocab), torch.rand(vocab, generator=reference))
+
+
+def test_seeded_rows_sample_the_same_tokens_from_noise_streams_as_from_generators():
+    """Step by step, a batch whose seeded rows draw from NoiseStreams samples what it samples from the generators
+    themselves, with rows of the shared generator and greedy rows mixed in."""
+    g = torch.Generator().manual_seed(0)
+    batch, vocab = 6, 50
+    temperature = torch.tensor([1.0, 0.7, 0.0, 1.0, 1.3, 1.0])
+    top_k, top_p = torch.tensor([0, 5, 0, 0, 0, 0]), torch.tensor([1.0, 1.0, 1.0, 0.9, 1.0, 1.0])
+    for seeded in ([0, 1, 3, 4, 5], [0, 1, 3]):  # every sampled row seeded (the stacked path), or some
+        streams = [NoiseStream(torch.Generator().manual_seed(10 + r)) if r in seeded else None for r in range(batch)]
+        plain = [torch.Generator().manual_seed(10 + r) if r in seeded else None for r in range(batch)]
+        shared_a, shared_b = torch.Generator().manual_seed(99), torch.Generator().manual_seed(99)
+        for _ in range(20):
+            log_probs = tempered_log_probs(torch.randn(batch, vocab, generator=g) * 3, temperature)
+            a = sample_tokens(log_probs, temperature, top_k, top_p, streams, shared_a)
+            b = sample_tokens(log_probs, temperature, top_k, top_p, plain, shared_b)
+            assert torch.equal(a, b)
