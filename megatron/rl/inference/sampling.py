@@ -24,9 +24,10 @@ class NoiseStream:
 
     A CPU generator draws sequentially, so ``torch.rand(k, vocab)`` holds the next ``k`` steps' rows bit for bit
     (``test_sampling.py`` checks it), and a step of 128 seeded requests needs one slice per request instead of
-    one ``uniform_`` call each (~1.5 ms of a ~30 ms decode step of a small model). Blocks hold about
-    :attr:`BLOCK_ELEMENTS` numbers: one step's row when the vocabulary is that large. Other devices' generators
-    (offset-based) draw one row at a time, as before.
+    one ``uniform_`` call each (~1.5 ms of a ~30 ms decode step of a small model). Blocks double in rows from
+    2 (a request drawing for ``n`` steps draws fewer than ``2n`` rows in ``log2 n`` calls: numbers drawn for
+    steps that never come cost time too) up to about :attr:`BLOCK_ELEMENTS` numbers, one row when the
+    vocabulary is that large. Other devices' generators (offset-based) draw one row at a time, as before.
     """
 
     BLOCK_ELEMENTS = 64 * 1024
@@ -35,6 +36,7 @@ class NoiseStream:
         self.generator = generator
         self._block: torch.Tensor | None = None
         self._used = 0
+        self._rows = 1
 
     def next(self, vocab: int) -> torch.Tensor:
         """The next step's noise [vocab] (fp32 on the generator's device)."""
@@ -45,8 +47,9 @@ class NoiseStream:
             self._used += 1
             return block[self._used - 1]
         device = self.generator.device
-        rows = max(1, self.BLOCK_ELEMENTS // vocab) if device.type == "cpu" else 1
-        self._block, self._used = torch.rand(rows, vocab, generator=self.generator, device=device), 1
+        if device.type == "cpu":
+            self._rows = max(1, min(2 * self._rows, self.BLOCK_ELEMENTS // vocab))
+        self._block, self._used = torch.rand(self._rows, vocab, generator=self.generator, device=device), 1
         return self._block[0]
 
 
