@@ -35,19 +35,62 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     A prefill step holds every newly admitted request (128 prompts in an RL rollout phase): the requests
     are padded into batches of at most ``_PREFILL_BATCH_ELEMENTS`` attention scores and each batch is one
     :func:`dot_product_attention` call (a Python loop of per-request attention cost ~8 small ops per request
-    and layer). Paged K and V are gathered as in decode (:func:`_gather_paged`: only the slots in use, heads
-    already repeated); whole blocks and a separate head repeat made the prefill attention 2x slower.
+    and layer). Paged K and V are gathered as in decode (:func:`_paged_rows`: only the slots in use, heads
+    already repeated); whole blocks and a separate head repeat made the prefill attention 2x slower. With a
+    paged cache the batches, masks and indices are worked out once per step (as for decode, keyed on the
+    step's length and block-table tensors) and reused by every layer.
     """
     scale = softmax_scale or q.shape[-1] ** -0.5
     out = torch.zeros_like(q)
+    if block_table is None:
+        batches = _prefill_batches(cu_seqlens_q, cu_seqlens_k, None, q.shape, k.shape, causal)
+    else:
+        key = (q.shape, k.shape, causal, cu_seqlens_q._version, cu_seqlens_k._version, block_table._version,
+               split_overhead_slots(q.shape[1] * q.shape[-1], q.device), MIN_KEY_SLOTS, MIN_QUERY_ROWS)
+        cached = getattr(_STEP_PLAN, "prefill", None)
+        if (cached is not None and cached[0] is cu_seqlens_q and cached[1] is cu_seqlens_k
+                and cached[2] is block_table and cached[3] == key):
+            batches = cached[4]
+        else:
+            batches = _prefill_batches(cu_seqlens_q, cu_seqlens_k, block_table, q.shape, k.shape, causal)
+            _STEP_PLAN.prefill = (cu_seqlens_q, cu_seqlens_k, block_table, key, batches)
+    for batch in batches:
+        _attend_padded(q, k, v, out, batch, scale)
+    return out
+
+
+# Most attention scores (batch x heads x query x key) one padded prefill batch may hold (128 MB in fp32).
+_PREFILL_BATCH_ELEMENTS = 32 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class _PrefillBatch:
+    """Requests attended as one padded batch in a prefill step: what every layer of the step shares."""
+
+    rows: list[int]  # the requests (indices into the step's batch)
+    n: int
+    rows_q: int  # query rows per request (>= MIN_QUERY_ROWS)
+    max_k: int  # key slots per request (>= MIN_KEY_SLOTS)
+    q_valid: torch.Tensor  # [n, rows_q]: real query rows
+    q_index: torch.Tensor  # the packed rows of q (and of the output) of the real query rows, in order
+    masked: torch.Tensor  # [n, 1, rows_q, max_k]
+    gather_rows: torch.Tensor | None  # paged: rows of the flattened caches (see _paged_rows)
+    k_index: torch.Tensor | None  # dense: [n, max_k] rows of k / v
+    key_valid: torch.Tensor  # [n, max_k]
+
+
+def _prefill_batches(cu_seqlens_q, cu_seqlens_k, block_table, q_shape, k_shape, causal) -> list[_PrefillBatch]:
+    """The padded batches of a prefill step (requests of similar key lengths together, see
+    :func:`flash_attn_with_kvcache`: a step that admits new prompts also decodes the requests in flight, a few
+    hundred tokens long with partial rollouts)."""
+    device = cu_seqlens_q.device
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     lens_q = [cq[b + 1] - cq[b] for b in range(len(cq) - 1)]
     lens_k = [ck[b + 1] - ck[b] for b in range(len(ck) - 1)]
     todo = [b for b in range(len(lens_q)) if lens_q[b] > 0 and lens_k[b] > 0]
-    heads = q.shape[1]
-    # requests of similar key lengths together (see flash_attn_with_kvcache): a step that admits new prompts
-    # also decodes the requests in flight, a few hundred tokens long with partial rollouts
-    overhead = split_overhead_slots(heads * q.shape[-1], q.device)
+    heads = q_shape[1]
+    overhead = split_overhead_slots(heads * q_shape[-1], device)
+    batches = []
     for part in length_groups([lens_k[b] for b in todo], overhead):
         group = [todo[i] for i in part]
         start = 0
@@ -59,21 +102,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
                 if stop > start and (stop - start + 1) * heads * mq * mk > _PREFILL_BATCH_ELEMENTS:
                     break
                 max_q, max_k, stop = mq, mk, stop + 1
-            _attend_padded(q, k, v, out, group[start:stop], cq, ck, lens_q, lens_k, max_q, max_k, scale, causal,
-                           block_table)
+            rows = group[start:stop]
+            batches.append(_prefill_batch(rows, cq, ck, lens_q, lens_k, max_q, max_k, block_table, q_shape,
+                                          k_shape, causal, device))
             start = stop
-    return out
+    return batches
 
 
-# Most attention scores (batch x heads x query x key) one padded prefill batch may hold (128 MB in fp32).
-_PREFILL_BATCH_ELEMENTS = 32 * 1024 * 1024
-
-
-def _attend_padded(q, k, v, out, rows, cq, ck, lens_q, lens_k, max_q, max_k, scale, causal, block_table):
-    """Attention of requests ``rows`` as one padded batch; writes their outputs into ``out`` (packed rows)."""
-    device = q.device
-    n = len(rows)
-    row_t = torch.tensor(rows, dtype=torch.long, device=device)
+def _prefill_batch(rows, cq, ck, lens_q, lens_k, max_q, max_k, block_table, q_shape, k_shape, causal,
+                   device) -> _PrefillBatch:
     lq = torch.tensor([lens_q[b] for b in rows], dtype=torch.long, device=device)
     lk = torch.tensor([lens_k[b] for b in rows], dtype=torch.long, device=device)
     rows_q = max(max_q, MIN_QUERY_ROWS)
@@ -82,21 +119,33 @@ def _attend_padded(q, k, v, out, rows, cq, ck, lens_q, lens_k, max_q, max_k, sca
     kpos = torch.arange(max_k, device=device)
     q_valid = qpos[None, :] < lq[:, None]  # [n, Lq]
     q_index = (torch.tensor([cq[b] for b in rows], device=device)[:, None] + qpos[None, :])[q_valid]
-    qb = q.new_zeros(rows_q, n, *q.shape[1:])  # megatron's [sq, b, heads, dim] layout
-    qb.transpose(0, 1)[q_valid] = q[q_index]
     key_valid = kpos[None, :] < lk[:, None]  # [n, Lk]
+    gather_rows = k_index = None
     if block_table is not None:  # each request's first max_k slots, heads repeated, in megatron's K/V layout
-        key, value = _gather_paged(k, v, block_table[row_t], key_valid, q.shape[1])
-        key, value = key.to(q.dtype), value.to(q.dtype)
+        row_t = torch.tensor(rows, dtype=torch.long, device=device)
+        gather_rows = _paged_rows(block_table[row_t], key_valid, k_shape[1], k_shape[2], q_shape[1])
     else:
         k_index = (torch.tensor([ck[b] for b in rows], device=device)[:, None] + kpos[None, :])
-        k_index = torch.minimum(k_index, torch.tensor(k.shape[0] - 1, device=device))  # padding reads any row
-        key, value = k[k_index].transpose(0, 1).to(q.dtype), _zero_invalid(v[k_index], key_valid).transpose(0, 1)
+        k_index = torch.minimum(k_index, torch.tensor(k_shape[0] - 1, device=device))  # padding reads any row
     allowed = key_valid[:, None, :]  # [n, 1, Lk]
     if causal:  # bottom-right aligned: query i of a request sees keys <= i + (lk - lq)
         allowed = allowed & (kpos[None, None, :] <= (qpos[None, :, None] + (lk - lq)[:, None, None]))
-    attn = dot_product_attention(qb, key, value, ~allowed[:, None], scale)
-    out[q_index] = attn.transpose(0, 1)[q_valid].to(out.dtype)
+    return _PrefillBatch(rows, len(rows), rows_q, max_k, q_valid, q_index, ~allowed[:, None], gather_rows, k_index,
+                         key_valid)
+
+
+def _attend_padded(q, k, v, out, batch: _PrefillBatch, scale):
+    """Attention of one padded prefill batch; writes its outputs into ``out`` (packed rows)."""
+    qb = q.new_zeros(batch.rows_q, batch.n, *q.shape[1:])  # megatron's [sq, b, heads, dim] layout
+    qb.transpose(0, 1)[batch.q_valid] = q[batch.q_index]
+    if batch.gather_rows is not None:
+        key, value = _gather_rows(k, v, batch.gather_rows, (batch.max_k, batch.n, q.shape[1], k.shape[-1]))
+        key, value = key.to(q.dtype), value.to(q.dtype)
+    else:
+        key = k[batch.k_index].transpose(0, 1).to(q.dtype)
+        value = _zero_invalid(v[batch.k_index], batch.key_valid).transpose(0, 1)
+    attn = dot_product_attention(qb, key, value, batch.masked, scale)
+    out[batch.q_index] = attn.transpose(0, 1)[batch.q_valid].to(out.dtype)
 
 
 MIN_QUERY_ROWS = 2  # see the module docstring: one-row products take another MKL kernel than the trainer's
@@ -216,7 +265,7 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
     batch, q_len, heads, dim = q_shape
     overhead = split_overhead_slots(heads * dim, cache_seqlens.device)
     key = (q_shape, cache_shape, cache_seqlens._version, block_table._version, overhead, MIN_KEY_SLOTS)
-    cached = getattr(_STEP_PLAN, "entry", None)
+    cached = getattr(_STEP_PLAN, "decode", None)
     if cached is not None and cached[0] is cache_seqlens and cached[1] is block_table and cached[2] == key:
         return cached[3]
     lens = cache_seqlens.long()
@@ -234,7 +283,7 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
         key_valid = torch.arange(max_len, device=lens.device)[None, :] < part_lens[:, None]  # [b, k]
         gather_rows = _paged_rows(part_table, key_valid, cache_shape[1], kv_heads, kv_heads if fold else heads)
         plan.append(_DecodeGroup(rows, part_lens, max_len, ~key_valid[:, None, None, :], fold, gather_rows))
-    _STEP_PLAN.entry = (cache_seqlens, block_table, key, plan)
+    _STEP_PLAN.decode = (cache_seqlens, block_table, key, plan)
     return plan
 
 
@@ -340,14 +389,6 @@ def length_class_groups(lens: Sequence[int], overhead: int, power: int = 1) -> l
 def _expand_heads(cache: torch.Tensor, heads: int) -> torch.Tensor:
     """[b, k, kv_heads, dim] -> [k, b, heads, dim] contiguous (each KV head repeated for its query heads)."""
     return cache.transpose(0, 1).repeat_interleave(heads // cache.shape[2], dim=2).contiguous()
-
-
-def _gather_paged(k_cache, v_cache, block_table, key_valid: torch.Tensor, heads: int):
-    """Each request's first ``k`` cache slots as K and V [k, b, heads, dim], contiguous, KV heads repeated
-    ``heads // kv_heads`` times (:func:`_paged_rows`, then :func:`_gather_rows`)."""
-    batch, max_len = key_valid.shape
-    rows = _paged_rows(block_table, key_valid, k_cache.shape[1], k_cache.shape[2], heads)
-    return _gather_rows(k_cache, v_cache, rows, (max_len, batch, heads, k_cache.shape[-1]))
 
 
 def _paged_rows(block_table, key_valid: torch.Tensor, block_size: int, kv_heads: int, heads: int) -> torch.Tensor:

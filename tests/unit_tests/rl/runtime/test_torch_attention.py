@@ -240,7 +240,7 @@ def test_varlen_step_with_new_prompts_and_long_decodes_in_groups_matches_sdpa(mo
     monkeypatch.setattr(ta, "_SPLIT_OVERHEAD_ELEMENTS", {"cpu": 32 * 4 * 8})
     batches = []
     attend = ta._attend_padded
-    monkeypatch.setattr(ta, "_attend_padded", lambda *a: batches.append(list(a[4])) or attend(*a))
+    monkeypatch.setattr(ta, "_attend_padded", lambda *a: batches.append(list(a[4].rows)) or attend(*a))
     g = torch.Generator().manual_seed(9)
     heads, kv_heads, d, block = 4, 2, 8, 4
     k_lens = [4, 41, 3, 38, 5, 1]
@@ -317,3 +317,32 @@ def test_a_steps_decode_plan_is_built_once_for_all_layers_and_again_when_lengths
     for b, n in enumerate(full):
         torch.testing.assert_close(step2[b], _sdpa_reference(q[b], ks[b], vs[b], causal_offset=n - 1),
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_a_prefill_steps_batches_are_built_once_for_all_layers_and_again_for_the_next_step(monkeypatch):
+    g = torch.Generator().manual_seed(13)
+    heads, kv_heads, d, block = 4, 2, 8, 4
+    k_lens, q_lens = [6, 9, 3], [6, 2, 3]
+    ks = [torch.randn(n, kv_heads, d, generator=g) for n in k_lens]
+    vs = [torch.randn(n, kv_heads, d, generator=g) for n in k_lens]
+    qs = [torch.randn(n, heads, d, generator=g) for n in q_lens]
+    k_cache, table = _paged(ks, block, num_blocks=20, perm_seed=7)
+    v_cache = _values_like(k_cache, table, vs, block, fill=float("nan"))
+    builds = []
+    plan = ta._prefill_batches
+    monkeypatch.setattr(ta, "_prefill_batches", lambda *a: builds.append(1) or plan(*a))
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    def attend(cu_q, cu_k, table):
+        return ta.flash_attn_varlen_func(torch.cat(qs), k_cache, v_cache, cu_q, cu_k, causal=True, block_table=table)
+
+    layers = [attend(cu_q, cu_k, table) for _ in range(3)]
+    assert len(builds) == 1 and all(torch.equal(out, layers[0]) for out in layers)
+    cu_k[1:] -= torch.tensor([0, 2, 2], dtype=torch.int32)  # the next step's lengths, written in place
+    step2 = attend(cu_q, cu_k, table)
+    assert len(builds) == 2 and torch.equal(step2, attend(cu_q.clone(), cu_k.clone(), table.clone()))
+    k_lens2 = [6, 7, 3]  # cu_k 0, 6, 13, 16
+    for b in range(3):
+        ref = _sdpa_reference(qs[b], ks[b][:k_lens2[b]], vs[b][:k_lens2[b]], causal_offset=k_lens2[b] - q_lens[b])
+        torch.testing.assert_close(step2[cu_q[b]:cu_q[b + 1]], ref, atol=1e-5, rtol=1e-5)
