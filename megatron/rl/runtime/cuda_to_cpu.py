@@ -5,6 +5,11 @@ megatron-core allocates with ``device="cuda"``, ``torch.cuda.current_device()`` 
 each call site is not an option (we never patch site-packages), so this mode intercepts torch calls
 and rewrites those arguments. It costs a Python dispatch per torch call (~1.5-2 µs); see
 ``benchmarks/runtime_overhead.py`` for the measured step-time overhead.
+
+One CPU-kernel workaround rides on it, since it sees the call anyway: ``Tensor.repeat_interleave`` with an
+integer count on a tensor that needs a gradient (megatron-core's ``DotProductAttention`` repeats K and V per
+query head with grouped-query attention) gets the same forward and a backward that adds the copies
+(:class:`_RepeatInterleave`): torch's CPU backward of it took ~2x the whole attention score product's.
 """
 from __future__ import annotations
 
@@ -57,8 +62,47 @@ class CudaToCpuMode(TorchFunctionMode):
             elif func is torch.Tensor.type and len(args) == 1 and not kwargs:
                 name = func(*args)
                 return _CUDA_TYPE_NAMES.get(name, name)
+            elif func is torch.Tensor.repeat_interleave:
+                repeated = _repeat_with_grad(args, kwargs)
+                if repeated is not None:
+                    return repeated
         return func(*args, **kwargs)
 
 
 _SPECIAL = frozenset({torch.device, torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.pin_memory,
-                      torch.Tensor.type})
+                      torch.Tensor.type, torch.Tensor.repeat_interleave})
+
+
+def _repeat_with_grad(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``x.repeat_interleave(n, dim=d)`` through :class:`_RepeatInterleave` when ``x`` needs a gradient, else None."""
+    if len(args) != 2 or set(kwargs) - {"dim"}:
+        return None
+    x, repeats = args
+    dim = kwargs.get("dim")
+    if (not isinstance(x, torch.Tensor) or not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 2
+            or not isinstance(dim, int) or not x.requires_grad or not torch.is_grad_enabled()):
+        return None
+    return _RepeatInterleave.apply(x, repeats, dim % x.dim())
+
+
+class _RepeatInterleave(torch.autograd.Function):
+    """``repeat_interleave(n, dim)`` whose backward sums each element's ``n`` copies with ``n - 1`` additions.
+
+    torch's CPU backward of it (reshape, zero-filled buffer, strided ``sum``) cost ~10 ms per call on a
+    [29, 128, 2, 64] key in the GRPO benchmark's training step. The gradient is the same: for ``n = 2`` bit for
+    bit (one addition either way), for larger ``n`` the additions run in order, which the reduction may not
+    (``test_cpu_patches.py``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, repeats: int, dim: int) -> torch.Tensor:
+        ctx.repeats, ctx.dim = repeats, dim
+        return x.repeat_interleave(repeats, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        copies = grad.unflatten(ctx.dim, (-1, ctx.repeats)).unbind(ctx.dim + 1)
+        total = copies[0] + copies[1]
+        for more in copies[2:]:
+            total = total + more
+        return total, None, None

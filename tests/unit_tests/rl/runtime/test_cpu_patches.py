@@ -146,3 +146,26 @@ def test_distributed_optimizer_checkpoint_resume_is_exact(tmp_path, torchrun):
     assert res["distinct_step_tensors"], "Adam 'step' tensors must not be shared across params after load"
     assert res["resumed"] == pytest.approx(res["uninterrupted"], abs=1e-6)
     assert all(math.isfinite(x) for x in res["moe_losses"]) and res["moe_losses"][-1] < res["moe_losses"][0]
+
+
+@pytest.mark.parametrize("repeats,dim", [(2, 2), (3, 1), (2, -2)])
+def test_repeat_interleave_under_the_device_mode_keeps_forward_and_gradient(repeats, dim):
+    """The mode routes a repeat that needs a gradient through an addition-based backward (megatron-core's GQA K/V
+    repeat): the same forward, the same gradient (bit for bit with two copies), and only where grad is needed."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 2, 4, generator=g, requires_grad=True)
+    upstream = torch.randn(x.shape[:dim % 4] + (x.shape[dim] * repeats,) + x.shape[dim % 4 + 1:], generator=g)
+    plain = x.repeat_interleave(repeats, dim=dim)
+    (want,) = torch.autograd.grad(plain, x, upstream)
+    with CudaToCpuMode():
+        mine = x.repeat_interleave(repeats, dim=dim)
+        with torch.no_grad():
+            untouched = x.repeat_interleave(repeats, dim=dim)
+    assert type(mine.grad_fn).__name__ == "_RepeatInterleaveBackward"
+    assert untouched.grad_fn is None and torch.equal(untouched, plain.detach())
+    assert torch.equal(mine, plain)
+    (got,) = torch.autograd.grad(mine, x, upstream)
+    if repeats == 2:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
