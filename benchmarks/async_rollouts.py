@@ -99,16 +99,17 @@ def run_setting(name: str, extra: list[str], args, tmp: Path) -> list[dict]:
     out = tmp / f"{name.replace(' ', '_').replace('+', 'p')}.jsonl"
     seq = 320
     cmd = [sys.executable, str(REPO / "train_rl.py"), "--num-layers", str(args.layers), "--hidden-size",
-           str(args.hidden), "--num-attention-heads", "4", "--seq-length", str(seq), "--max-position-embeddings",
+           str(args.hidden), "--num-attention-heads", str(args.heads), "--seq-length", str(seq), "--max-position-embeddings",
            str(seq), "--micro-batch-size", "8", "--global-batch-size", str(args.prompts * args.group_size),
            "--train-iters", str(args.iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--seed", "3",
            "--grpo-prompts-per-step", str(args.prompts), "--grpo-group-size", str(args.group_size),
            "--rl-max-new-tokens", "256", "--rl-use-sequence-packing", "--langrl-allow-imports",
            "--langrl-env-config", str(env), "--rl-prompts-per-eval", "0", "--log-interval", "1",
-           "--rl-metrics-jsonl", str(out), "--log-level", "WARNING", *extra]
+           "--rl-metrics-jsonl", str(out), "--log-level", "WARNING", *args.extra, *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads),
+                               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -148,10 +149,14 @@ def main(argv=None) -> int:
                    help="Pareto tail index of the answer budgets (0.8: 4-256 tokens per batch; 1.0: 4-128)")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1, help="interleaved repetitions; the fastest of each is kept")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="after --: more train_rl.py flags for every setting (e.g. -- --bf16)")
     args = p.parse_args(argv)
+    args.extra = [a for a in args.extra if a != "--"]
     if (args.iters - 1) % 2:
         log.warning("--iters %d measures an odd number of iterations: lag 1 + partial rollouts alternates long and "
                     "short iterations, so its mean is off by half an iteration's difference", args.iters)

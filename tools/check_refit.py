@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    from megatron.rl import parallel_utils
     from megatron.rl.refit import build_layout_inference, model_bytes, verify_weights_swap
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_utils import StepContext
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             c.eval()
         diff = (_full_logits(model[0], ids) - _full_logits(inference.copy.model[0], ids)).abs().max()
         worst = torch.tensor([float(diff)], dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        parallel_utils.all_reduce_max(worst)
         if rank0:
             print(f"max |logit(trainer) - logit(copy)| on the probe sequence: {float(worst[0]):.3e}")
         half = cfg.model.bf16 or cfg.model.fp16

@@ -29,10 +29,30 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
+def collective_device(group=None) -> torch.device | None:
+    """Where ``group``'s collectives need their tensors: CUDA for NCCL (it has no CPU transport), else None
+    (any device). The trainer's metric reductions build small CPU tensors; under NCCL they would fail with
+    "No backend type associated with device type cpu"."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _on_collective_device(tensor: torch.Tensor, group, call) -> None:
+    """``call(t)`` on ``tensor``, or on a copy on the device ``group``'s backend needs, copied back in place."""
+    device = collective_device(group)
+    if device is None or tensor.device.type == device.type:
+        call(tensor)
+        return
+    staged = tensor.to(device)
+    call(staged)
+    tensor.copy_(staged)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """In-place sum over ``group``; returns ``tensor``."""
+    """In-place sum over ``group`` (a CPU tensor under NCCL is staged through the GPU); returns ``tensor``."""
     if is_initialized() and get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        _on_collective_device(tensor, group, lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group))
     return tensor
 
 
@@ -47,14 +67,14 @@ def all_reduce_mean(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 def all_reduce_max(tensor: torch.Tensor, group=None) -> torch.Tensor:
     if is_initialized() and get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        _on_collective_device(tensor, group, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
     return tensor
 
 
 def broadcast(tensor: torch.Tensor, src_global_rank: int, group=None) -> torch.Tensor:
     """In-place broadcast from ``src_global_rank`` (a global rank that belongs to ``group``)."""
     if is_initialized() and get_world_size(group) > 1:
-        dist.broadcast(tensor, src=src_global_rank, group=group)
+        _on_collective_device(tensor, group, lambda t: dist.broadcast(t, src=src_global_rank, group=group))
     return tensor
 
 
@@ -98,6 +118,5 @@ def broadcast_from_last_pipeline_stage(tensor: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
+        broadcast(tensor, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
     return tensor

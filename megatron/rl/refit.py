@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron.rl import parallel_utils
 from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.inference_layout import InferenceGroups, InferenceLayoutConfig, build_inference_groups
 from megatron.rl.training.config import TrainingConfig
@@ -254,7 +255,7 @@ def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, t
     method = layout.resolved_refit_method(runtime.device.type == "cuda")
     copy = InferenceCopy(train_model, copy_model, method)
     size = torch.tensor([model_bytes(copy_model)], dtype=torch.float64)
-    dist.all_reduce(size)  # the copy's total over all ranks (the log line reports both)
+    parallel_utils.all_reduce_sum(size)  # the copy's total over all ranks (the log line reports both)
     log.info("inference copy: TP=%d PP=%d EP=%d, %d replica(s) (this rank: replica %d); weights %.1f MB on this "
              "rank, %.1f MB over all ranks; refit via megatron-core %s", s.tp, s.pp, s.ep, groups.num_replicas,
              groups.replica_rank, model_bytes(copy_model) / 2**20, float(size[0]) / 2**20, method)

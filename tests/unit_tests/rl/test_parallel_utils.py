@@ -30,3 +30,41 @@ def test_two_process_reductions(tmp_path):
     assert res["mean"] == [1.5, 15.0]
     assert res["max"] == [2.0]
     assert res["broadcast"] == [2.0] and res["object"] == {"from": 1}
+
+
+def test_nccl_collectives_stage_cpu_tensors_through_the_gpu(monkeypatch):
+    """NCCL has no CPU transport ("No backend type associated with device type cpu", seen on an H100 in
+    refit's size reduction): a CPU tensor is copied to the group's device, reduced there and copied back.
+    CUDA is stubbed here; the real NCCL path ran on a GPU (docs/benchmarks.md)."""
+    seen = []
+    monkeypatch.setattr(pu, "is_initialized", lambda: True)
+    monkeypatch.setattr(pu, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def fake_all_reduce(t, op=None, group=None):
+        seen.append(t)
+        t.mul_(2)  # as if the other rank held the same values
+
+    monkeypatch.setattr(pu.dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(pu.dist, "get_backend", lambda group=None: "gloo")
+    assert pu.collective_device() is None
+    t = torch.tensor([1.0, 3.0])
+    pu.all_reduce_sum(t)
+    assert seen[-1] is t and t.tolist() == [2.0, 6.0]  # gloo: the tensor itself, no copy
+
+    monkeypatch.setattr(pu.dist, "get_backend", lambda group=None: "nccl")
+    assert pu.collective_device() == torch.device("cuda", 0)
+    staged_to = []
+    real_to = torch.Tensor.to
+
+    def fake_to(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.device) and args[0].type == "cuda":
+            staged_to.append(args[0])
+            return self.clone()  # stands in for the GPU copy
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    t = torch.tensor([1.0, 3.0])
+    assert pu.all_reduce_max(t) is t
+    assert staged_to == [torch.device("cuda", 0)] and seen[-1] is not t
+    assert t.tolist() == [2.0, 6.0]  # the reduced values copied back into the caller's CPU tensor
