@@ -11,7 +11,8 @@ layouts (:func:`dot_product_attention`), so the engine's log-probs round like th
 forward. Each request's attention is computed with at least :data:`MIN_QUERY_ROWS` query rows (a decode step
 has one per request; the extra rows are zeros and dropped): MKL computes a one-row product (a matrix-vector
 product) with another kernel than the trainer's many-row one, and a decode step at one row put the fp32
-train-inference log-prob gap of a peaked model at 3e-5; with two rows it is 4e-6, and the many rows of a
+train-inference log-prob gap of a peaked model at 3e-5; with four rows it is 4e-6 (two rows were enough on
+one CPU, not on another, where two and three rows round like one), and the many rows of a
 prefill reproduce the trainer's numbers bit for bit for most requests
 (tests/unit_tests/rl/inference/test_megatron_logprob_gap.py).
 """
@@ -148,7 +149,10 @@ def _attend_padded(q, k, v, out, batch: _PrefillBatch, scale):
     out[batch.q_index] = attn.transpose(0, 1)[batch.q_valid].to(out.dtype)
 
 
-MIN_QUERY_ROWS = 2  # see the module docstring: one-row products take another MKL kernel than the trainer's
+# See the module docstring: MKL's batched products take other kernels for fewer than 4 rows than for the
+# trainer's many rows (measured on a 2-core AMD EPYC VM without AVX2: 1-3 rows round differently, 4 and more
+# give the many-row product's bits). At 2 rows the mixed-request test's gap was 3e-5 on that machine.
+MIN_QUERY_ROWS = 4
 # Keys (masked past a request's length) every product runs over at least: the softmax and the product with V
 # round differently below 16 keys than from 16 on (from 16 on, more masked keys change no bit), and the trainer
 # attends over its micro-batch's row length, nearly always >= 16. Without it a decode step of a 13-token request
@@ -275,7 +279,7 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
         if len(split) > 1:  # lengths too far apart for one padded batch
             groups = [torch.tensor(rows, dtype=torch.long, device=cache_seqlens.device) for rows in split]
     kv_heads = cache_shape[-2]
-    fold = q_len == 1 and heads // kv_heads >= MIN_QUERY_ROWS
+    fold = q_len == 1
     plan = []
     for rows in groups:
         part_lens, part_table = (lens, block_table) if rows is None else (lens[rows], block_table[rows])
@@ -299,7 +303,7 @@ def _decode_dense(q, k_cache, v_cache, lens, causal, softmax_scale):
     batch, q_len, heads, dim = q.shape
     max_len = max(int(lens.max()), 1)
     key_valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [b, k]
-    fold = q_len == 1 and heads // k_cache.shape[-2] >= MIN_QUERY_ROWS
+    fold = q_len == 1
     expanded = k_cache.shape[-2] if fold else heads
     key, value = (_expand_heads(c[:, :max_len].masked_fill(~key_valid[:, :, None, None], 0.0), expanded)
                   for c in (k_cache, v_cache))
@@ -312,11 +316,15 @@ def _attend_decode(q, key, value, lens, max_len, masked, fold, causal, softmax_s
     batch, q_len, heads, dim = q.shape
     scale = softmax_scale or dim ** -0.5
     if fold:
-        # One query per request and a grouped-query model: the query heads sharing a KV head are the rows of one
-        # product (megatron repeats K and V per query head instead: same per-row arithmetic, twice the copies).
+        # One query per request: the query heads sharing a KV head are the rows of one product (megatron repeats
+        # K and V per query head instead: the same per-row arithmetic, more copies), zero rows added up to
+        # MIN_QUERY_ROWS.
         kv_heads = key.shape[2]
-        query = q.view(batch, kv_heads, heads // kv_heads, dim).permute(2, 0, 1, 3)  # [group, b, kv_heads, dim]
-        out = dot_product_attention(query, key, value, masked, scale)
+        group = heads // kv_heads
+        query = q.view(batch, kv_heads, group, dim).permute(2, 0, 1, 3)  # [group, b, kv_heads, dim]
+        if group < MIN_QUERY_ROWS:
+            query = torch.cat([query, query.new_zeros(MIN_QUERY_ROWS - group, batch, kv_heads, dim)])
+        out = dot_product_attention(query, key, value, masked, scale)[:group]
         return out.permute(1, 2, 0, 3).reshape(batch, 1, heads, dim).to(q.dtype)
     rows = max(q_len, MIN_QUERY_ROWS)
     query = q.new_zeros(rows, batch, heads, dim)  # megatron's [sq, b, heads, dim] layout

@@ -145,21 +145,30 @@ def test_dot_product_attention_is_megatrons_bit_for_bit():
     assert torch.equal(ta.dot_product_attention(q, k, v, masked, d ** -0.5), expected)
 
 
-def test_decode_folds_grouped_heads_without_changing_a_bit(monkeypatch):
-    """Query heads of one KV head as the rows of one product == megatron's per-head products over repeated K/V."""
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 2)])
+def test_decode_folds_grouped_heads_without_changing_a_bit(heads, kv_heads):
+    """Query heads of one KV head as the rows of one product (zero rows added up to MIN_QUERY_ROWS) == megatron's
+    per-head products over repeated K/V with the one query row padded to MIN_QUERY_ROWS, request by request."""
     g = torch.Generator().manual_seed(6)
-    heads, kv_heads, d, block = 4, 2, 8, 4
-    lens = [1, 6, 13, 9]
+    d, block = 8, 4
+    lens = [1, 6, 13, 9, 20]
     ks = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
-    k_cache, table = _paged(ks, block, num_blocks=16, perm_seed=2)
+    k_cache, table = _paged(ks, block, num_blocks=32, perm_seed=2)
     k_cache = k_cache.nan_to_num(0.0)
     v_cache = torch.randn(k_cache.shape, generator=g)
     q = torch.randn(len(lens), 1, heads, d, generator=g)
-    args = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), causal=True, block_table=table)
-    folded = ta.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
-    monkeypatch.setattr(ta, "MIN_QUERY_ROWS", heads // kv_heads + 1)  # too few heads per group to fold
-    unfolded = ta.flash_attn_with_kvcache(q, k_cache, v_cache, **args)
-    assert torch.equal(folded, unfolded)
+    folded = ta.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                        causal=True, block_table=table)
+    for b, n in enumerate(lens):
+        slots = max(n, ta.MIN_KEY_SLOTS)
+        pos = torch.arange(slots).clamp(max=n - 1)
+        key = k_cache[table[b, pos // block], pos % block][:, None]  # [slots, 1, kv_heads, d]
+        value = v_cache[table[b, pos // block], pos % block][:, None]
+        query = torch.zeros(ta.MIN_QUERY_ROWS, 1, heads, d)
+        query[0] = q[b]
+        masked = (torch.arange(slots) >= n)[None, None, None, :]
+        ref = ta.dot_product_attention(query, key, value, masked, d ** -0.5)[0, 0]
+        assert torch.equal(folded[b, 0], ref), b
 
 
 def _values_like(k_cache, table, vs, block, fill):
