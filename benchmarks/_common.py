@@ -22,6 +22,13 @@ if str(REPO) not in sys.path:
 ARITHMETIC_ENV = REPO / "examples" / "rl" / "environment_configs" / "arithmetic.yaml"
 
 
+def child_env(threads: int | str) -> dict[str, str]:
+    """The environment of a benchmark's subprocess: ``threads`` OpenMP threads, this checkout first on the path
+    and the caller's ``PYTHONPATH`` kept after it (a GPU machine may bring megatron-core through it)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
+
+
 def model_flags(hidden: int, layers: int, heads: int, seq_length: int) -> list[str]:
     """Megatron flags of the quickstart's model family (RoPE, RMSNorm, SwiGLU, no biases, byte tokenizer),
     without dropout (RL recipes disable it; it would only add noise to timings)."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import resource
 import statistics
 import subprocess
@@ -52,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks import _common as C  # noqa: E402
 from megatron.rl.agent import RewardOnlyAgent  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -99,17 +99,16 @@ def run_setting(name: str, extra: list[str], args, tmp: Path) -> list[dict]:
     out = tmp / f"{name.replace(' ', '_').replace('+', 'p')}.jsonl"
     seq = 320
     cmd = [sys.executable, str(REPO / "train_rl.py"), "--num-layers", str(args.layers), "--hidden-size",
-           str(args.hidden), "--num-attention-heads", str(args.heads), "--seq-length", str(seq), "--max-position-embeddings",
-           str(seq), "--micro-batch-size", "8", "--global-batch-size", str(args.prompts * args.group_size),
+           str(args.hidden), "--num-attention-heads", str(args.heads), "--seq-length", str(seq),
+           "--max-position-embeddings", str(seq), "--micro-batch-size", "8",
+           "--global-batch-size", str(args.prompts * args.group_size),
            "--train-iters", str(args.iters), "--lr", "1e-4", "--lr-decay-style", "constant", "--seed", "3",
            "--grpo-prompts-per-step", str(args.prompts), "--grpo-group-size", str(args.group_size),
            "--rl-max-new-tokens", "256", "--rl-use-sequence-packing", "--langrl-allow-imports",
            "--langrl-env-config", str(env), "--rl-prompts-per-eval", "0", "--log-interval", "1",
            "--rl-metrics-jsonl", str(out), "--log-level", "WARNING", *args.extra, *extra]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads),
-                               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=C.child_env(args.threads))
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -225,7 +224,7 @@ def trl_available() -> bool:
 def run_side(side: str, shape: str, steps: int, threads: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "records.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join([str(C.REPO), os.environ.get("PYTHONPATH", "")])}
+        env = C.child_env(threads)
         cmd = [sys.executable, __file__, "--child", "--side", side, "--shape", shape, "--steps", str(steps),
                "--threads", str(threads), "--out", str(out)]
         proc = subprocess.run(cmd, cwd=C.REPO, env=env, capture_output=True, text=True)

@@ -153,8 +153,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (work / "env.yaml").write_text(AGENTS_ENV)
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "PYTHONPATH": os.pathsep.join([str(C.REPO), os.environ.get("PYTHONPATH", "")])}
+        env = C.child_env(os.environ.get("OMP_NUM_THREADS", "1"))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                f"--master-port={_free_port()}", str(Path(__file__).resolve()), *argv, "--worker", str(work)]
         proc = subprocess.run(cmd, env=env, cwd=C.REPO)
