@@ -251,7 +251,6 @@ class _DecodeGroup:
     lens: torch.Tensor  # [b] int64 cache lengths
     max_len: int  # key slots attended (>= MIN_KEY_SLOTS)
     masked: torch.Tensor  # [b, 1, 1, max_len]: slots past a request's length
-    fold: bool  # query heads sharing a KV head are the rows of one product
     gather_rows: torch.Tensor  # rows of the flattened cache [*, dim] that make K and V [max_len, b, heads', dim]
 
 
@@ -279,14 +278,14 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
         if len(split) > 1:  # lengths too far apart for one padded batch
             groups = [torch.tensor(rows, dtype=torch.long, device=cache_seqlens.device) for rows in split]
     kv_heads = cache_shape[-2]
-    fold = q_len == 1
     plan = []
     for rows in groups:
         part_lens, part_table = (lens, block_table) if rows is None else (lens[rows], block_table[rows])
         max_len = max(int(part_lens.max()), 1, MIN_KEY_SLOTS)
         key_valid = torch.arange(max_len, device=lens.device)[None, :] < part_lens[:, None]  # [b, k]
-        gather_rows = _paged_rows(part_table, key_valid, cache_shape[1], kv_heads, kv_heads if fold else heads)
-        plan.append(_DecodeGroup(rows, part_lens, max_len, ~key_valid[:, None, None, :], fold, gather_rows))
+        gather_rows = _paged_rows(part_table, key_valid, cache_shape[1], kv_heads,
+                                  kv_heads if q_len == 1 else heads)  # one query: K/V per KV head (_attend_decode)
+        plan.append(_DecodeGroup(rows, part_lens, max_len, ~key_valid[:, None, None, :], gather_rows))
     _STEP_PLAN.decode = (cache_seqlens, block_table, key, plan)
     return plan
 
@@ -295,7 +294,7 @@ def _decode_paged(q, k_cache, v_cache, part: _DecodeGroup, causal, softmax_scale
     """:func:`flash_attn_with_kvcache` of one padded batch of a paged cache (``part`` of the step's plan)."""
     batch, q_len, heads, dim = q.shape
     key, value = _gather_rows(k_cache, v_cache, part.gather_rows, (part.max_len, batch, -1, dim))
-    return _attend_decode(q, key, value, part.lens, part.max_len, part.masked, part.fold, causal, softmax_scale)
+    return _attend_decode(q, key, value, part.lens, part.max_len, part.masked, causal, softmax_scale)
 
 
 def _decode_dense(q, k_cache, v_cache, lens, causal, softmax_scale):
@@ -303,19 +302,18 @@ def _decode_dense(q, k_cache, v_cache, lens, causal, softmax_scale):
     batch, q_len, heads, dim = q.shape
     max_len = max(int(lens.max()), 1)
     key_valid = torch.arange(max_len, device=q.device)[None, :] < lens[:, None]  # [b, k]
-    fold = q_len == 1
-    expanded = k_cache.shape[-2] if fold else heads
+    expanded = k_cache.shape[-2] if q_len == 1 else heads
     key, value = (_expand_heads(c[:, :max_len].masked_fill(~key_valid[:, :, None, None], 0.0), expanded)
                   for c in (k_cache, v_cache))
-    return _attend_decode(q, key, value, lens, max_len, ~key_valid[:, None, None, :], fold, causal, softmax_scale)
+    return _attend_decode(q, key, value, lens, max_len, ~key_valid[:, None, None, :], causal, softmax_scale)
 
 
-def _attend_decode(q, key, value, lens, max_len, masked, fold, causal, softmax_scale):
+def _attend_decode(q, key, value, lens, max_len, masked, causal, softmax_scale):
     """Decode attention of queries ``q`` [b, q_len, heads, dim] over K/V [max_len, b, heads', dim] (megatron's
-    layout; heads' = KV heads when ``fold``, else query heads)."""
+    layout; heads' = KV heads for one query per request, else query heads)."""
     batch, q_len, heads, dim = q.shape
     scale = softmax_scale or dim ** -0.5
-    if fold:
+    if q_len == 1:
         # One query per request: the query heads sharing a KV head are the rows of one product (megatron repeats
         # K and V per query head instead: the same per-row arithmetic, more copies), zero rows added up to
         # MIN_QUERY_ROWS.
