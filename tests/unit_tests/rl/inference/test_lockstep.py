@@ -318,3 +318,28 @@ def test_deliver_many_wakes_each_callers_loop_once_and_hands_every_response_to_i
     results = asyncio.run(submit_and_deliver())
     assert [r.text for r in results] == [str(job.seq) for job in jobs]
     assert wakeups == [5]  # one pipe write for the five, not one each
+
+
+def test_an_idle_engine_takes_submissions_arriving_back_to_back_into_one_first_step():
+    """A rollout phase submits its groups one after another from one event loop (each group's requests are
+    prepared before they are submitted): the first step must hold all of them, not just the first group.
+    (A settle window of 20 ms instead of 2 ms, so a loaded machine descheduling the caller cannot fail it.)"""
+    scheduler = LockstepScheduler(True, lambda plan: plan, settle_s=0.02)
+    stepper = FakeStepper(scheduler)
+    scheduler.start()
+    engine = threading.Thread(target=lambda: asyncio.run(scheduler.run(stepper)), daemon=True)
+    engine.start()
+
+    async def groups():
+        loop = asyncio.get_running_loop()
+        futures = []
+        for g in range(16):
+            futures += [scheduler.submit(_job([g, i], max_new_tokens=2), loop) for i in range(8)]
+            time.sleep(0.0005)  # preparing the next group's requests holds the caller's loop
+        return await asyncio.gather(*futures)
+
+    responses = asyncio.run(groups())
+    scheduler.request_stop()
+    engine.join(5)
+    assert all(r.finish_reason == "length" for r in responses)
+    assert len(stepper.batches[0]) == 128, [len(b) for b in stepper.batches]
