@@ -28,6 +28,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 from megatron.core.utils import get_model_config
 
+from megatron.rl.inference.kv_buffer_reuse import ReusedCpuKvBuffer
 from megatron.rl.inference.sampling import NoiseStream, sample_tokens, tempered_log_probs
 from megatron.rl.inference.shared_prefill import SharedPromptPrefill
 
@@ -55,6 +56,9 @@ class EngineSettings:
         Set False if a step ever fails with a CUDA device error (then everything runs inside the mode).
     share_prompt_prefill: requests admitted in one step with the same prompt (a GRPO group) prefill it once
         (:mod:`megatron.rl.inference.shared_prefill`); False = every request prefills its own prompt.
+    keep_cpu_kv_buffer: on CPU, a stopped engine's KV buffer is kept for the next engine of the same shape
+        (:mod:`megatron.rl.inference.kv_buffer_reuse`: a fresh buffer page-faults every cache page it writes);
+        False = freed at exit. GPU buffers are always freed.
 
     Defaults: :meth:`for_device`. On CPU, small blocks and a buffer sized for the batch matter most
     (the stock 256-token blocks and 16 384-token steps gather far more cache than a short request uses).
@@ -69,6 +73,7 @@ class EngineSettings:
     token_rounder: int | None = 8
     cpu_fast_steps: bool = True
     share_prompt_prefill: bool = True
+    keep_cpu_kv_buffer: bool = True
 
     @classmethod
     def for_device(cls, device: str | torch.device) -> "EngineSettings":
@@ -176,20 +181,22 @@ class SamplingController(TextGenerationController):
 
 
 @functools.lru_cache(maxsize=None)
-def _context_class(token_rounder: int | None, share_prompt_prefill: bool = False) -> type[DynamicInferenceContext]:
-    """DynamicInferenceContext with its class-level token padding (``TOKEN_ROUNDER``) replaced and, with
-    ``share_prompt_prefill``, :class:`~megatron.rl.inference.shared_prefill.SharedPromptPrefill` mixed in."""
+def _context_class(token_rounder: int | None, share_prompt_prefill: bool = False,
+                   keep_cpu_kv_buffer: bool = False) -> type[DynamicInferenceContext]:
+    """DynamicInferenceContext with its class-level token padding (``TOKEN_ROUNDER``) replaced and the mixins
+    of :mod:`~megatron.rl.inference.shared_prefill` and :mod:`~megatron.rl.inference.kv_buffer_reuse`."""
     if token_rounder is not None and token_rounder < 1:
         raise ValueError(f"EngineSettings.token_rounder must be >= 1 or None, got {token_rounder}")
-    if token_rounder is None and not share_prompt_prefill:
+    mixins = ((SharedPromptPrefill,) if share_prompt_prefill else ()) + (
+        (ReusedCpuKvBuffer,) if keep_cpu_kv_buffer else ())
+    if token_rounder is None and not mixins:
         return DynamicInferenceContext
-    bases = ((SharedPromptPrefill,) if share_prompt_prefill else ()) + (DynamicInferenceContext,)
     attrs = {"__doc__": DynamicInferenceContext.__doc__}
     if token_rounder is not None:
         attrs["TOKEN_ROUNDER"] = token_rounder
-    name = "DynamicInferenceContext" + (f"Round{token_rounder}" if token_rounder else "") + (
-        "SharedPrefill" if share_prompt_prefill else "")
-    return type(name, bases, attrs)
+    name = "DynamicInferenceContext" + (f"Round{token_rounder}" if token_rounder else "") + "".join(
+        m.__name__ for m in mixins)
+    return type(name, mixins + (DynamicInferenceContext,), attrs)
 
 
 def unwrap_gpt_model(model: Any) -> torch.nn.Module:
@@ -220,7 +227,7 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     config = get_model_config(gpt)
     num_local_layers = len(gpt.decoder.layers)
     padded_vocab_size = gpt.vocab_size  # the model's (padded) vocabulary: logits have this width
-    context = _context_class(settings.token_rounder, settings.share_prompt_prefill)(
+    context = _context_class(settings.token_rounder, settings.share_prompt_prefill, settings.keep_cpu_kv_buffer)(
         params_dtype=config.params_dtype,
         num_layers=num_local_layers,
         kv_channels=config.kv_channels,

@@ -26,6 +26,7 @@ from megatron.rl.inference.lockstep import Job, LockstepScheduler
 from megatron.rl.inference.megatron_engine import EngineSettings, EngineTokenizer, SampleSpec, build_engine
 from megatron.rl.inference.stopping import completes_stop, finish_response
 from megatron.rl.runtime import setup_runtime
+from megatron.rl.runtime.torch_attention import release_thread_buffers
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +297,7 @@ class EngineSession:
             self._scheduler.abort(f"inference engine failed: {e!r}")
         finally:
             context.deallocate_all_tensors()  # frees the KV cache even if something still holds the context
+            release_thread_buffers()  # the attention's gather buffers go to the next phase's engine thread
             self.engine = self.context = self.controller = None
             drop_engine_objects(engine, controller, context, stepper)
             del engine, context, controller, stepper

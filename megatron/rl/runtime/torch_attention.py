@@ -189,6 +189,12 @@ def _zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 _BUFFERS = threading.local()
+# Pairs handed back by threads that stopped stepping an engine (release_thread_buffers), for the next thread:
+# each rollout phase runs its engine on a new thread, and fresh buffers page-fault again on first touch.
+# Keyed by (dtype, device, inference tensor?): a tensor made under ``torch.inference_mode`` (the engine's steps)
+# cannot be written outside it.
+_FREE_PAIRS: dict[tuple[torch.dtype, torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+_FREE_LOCK = threading.Lock()
 
 
 def _gather_buffers(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
@@ -197,6 +203,7 @@ def _gather_buffers(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     The gathered cache is tens of MB per layer and step at moderate sizes; allocated afresh, glibc hands
     such blocks back to the OS on free and every step pays the page faults again (2-5x the cost of the copy
     itself). A layer's gather is consumed before the next layer's starts, so one pair serves all layers.
+    A thread without a pair takes one a finished engine thread handed back (:func:`release_thread_buffers`).
     """
     numel = math.prod(shape)
     key = (dtype, device)
@@ -204,11 +211,31 @@ def _gather_buffers(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     if pairs is None:
         pairs = _BUFFERS.pairs = {}
     pair = pairs.get(key)
+    if pair is None:
+        with _FREE_LOCK:
+            pair = _FREE_PAIRS.pop((dtype, device, torch.is_inference_mode_enabled()), None)
+        if pair is not None:
+            pairs[key] = pair
     if pair is None or pair[0].numel() < numel:
         grown = max(numel, 2 * pair[0].numel()) if pair is not None else numel
         pair = pairs[key] = (torch.empty(grown, dtype=dtype, device=device),
                              torch.empty(grown, dtype=dtype, device=device))
     return pair[0][:numel].view(shape), pair[1][:numel].view(shape)
+
+
+def release_thread_buffers() -> None:
+    """Hand this thread's gather buffers to the next thread that attends (call when it stops stepping an engine).
+
+    One pair per dtype and device is kept (the larger); CPU only: GPU memory goes back to training.
+    """
+    pairs = getattr(_BUFFERS, "pairs", None) or {}
+    _BUFFERS.pairs = {}
+    with _FREE_LOCK:
+        for (dtype, device), pair in pairs.items():
+            key = (dtype, device, pair[0].is_inference())
+            kept = _FREE_PAIRS.get(key)
+            if device.type == "cpu" and (kept is None or kept[0].numel() < pair[0].numel()):
+                _FREE_PAIRS[key] = pair
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=False, block_table=None,
