@@ -17,7 +17,11 @@ Sides:
 - ``ours``: ``train_rl.py``'s driver (:func:`megatron.rl.rl_loop.run_rl`) with the in-process megatron-core
   engine, at its defaults: old-policy log-probs from the training forward, micro-batches cropped to their
   rows. Phases: generate (rollouts + rewards), log-probs (the scoring pass; ~0 when skipped), train.
-- ``ours-fixed``: the same with ``--rl-fixed-microbatch-shapes --rl-recompute-old-logprobs`` (every micro-batch
+- ``ours-packed``: the same with ``--rl-use-sequence-packing`` and rows long enough for a whole group
+  (:func:`group_row_length`; one micro-batch of one row per prompt), so each group's prompt is computed once
+  for all its rollouts (``--rl-share-prompt-prefix auto``, :mod:`megatron.rl.prefix_sharing`; the column
+  "prompt tokens shared" is the share of rollout tokens not computed). The recommended GRPO layout.
+- ``ours-fixed``: the same as ``ours`` with ``--rl-fixed-microbatch-shapes --rl-recompute-old-logprobs`` (every micro-batch
   at ``[micro-batch, seq-length]`` and a separate scoring pass: how the step ran before), for the packing
   efficiency and the cost of those two choices.
 
@@ -44,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-SIDES = ("ours", "trl", "ours-fixed")
+SIDES = ("ours", "ours-packed", "trl", "ours-fixed")
 BOS, EOD, PAD = 258, 256, 257  # megatron's ByteLevelTokenizer: bytes are ids 0..255
 VOCAB = 384  # its 259 ids padded to a multiple of 128 (--make-vocab-size-divisible-by), on both sides
 
@@ -80,10 +84,18 @@ SHAPES = {
 # --------------------------------------------------------------------------- ours
 
 
-def our_argv(shape: Shape, steps: int, fixed: bool) -> list[str]:
+def group_row_length(shape: Shape, prompt_tokens: int = 16) -> int:
+    """A packed row that holds a whole group with its prompt shared: the prompt once, then every rollout's
+    completion and the prompt's last token (megatron.rl.prefix_sharing), rounded up to a multiple of 32."""
+    return -(-(prompt_tokens + shape.group_size * (shape.new_tokens + 2)) // 32) * 32
+
+
+def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False) -> list[str]:
     rollouts = shape.prompts * shape.group_size
-    argv = (C.model_flags(shape.hidden, shape.layers, shape.heads, shape.seq_length)
-            + C.optim_flags(rollouts, rollouts, train_iters=steps)
+    seq_length = group_row_length(shape) if packed else shape.seq_length
+    micro_batch = shape.prompts if packed else rollouts  # packed: one row per group, every row in one micro-batch
+    argv = (C.model_flags(shape.hidden, shape.layers, shape.heads, seq_length)
+            + C.optim_flags(micro_batch, rollouts, train_iters=steps)
             + ["--group-query-attention", "--num-query-groups", str(shape.kv_groups),
                "--ffn-hidden-size", str(shape.ffn),
                "--langrl-env-config", str(C.ARITHMETIC_ENV), "--grpo-prompts-per-step", str(shape.prompts),
@@ -91,16 +103,18 @@ def our_argv(shape: Shape, steps: int, fixed: bool) -> list[str]:
                "--rl-default-temperature", "1.0", "--rl-prompts-per-eval", "0", "--inference-backend", "megatron"])
     if fixed:
         argv += ["--rl-fixed-microbatch-shapes", "--rl-recompute-old-logprobs"]
+    if packed:
+        argv += ["--rl-use-sequence-packing"]
     return argv
 
 
-def run_ours(shape: Shape, steps: int, fixed: bool) -> list[dict]:
+def run_ours(shape: Shape, steps: int, fixed: bool, packed: bool = False) -> list[dict]:
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_loop import run_rl
     from megatron.rl.training.config import parse_args
 
     C.quiet()
-    cfg = parse_args(our_argv(shape, steps, fixed), extra_args_providers=[add_rl_args], world_size=1)
+    cfg = parse_args(our_argv(shape, steps, fixed, packed), extra_args_providers=[add_rl_args], world_size=1)
     try:
         result = run_rl(cfg, rl_config_from_args(cfg))
     finally:
@@ -108,6 +122,7 @@ def run_ours(shape: Shape, steps: int, fixed: bool) -> list[dict]:
     # time_cpu_s: CPU seconds of the process (all threads) per iteration, from rl_iteration itself
     return [{"total": h["time_total_s"], "cpu": h["time_cpu_s"], "generate": h["time_generate_s"],
              "logprobs": h["time_logprobs_s"], "train": h["time_train_s"], "packing_efficiency": h["packing_efficiency"],
+             "shared": h["prompt_tokens_shared"],
              "completion_tokens": h["response_length_mean"]} for h in result.history]
 
 
@@ -210,7 +225,7 @@ def child(a) -> int:
         with tempfile.TemporaryDirectory() as work:
             records = run_trl(shape, a.steps, work)
     else:
-        records = run_ours(shape, a.steps, fixed=a.side == "ours-fixed")
+        records = run_ours(shape, a.steps, fixed=a.side == "ours-fixed", packed=a.side == "ours-packed")
     Path(a.out).write_text(json.dumps(records))
     return 0
 
@@ -235,8 +250,9 @@ def run_side(side: str, shape: str, steps: int, threads: int) -> list[dict]:
 
 def summarize(name: str, records: list[dict]) -> dict:
     out = {k: C.median([r[k] for r in records]) for k in ("total", "cpu", "generate", "logprobs", "train")}
-    if records and "packing_efficiency" in records[0]:
-        out["packing_efficiency"] = C.median([r["packing_efficiency"] for r in records])
+    for key in ("packing_efficiency", "shared"):
+        if records and key in records[0]:
+            out[key] = C.median([r[key] for r in records])
     out["steps"] = len(records)
     return out
 
@@ -264,12 +280,14 @@ def run(a) -> dict:
         for s in sides:
             m = summary[s]
             eff = f"{m['packing_efficiency']:.3f}" if "packing_efficiency" in m else "-"
+            shared = f"{m['shared']:.2f}" if "shared" in m else "-"
             ratio = f"{summary['trl']['total'] / m['total']:.2f}x" if "trl" in summary else "-"
             cpu_ratio = f"{summary['trl']['cpu'] / m['cpu']:.2f}x" if "trl" in summary else "-"
             rows.append([s, f"{m['total']:.3f}", f"{m['generate']:.3f}", f"{m['logprobs']:.3f}", f"{m['train']:.3f}",
-                         eff, ratio, f"{m['cpu']:.3f}", cpu_ratio])
+                         eff, shared, ratio, f"{m['cpu']:.3f}", cpu_ratio])
         print(C.format_table(["side", "s/step (median)", "generate", "log-probs / score", "train (fwd+bwd+opt)",
-                              "packing eff.", "TRL s/step / this", "CPU s/step", "TRL CPU s / this"], rows,
+                              "packing eff.", "prompt tokens shared", "TRL s/step / this", "CPU s/step",
+                              "TRL CPU s / this"], rows,
                              title=f"GRPO step, {shape} shape"))
     return results
 

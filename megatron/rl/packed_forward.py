@@ -61,7 +61,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-Spans = Sequence[Sequence[tuple[int, int]]]  # per row: (start, length) of each real sequence, in row order
+# per row: (start, length) of each real sequence, in row order; (start, length, prefix start, prefix length) for a
+# sequence whose queries also attend to a shared prefix earlier in the row (megatron.rl.prefix_sharing)
+Spans = Sequence[Sequence[tuple[int, ...]]]
 
 
 def _transformer_config(model: torch.nn.Module):
@@ -126,15 +128,21 @@ def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Ite
             h.remove()
 
 
-def _sequences(spans: Spans) -> list[tuple[int, int, int]]:
-    """(row, start, length) of every real sequence, checking that each row's spans are contiguous from 0."""
+def _sequences(spans: Spans) -> list[tuple[int, int, int, int, int]]:
+    """(row, start, length, prefix start, prefix length) of every real sequence (prefix length 0: none; see
+    :meth:`~megatron.rl.sequence_packing_utils.PackedBatch.sequence_spans`), checking that each row's spans are
+    contiguous from 0 and that a prefix lies before its sequence in the row."""
     out = []
     for r, row in enumerate(spans):
         used = 0
-        for start, n in row:
+        for span in row:
+            start, n = span[0], span[1]
+            prefix_start, prefix_n = (span[2], span[3]) if len(span) == 4 else (start, 0)
             if start != used or n < 1:
                 raise ValueError(f"row {r}: sequence spans {list(row)} are not contiguous from position 0")
-            out.append((r, start, n))
+            if prefix_n and (prefix_n < 0 or prefix_start < 0 or prefix_start + prefix_n > start):
+                raise ValueError(f"row {r}: the shared prefix {span[2:]} of the sequence at {start} is not before it")
+            out.append((r, start, n, prefix_start, prefix_n))
             used += n
     return out
 
@@ -184,12 +192,13 @@ def choose_attention(spans: Spans, seq_length: int, mode: str, device: torch.dev
     ``mode="auto"`` takes ``"grouped"`` where its estimated cost (its calls' padded products, one call overhead
     each and one more for gathering and scattering the rows) is below the masked product's ``rows x S^2``
     score elements per head: rows holding several sequences much shorter than the row. Rows of one sequence
-    each, or of a few sequences filling short rows, stay masked. A pure function of the spans, so every rank
-    and pipeline stage chooses alike.
+    each, or of a few sequences filling short rows, stay masked. A sequence after a shared prefix counts as long
+    as its keys (prefix + own tokens). A pure function of the spans, so every rank and pipeline stage chooses
+    alike.
     """
     if mode != "auto":
         return mode
-    lengths = [n for row in spans for _, n in row]
+    lengths = [n + prefix for _, _, n, _, prefix in _sequences(spans)]
     if not lengths:
         return "masked"
     overhead = call_overhead_scores(device)
@@ -198,38 +207,72 @@ def choose_attention(spans: Spans, seq_length: int, mode: str, device: torch.dev
 
 
 class _Plan:
-    """The attention calls of one forward: per call its [L, count] batch of flat positions (``p * rows + r``),
-    its mask (None when all its sequences have length L: megatron-core's causal default) and which of its
-    outputs are real; all calls' positions concatenated (``gather``: one gather per tensor and layer, whose
-    backward is one scatter, instead of one per call) and where the real outputs go (``scatter``). Built once
-    per forward, shared by every layer."""
+    """The attention calls of one forward: per call its [Lq, count] query positions and [Lk, count] key positions
+    (flat: ``p * rows + r``), its mask (None when all its sequences have length L and no prefix: megatron-core's
+    causal default) and which of its outputs are real; all calls' positions concatenated (``gather`` for
+    queries, ``kv_gather`` for keys and values: one gather per tensor and layer, whose backward is one scatter,
+    instead of one per call) and where the real outputs go (``scatter``). A sequence after a shared prefix has
+    the prefix's positions before its own as keys; its query ``i`` sees keys ``<= prefix + i``. Built once per
+    forward, shared by every layer."""
 
     def __init__(self, spans: Spans, grouping: str, device: torch.device):
         seqs = _sequences(spans)
         self.rows = len(spans)
-        self.calls: list[tuple[tuple[int, int], torch.Tensor | None, torch.Tensor | None]] = []
-        gather, dest = [], []
-        for group in attention_groups([n for _, _, n in seqs], grouping, call_overhead_scores(device)):
+        self.calls: list[tuple[tuple[int, int], tuple[int, int], torch.Tensor | None, torch.Tensor | None]] = []
+        gather, kv_gather, dest = [], [], []
+        key_lengths = [n + prefix for _, _, n, _, prefix in seqs]
+        if grouping == "exact":  # one call per (length, prefix length): no padding
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i, (_, _, n, _, prefix) in enumerate(seqs):
+                groups.setdefault((n, prefix), []).append(i)
+            calls = list(groups.values())
+        else:
+            calls = attention_groups(key_lengths, grouping, call_overhead_scores(device))
+        for group in calls:
             lens = torch.tensor([seqs[i][2] for i in group])
             starts = torch.tensor([seqs[i][1] for i in group])
             rows = torch.tensor([seqs[i][0] for i in group])
+            prefix_starts = torch.tensor([seqs[i][3] for i in group])
+            prefixes = torch.tensor([seqs[i][4] for i in group])
             pos = torch.arange(int(lens.max()))
-            valid = pos[:, None] < lens[None, :]  # [L, count]
+            valid = pos[:, None] < lens[None, :]  # [Lq, count]
             # padding positions read the sequence's first token (finite): masked as keys, dropped as outputs
             index = torch.where(valid, starts[None, :] + pos[:, None], starts[None, :]) * self.rows + rows[None, :]
-            gather.append(index.reshape(-1))
+            flat = index.reshape(-1)
+            gather.append(flat)
             dest.append(index[valid])
-            if bool(valid.all()):
-                self.calls.append((tuple(index.shape), None, None))
-            else:
-                allowed = (pos[None, :] <= pos[:, None])[None] & valid.t()[:, None, :]  # [count, Lq, Lk]
-                self.calls.append((tuple(index.shape), ~allowed[:, None], valid.reshape(-1).nonzero().squeeze(1)))
-        self.sizes = [a * b for (a, b), _, _ in self.calls]
+            keep = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)
+            if not bool(prefixes.any()):
+                kv_gather.append(flat)
+                mask = None
+                if keep is not None:
+                    allowed = (pos[None, :] <= pos[:, None])[None] & valid.t()[:, None, :]  # [count, Lq, Lk]
+                    mask = ~allowed[:, None]
+                self.calls.append((tuple(index.shape), tuple(index.shape), mask, keep))
+                continue
+            kpos = torch.arange(int((lens + prefixes).max()))
+            in_prefix = kpos[:, None] < prefixes[None, :]  # [Lk, count]
+            own = kpos[:, None] - prefixes[None, :]
+            key_valid = kpos[:, None] < (prefixes + lens)[None, :]
+            key_at = torch.where(in_prefix, prefix_starts[None, :] + kpos[:, None],
+                                 torch.where(key_valid, starts[None, :] + own, starts[None, :]))
+            key_index = key_at * self.rows + rows[None, :]
+            kv_gather.append(key_index.reshape(-1))
+            # query i of a sequence sees its prefix and its own keys up to i: key j <= prefix + i
+            allowed = (key_valid.t()[:, None, :]
+                       & (kpos[None, None, :] <= (pos[None, :, None] + prefixes[:, None, None])))  # [count, Lq, Lk]
+            self.calls.append((tuple(index.shape), tuple(key_index.shape), ~allowed[:, None], keep))
+        self.sizes = [a * b for (a, b), _, _, _ in self.calls]
+        self.kv_sizes = [a * b for _, (a, b), _, _ in self.calls]
         # on the model's device once, not once per layer
         self.gather = torch.cat(gather).to(device) if gather else None
+        self.kv_gather = None
+        if kv_gather:
+            shared = all(a is b for a, b in zip(gather, kv_gather))
+            self.kv_gather = self.gather if shared else torch.cat(kv_gather).to(device)
         self.scatter = torch.cat(dest).to(device) if dest else None
-        self.calls = [(shape, None if mask is None else mask.to(device), None if keep is None else keep.to(device))
-                      for shape, mask, keep in self.calls]
+        self.calls = [(q_shape, kv_shape, None if mask is None else mask.to(device),
+                       None if keep is None else keep.to(device)) for q_shape, kv_shape, mask, keep in self.calls]
 
 
 def _per_sequence(original, plan: _Plan):
@@ -247,10 +290,12 @@ def _per_sequence(original, plan: _Plan):
         if plan.calls:
             # index_select, not t[index]: its backward is an index_add, the latter's an accumulating index_put
             # (~10x slower on CPU)
-            parts = [t.reshape(s_len * rows, *t.shape[2:]).index_select(0, plan.gather).split(plan.sizes)
-                     for t in (query, key, value)]
-            for (shape, mask, keep), q, k, v in zip(plan.calls, *parts):
-                q, k, v = (t.view(*shape, *t.shape[1:]) for t in (q, k, v))
+            parts = [t.reshape(s_len * rows, *t.shape[2:]).index_select(0, index).split(sizes)
+                     for t, index, sizes in ((query, plan.gather, plan.sizes), (key, plan.kv_gather, plan.kv_sizes),
+                                             (value, plan.kv_gather, plan.kv_sizes))]
+            for (q_shape, kv_shape, mask, keep), q, k, v in zip(plan.calls, *parts):
+                q = q.view(*q_shape, *q.shape[1:])
+                k, v = (t.view(*kv_shape, *t.shape[1:]) for t in (k, v))
                 context = original(q, k, v, mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
                                    packed_seq_params=packed_seq_params)
                 context = context.reshape(-1, context.shape[-1])  # [L * count, heads * dim]

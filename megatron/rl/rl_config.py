@@ -73,6 +73,12 @@ class RLConfig:
              "similar lengths (power-of-two classes), each sequence attending to its own keys only; auto (default) "
              "= grouped where it costs less than masked (rows of several short sequences), else masked. RoPE "
              "always uses each sequence's own positions.")
+    share_prompt_prefix: str = flag(
+        "auto", name="--rl-share-prompt-prefix", choices=("auto", "off"),
+        help="With --rl-use-sequence-packing: rollouts of a group packed into one row compute their common prompt "
+             "once (the others attend to it) instead of once per rollout: the same log-probs and gradients, fewer "
+             "tokens. auto (default) = where the layout allows it (not with TransformerEngine's THD packing or "
+             "pipeline parallelism); off = every rollout stored whole.")
     temperature: float = flag(1.0, name="--rl-default-temperature")
     top_p: float = flag(1.0, name="--rl-default-top-p")
     top_k: int = flag(0, name="--rl-default-top-k")

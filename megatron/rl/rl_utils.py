@@ -48,6 +48,7 @@ from megatron.rl.microbatches import (
     shared_microbatch_shapes,
     token_slots,
 )
+from megatron.rl.prefix_sharing import plan_shared_packing, sharing_applies
 from megatron.rl.sequence_packing_utils import PackedBatch, build_rank_batch, distribute_bins, plan_packing
 from megatron.rl.training.loop import train_step
 
@@ -166,16 +167,23 @@ class StepBatch:
     batch: PackedBatch
     num_microbatches: int
     normalizers: LossNormalizers
-    num_real_tokens: int  # over all ranks
+    num_real_tokens: int  # over all ranks: tokens computed (a prompt shared by packed rollouts counts once)
     num_rows_total: int  # over all ranks, padding rows included
     num_token_slots: int  # positions computed per forward over all ranks, padding included
     dynamic_shapes: bool = False  # micro-batches cropped to their rows' real extent
     length_multiple: int = 1
     shapes: list[tuple[int, int]] | None = None  # per micro-batch, shared by all data-parallel ranks
+    num_shared_tokens: int = 0  # rollout tokens not computed: read from a packed group's shared prompt
 
     def microbatches(self, micro_batch_size: int) -> MicrobatchDataLoader:
         return get_microbatch_dataloader(self.batch, micro_batch_size, self.dynamic_shapes, self.length_multiple,
                                          self.shapes)
+
+
+def _pipeline_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
 
 
 def microbatch_shapes(ctx: StepContext, rl: RLConfig) -> tuple[bool, int, bool]:
@@ -207,12 +215,17 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
                           "but some rollouts have none (does the server return logprobs?)")
     max_per_bin = rl.max_sequences_per_bin if rl.use_sequence_packing else 1
     dynamic, multiple, shared = microbatch_shapes(ctx, rl)
+    share = sharing_applies(rl.share_prompt_prefix, rl.use_sequence_packing, ctx.use_thd, _pipeline_size())
     steps = []
     for rng in split_evenly(len(sequences), num_steps):
         chunk = [sequences[i] for i in rng]
         if not chunk:
             continue
-        info = plan_packing([len(s.token_ids) for s in chunk], ctx.seq_length, max_per_bin)
+        if share:
+            info = plan_shared_packing([s.token_ids for s in chunk], [s.loss_mask for s in chunk], ctx.seq_length,
+                                       max_per_bin)
+        else:
+            info = plan_packing([len(s.token_ids) for s in chunk], ctx.seq_length, max_per_bin)
         dist_plan = distribute_bins(info.num_bins, dp_size, ctx.micro_batch_size, rl.packing_algo)
         per_token = {"old_logprobs": [torch.zeros(len(s.token_ids) - 1) for s in chunk]}
         if need_ref:
@@ -227,7 +240,8 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
         steps.append(StepBatch(batch, dist_plan.num_microbatches,
                                LossNormalizers(num_tokens=float(num_tokens), num_sequences=float(num_seqs),
                                                max_len=float(rl.max_new_tokens)),
-                               num_real_tokens=sum(len(s.token_ids) for s in chunk),
+                               num_real_tokens=sum(info.seq_lengths),
+                               num_shared_tokens=sum(len(s.token_ids) for s in chunk) - sum(info.seq_lengths),
                                num_rows_total=dist_plan.num_microbatches * ctx.micro_batch_size * dp_size,
                                num_token_slots=token_slots(info, dist_plan, dynamic, multiple, shared),
                                dynamic_shapes=dynamic, length_multiple=multiple,
@@ -396,6 +410,8 @@ def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch]) -> dic
         grad_norm=statistics.fmean(grad_norms) if grad_norms else float("nan"), optimizer_steps=float(len(reports)),
         skipped_steps=float(skipped), packing_efficiency=real_tokens / max(sum(s.num_token_slots for s in steps), 1),
         train_tokens_per_s=real_tokens * rl.grpo_iterations / max(t_train, 1e-9),
+        prompt_tokens_shared=sum(s.num_shared_tokens for s in steps) / max(
+            real_tokens + sum(s.num_shared_tokens for s in steps), 1),
         time_logprobs_s=t_lp, time_train_s=t_train)
     return metrics
 

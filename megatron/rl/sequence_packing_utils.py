@@ -55,6 +55,10 @@ class PackingInfo:
     seq_to_bin_idx: [num_seqs] bin holding each sequence.
     seq_starts: [num_seqs] offset of each sequence inside its bin.
     bins: [num_bins] bin membership: the sequence indices of each bin, in their order in the bin.
+    shared_prefix: [num_seqs] or empty (no sharing): how many leading tokens sequence ``s`` does not store but
+        reads, as attention keys, from ``prefix_holder[s]`` earlier in the same bin (its prompt but the last
+        token; :mod:`megatron.rl.prefix_sharing`). ``seq_lengths`` counts the tokens *stored*.
+    prefix_holder: [num_seqs] or empty: the sequence holding that prefix (-1: none).
     """
 
     bin_capacity: int
@@ -62,6 +66,12 @@ class PackingInfo:
     seq_to_bin_idx: tuple[int, ...]
     seq_starts: tuple[int, ...]
     bins: tuple[tuple[int, ...], ...]
+    shared_prefix: tuple[int, ...] = ()
+    prefix_holder: tuple[int, ...] = ()
+
+    def skipped(self, s: int) -> int:
+        """Leading tokens of sequence ``s`` not stored (read from its prefix holder); 0 without sharing."""
+        return self.shared_prefix[s] if self.shared_prefix else 0
 
     @property
     def num_sequences(self) -> int:
@@ -107,31 +117,8 @@ def plan_packing(seq_lengths: Sequence[int], bin_capacity: int,
         if n > bin_capacity:
             raise ValueError(f"sequence {i} has {n} tokens, more than {SEQ_LENGTH_FLAG}={bin_capacity}; "
                              f"raise {SEQ_LENGTH_FLAG} or shorten prompts/generations (max_tokens)")
-    max_count = max_sequences_per_bin or len(lengths) or 1
-
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    free: list[int] = []
-    members: list[list[int]] = []
-    # Bins that are full (no room for even the shortest remaining sequence, or at the count limit)
-    # are skipped by starting the scan at the first bin that is still open.
-    first_open = 0
-    shortest_left = lengths[order[-1]] if order else 0
-    for i in order:
-        n = lengths[i]
-        target = -1
-        for b in range(first_open, len(members)):
-            if free[b] >= n and len(members[b]) < max_count:
-                target = b
-                break
-        if target < 0:
-            target = len(members)
-            free.append(bin_capacity)
-            members.append([])
-        free[target] -= n
-        members[target].append(i)
-        while first_open < len(members) and (free[first_open] < shortest_left
-                                             or len(members[first_open]) >= max_count):
-            first_open += 1
+    members = first_fit_decreasing(lengths, [1] * len(lengths), bin_capacity,
+                                   max_sequences_per_bin or len(lengths) or 1)
 
     seq_to_bin = [0] * len(lengths)
     starts = [0] * len(lengths)
@@ -147,6 +134,41 @@ def plan_packing(seq_lengths: Sequence[int], bin_capacity: int,
     logger.debug("packed %d sequences into %d bins of %d tokens (efficiency %.3f)", info.num_sequences,
                  info.num_bins, bin_capacity, info.efficiency)
     return info
+
+
+def first_fit_decreasing(lengths: Sequence[int], counts: Sequence[int], capacity: int,
+                         max_count: int) -> list[list[int]]:
+    """Items (``lengths`` tokens, ``counts`` sequences each) into bins of ``capacity`` tokens and at most
+    ``max_count`` sequences: longest first (ties: lower index first), each into the lowest-index bin with room,
+    else a new bin. Returns the item indices of each bin, in placement order (pure, deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    free: list[int] = []
+    used: list[int] = []
+    members: list[list[int]] = []
+    # Bins that are full (no room for even the shortest remaining item, or at the count limit)
+    # are skipped by starting the scan at the first bin that is still open.
+    first_open = 0
+    shortest_left = lengths[order[-1]] if order else 0
+    fewest_left = min(counts) if counts else 1
+    for i in order:
+        n, c = lengths[i], counts[i]
+        target = -1
+        for b in range(first_open, len(members)):
+            if free[b] >= n and used[b] + c <= max_count:
+                target = b
+                break
+        if target < 0:
+            target = len(members)
+            free.append(capacity)
+            used.append(0)
+            members.append([])
+        free[target] -= n
+        used[target] += c
+        members[target].append(i)
+        while first_open < len(members) and (free[first_open] < shortest_left
+                                             or used[first_open] + fewest_left > max_count):
+            first_open += 1
+    return members
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,10 +321,15 @@ class PackedBatch:
         cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
         return cu
 
-    def sequence_spans(self) -> tuple[tuple[tuple[int, int], ...], ...]:
-        """Per row: (start, length) of each real sequence, in row order (padding excluded)."""
-        return tuple(() if b is None else tuple((self.info.seq_starts[s], self.info.seq_lengths[s])
-                                               for s in self.info.bins[b]) for b in self.bin_ids)
+    def sequence_spans(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Per row: (start, length) of each real sequence, in row order (padding excluded); a sequence stored
+        after a shared prefix has (start, length, prefix start, prefix length): its queries also attend to those
+        positions (its prefix holder's first tokens)."""
+        info = self.info
+        return tuple(() if b is None else tuple(
+            (info.seq_starts[s], info.seq_lengths[s]) if not info.skipped(s) else
+            (info.seq_starts[s], info.seq_lengths[s], info.seq_starts[info.prefix_holder[s]], info.skipped(s))
+            for s in info.bins[b]) for b in self.bin_ids)
 
     def max_seqlen(self) -> int:
         return max(n for row in self.row_segments for n in row)
@@ -319,6 +346,9 @@ class PackedBatch:
         """
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        if self.info.shared_prefix:
+            raise ValueError("THD packing cannot express shared prompt prefixes (a segment attends to its own "
+                             "tokens only): plan without them (--rl-share-prompt-prefix off)")
         cu = self.cu_seqlens().to(self.tokens.device)
         max_len = self.max_seqlen()
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -338,7 +368,13 @@ class PackedBatch:
         seg = (torch.arange(s)[None, :, None] >= ends[:, None, :]).sum(-1).to(self.tokens.device)
         same = seg[:, :, None] == seg[:, None, :]
         causal = torch.ones(s, s, dtype=torch.bool, device=self.tokens.device).tril()
-        return ~(same & causal)[:, None]
+        allowed = same & causal
+        for r, row in enumerate(self.sequence_spans()):  # queries after a shared prefix also see its keys
+            for span in row:
+                if len(span) == 4:
+                    start, n, prefix_start, prefix_n = span
+                    allowed[r, start:start + n, prefix_start:prefix_start + prefix_n] = True
+        return ~allowed[:, None]
 
     def efficiency(self) -> float:
         """Real tokens / (rows * seq_length), counting empty padding rows."""
@@ -365,9 +401,10 @@ def _check_lengths(name: str, items: Sequence, info: PackingInfo, offset: int) -
     if len(items) != info.num_sequences:
         raise ValueError(f"{name}: {len(items)} sequences, the packing plan has {info.num_sequences}")
     for s, item in enumerate(items):
-        if len(item) != info.seq_lengths[s] + offset:
-            raise ValueError(f"{name}[{s}] has {len(item)} entries, expected {info.seq_lengths[s] + offset} "
-                             f"(sequence of {info.seq_lengths[s]} tokens)")
+        full = info.seq_lengths[s] + info.skipped(s)
+        if len(item) != full + offset:
+            raise ValueError(f"{name}[{s}] has {len(item)} entries, expected {full + offset} "
+                             f"(sequence of {full} tokens)")
 
 
 def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], token_ids: Sequence[Sequence[int]],
@@ -379,7 +416,8 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
 
     Args:
         info: the packing plan over all sequences.
-        token_ids: [num_seqs] token ids of every sequence (prompt + generation), lengths = info.seq_lengths.
+        token_ids: [num_seqs] token ids of every sequence (prompt + generation), whole: a sequence sharing a prefix
+            (``info.shared_prefix``) is stored without it, and its positions count on from it.
         loss_masks: [num_seqs] token-aligned masks (same lengths as ``token_ids``): 1 for tokens that are
             trained (generated tokens). Entry 0 must be 0: the first token is never predicted.
         pad_token_id: id for padding and for the label of a sequence's last position.
@@ -416,8 +454,9 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
     within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)  # index in the sequence
     where = seq_start + within
     predicted = within < torch.repeat_interleave(lengths - 1, lengths)  # every token but each sequence's last
-    flat_ids = _concat([token_ids[s] for s in order], torch.long)
-    flat_mask = _concat([loss_masks[s] for s in order], dtype)
+    skip = [info.skipped(s) for s in order]
+    flat_ids = _concat([_stored(token_ids[s], k) for s, k in zip(order, skip)], torch.long)
+    flat_mask = _concat([_stored(loss_masks[s], k) for s, k in zip(order, skip)], dtype)
     if len(order) and bool(flat_mask[first].any()):
         bad = order[int(flat_mask[first].nonzero()[0])]
         raise ValueError(f"loss_masks[{bad}][0] is set, but the first token of a sequence has no "
@@ -440,10 +479,12 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
                                                          dtype=torch.long), s_len)
     segment_start[where] = seq_start
     position_ids = torch.arange(rows * s_len) - segment_start
+    if any(skip):  # a sequence stored after its shared prefix counts its positions on from it
+        position_ids[where] += torch.repeat_interleave(torch.tensor(skip, dtype=torch.long), lengths)
     values = {}
     for k, v in per_token.items():
         flat = torch.zeros(rows * s_len, dtype=dtype)
-        flat[pred_where] = _concat([v[s] for s in order], dtype)
+        flat[pred_where] = _concat([_stored(v[s], n) for s, n in zip(order, skip)], dtype)
         values[k] = flat.view(rows, s_len)
     for k, v in per_sequence.items():
         flat = torch.zeros(rows * s_len, dtype=dtype)
@@ -453,6 +494,11 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
     return PackedBatch(tokens.view(rows, s_len), labels.view(rows, s_len), position_ids.view(rows, s_len),
                        loss_mask.view(rows, s_len), seq_ids.view(rows, s_len), values, tuple(bin_ids),
                        tuple(segments), info)
+
+
+def _stored(item: Sequence, skipped: int) -> Sequence:
+    """The part of a sequence's tokens (or token-aligned values) that is stored: all but a shared prefix."""
+    return item[skipped:] if skipped else item
 
 
 def _concat(items: Sequence, dtype: torch.dtype) -> torch.Tensor:
@@ -485,6 +531,8 @@ def build_rank_batch(info: PackingInfo, distribution: BinDistribution, rank: int
 def pack_per_token(values: Sequence[torch.Tensor], info: PackingInfo, bin_ids: Sequence[Optional[int]],
                    fill: float = 0.0) -> torch.Tensor:
     """Per-sequence predicted-layout values ([L_s - 1] each, all sequences) -> [len(bin_ids), S]."""
+    if info.shared_prefix:
+        raise ValueError("per-sequence values of a plan with shared prefixes: sequences are stored without them")
     _check_lengths("values", values, info, -1)
     dtype = values[0].dtype if len(values) else torch.float32
     out = torch.full((len(bin_ids), info.bin_capacity), fill, dtype=dtype)
@@ -500,6 +548,8 @@ def unpack_per_token(packed: torch.Tensor, info: PackingInfo,
     """Packed label-aligned values [len(bin_ids), S] -> {sequence index: [L_s - 1]} for the sequences
     in those rows (views into ``packed``; gradients flow through). Merge the dicts of all micro-
     batches to get every sequence."""
+    if info.shared_prefix:
+        raise ValueError("per-sequence values of a plan with shared prefixes: sequences are stored without them")
     if packed.shape[0] != len(bin_ids) or packed.shape[-1] != info.bin_capacity:
         raise ValueError(f"packed values {tuple(packed.shape)} do not match {len(bin_ids)} rows of "
                          f"{info.bin_capacity} positions")

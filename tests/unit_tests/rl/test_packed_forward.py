@@ -245,7 +245,7 @@ def test_grouped_attention_matches_one_sequence_per_row(mixed_sequences):
 
     batch = _batch(mixed_sequences, 8)
     plan = _Plan(batch.sequence_spans(), "grouped", torch.device("cpu"))
-    assert len(plan.calls) > 1 and any(mask is not None for _, mask, _ in plan.calls), "no padded call: no bite"
+    assert len(plan.calls) > 1 and any(mask is not None for _, _, mask, _ in plan.calls), "no padded call: no bite"
     model = _model(scale=3.0).eval()
     with torch.no_grad():
         got = _packed_logprobs(model, batch, attention="grouped")

@@ -123,7 +123,7 @@ def test_grpo_vs_trl_without_trl_skips_its_column(monkeypatch, capsys):
     results = grpo_vs_trl.run(grpo_vs_trl.parse(["--shapes", "tiny", "--rounds", "1", "--steps", "2"]))
     out = capsys.readouterr().out
     assert "TRL not installed" in out
-    assert set(ran) == {"ours", "ours-fixed"} and set(results["tiny"]) == {"ours", "ours-fixed"}
+    assert set(ran) == {"ours", "ours-packed", "ours-fixed"} and set(results["tiny"]) == set(ran)
     assert "| trl" not in out
 
 
@@ -133,14 +133,15 @@ def test_grpo_vs_trl_table():
 
     out = run_bench("grpo_vs_trl.py", "--shapes", "tiny", "--rounds", "1", "--steps", "2")
     rows = table_rows(out)
-    assert {"ours", "ours-fixed"} <= set(rows), out
+    assert {"ours", "ours-packed", "ours-fixed"} <= set(rows), out
     if grpo_vs_trl.trl_available():
-        assert re.fullmatch(r"[0-9.]+x", rows["ours"][5]), rows
+        assert re.fullmatch(r"[0-9.]+x", rows["ours"][6]), rows
     else:
         assert "TRL not installed" in out
     # cropped micro-batches compute fewer positions than [micro-batch, seq-length] ones
     assert float(rows["ours"][4]) > float(rows["ours-fixed"][4])
     assert float(rows["ours"][2]) < 0.05 * float(rows["ours-fixed"][2]) + 1e-3  # no scoring pass
+    assert float(rows["ours-packed"][5]) > 0.1 and rows["ours"][5] in ("0.00", "-")  # prompts computed once per row
 
 
 def test_async_rollouts_every_batch_has_the_same_long_tail_lengths():
