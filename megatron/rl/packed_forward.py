@@ -47,6 +47,13 @@ holding 32 of 40-600 tokens 2.34 -> 1.35 s; in ``benchmarks/async_rollouts.py``'
 training step 0.26-0.31 -> 0.16-0.19 s. Every kind leaves the engine-trainer gap at ~3e-6 (tested < 1e-5):
 ``exact`` needed one call per length, 2.2x-4.6x slower than masked on small models with many distinct lengths.
 
+Grouped calls whose longest keys are fewer than 16, and every call of a sequence after a shared prompt prefix
+(:mod:`megatron.rl.prefix_sharing`: keys = the prefix's, then its own), pad their keys to
+:data:`~megatron.rl.runtime.torch_attention.MIN_KEY_SLOTS` as the inference engine does: the softmax and the
+product with V round otherwise below 16 keys (the quickstart's grouped max gap 1.03e-5 -> 1.7e-6). ``auto`` takes
+grouped for rows holding shared prefixes: in the masked product a member's prefix keys lie apart from its own
+and the sums round like neither side's (median per-iteration max gap 1.9e-6 against 4.8e-7).
+
 Where the second hook is not used, and why: with activation recomputation (``--recompute-granularity``) the
 backward pass re-runs the attention after this context has exited, so the recomputed forward would differ
 from the forward it differentiates; there the masked attention is kept (RoPE positions still apply: the table
@@ -60,6 +67,8 @@ import contextlib
 from typing import Iterator, Sequence
 
 import torch
+
+from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
 
 # per row: (start, length) of each real sequence, in row order; (start, length, prefix start, prefix length) for a
 # sequence whose queries also attend to a shared prefix earlier in the row (megatron.rl.prefix_sharing)
@@ -198,7 +207,12 @@ def choose_attention(spans: Spans, seq_length: int, mode: str, device: torch.dev
     """
     if mode != "auto":
         return mode
-    lengths = [n + prefix for _, _, n, _, prefix in _sequences(spans)]
+    seqs = _sequences(spans)
+    if any(prefix for *_, prefix in seqs):
+        # A shared prefix's keys lie apart from the sequence's own in the row: the masked product's sums then
+        # run over another layout than the engine's (quickstart: median train-inference gap 4.8e-7 -> 1.9e-6)
+        return "grouped"
+    lengths = [n for _, _, n, _, _ in seqs]
     if not lengths:
         return "masked"
     overhead = call_overhead_scores(device)
@@ -242,7 +256,11 @@ class _Plan:
             gather.append(flat)
             dest.append(index[valid])
             keep = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)
-            if not bool(prefixes.any()):
+            # Keys padded to MIN_KEY_SLOTS like the engine's (its softmax and product with V round differently below
+            # 16 keys): grouped calls of short sequences and every call with a shared prefix. A call of exact mode
+            # without prefixes stays the sequences' own product.
+            short = grouping != "exact" and int((lens + prefixes).max()) < MIN_KEY_SLOTS
+            if not bool(prefixes.any()) and not short:
                 kv_gather.append(flat)
                 mask = None
                 if keep is not None:
@@ -250,7 +268,7 @@ class _Plan:
                     mask = ~allowed[:, None]
                 self.calls.append((tuple(index.shape), tuple(index.shape), mask, keep))
                 continue
-            kpos = torch.arange(int((lens + prefixes).max()))
+            kpos = torch.arange(max(int((lens + prefixes).max()), MIN_KEY_SLOTS))
             in_prefix = kpos[:, None] < prefixes[None, :]  # [Lk, count]
             own = kpos[:, None] - prefixes[None, :]
             key_valid = kpos[:, None] < (prefixes + lens)[None, :]
