@@ -13,7 +13,7 @@ import torch
 
 from megatron.rl.prefix_sharing import plan_shared_packing, shareable_prefix, sharing_applies
 from megatron.rl.sequence_packing_utils import build_packed_batch, plan_packing
-from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, tiny_gpt
+from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, peaked_tiny_gpt
 
 S = 96
 
@@ -41,12 +41,7 @@ def _rollouts(seed: int = 0):
 def _model():
     init_distributed(tp=1)
     torch.manual_seed(0)
-    model = tiny_gpt(hidden=64, layers=2, seq=S)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    return model
+    return peaked_tiny_gpt(hidden=64, layers=2, seq=S)
 
 
 def test_plan_keeps_each_group_in_one_bin_after_its_holder_and_skips_all_but_the_last_prompt_token():

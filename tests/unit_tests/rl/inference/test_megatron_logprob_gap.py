@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, teacher_forced_logprobs, tiny_gpt
+from tests.unit_tests.rl.inference.scripts.megatron_common import (init_distributed, peaked_tiny_gpt,
+                                                                   teacher_forced_logprobs)
 
 # fp32 (the bound). With SDPA / one-row attention products in the engine this batch reached 3e-5.
 MAX_GAP = 1e-5
@@ -23,11 +24,7 @@ def peaked():
     from megatron.rl.inference.megatron import EngineSettings, MegatronInference
     from megatron.rl.training.tokenizer import ByteLevelTokenizer
 
-    model = tiny_gpt(hidden=64, layers=2, seq=128)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)  # peaked: mean |log-prob| of sampled tokens of several nats
+    model = peaked_tiny_gpt(hidden=64, layers=2, seq=128)
     backend = MegatronInference(model, ByteLevelTokenizer(), settings=EngineSettings(block_size_tokens=16))
     yield model, backend
     backend.exit_inference_mode()

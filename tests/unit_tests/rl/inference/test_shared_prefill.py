@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, teacher_forced_logprobs, tiny_gpt
+from tests.unit_tests.rl.inference.scripts.megatron_common import (init_distributed, peaked_tiny_gpt,
+                                                                   teacher_forced_logprobs)
 
 MAX_GAP = 1e-5  # the fp32 train-inference bound of test_megatron_logprob_gap.py
 
@@ -20,11 +21,7 @@ def engines():
     from megatron.rl.inference.megatron import EngineSettings, MegatronInference
     from megatron.rl.training.tokenizer import ByteLevelTokenizer
 
-    model = tiny_gpt(hidden=64, layers=2, seq=128)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)  # peaked distributions, where rounding differences show most
+    model = peaked_tiny_gpt(hidden=64, layers=2, seq=128)
     backends = {share: MegatronInference(model, ByteLevelTokenizer(), settings=EngineSettings(
         block_size_tokens=16, share_prompt_prefill=share)) for share in (True, False)}
     yield model, backends

@@ -53,6 +53,17 @@ def tiny_gpt(tp: int = 1, hidden: int = 64, layers: int = 2, heads: int = 4, seq
                     position_embedding_type="rope")
 
 
+def peaked_tiny_gpt(scale: float = 3.0, **kwargs):
+    """:func:`tiny_gpt` with its matrices scaled by ``scale``: distributions peaked like a trained policy's (mean
+    |log-prob| of sampled tokens of several nats), where rounding differences between two forwards show most."""
+    model = tiny_gpt(**kwargs)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+    return model
+
+
 def full_logits(model, token_ids: list[int]) -> torch.Tensor:
     """A plain training-style forward (no KV cache) of one sequence -> gathered logits [len, vocab]."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
