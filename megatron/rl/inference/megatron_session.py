@@ -296,6 +296,7 @@ class EngineSession:
             self.failed = True  # before any caller hears of it, so its next call restarts the engine
             self._scheduler.abort(f"inference engine failed: {e!r}")
         finally:
+            await _settle_engine_tasks()
             context.deallocate_all_tensors()  # frees the KV cache even if something still holds the context
             release_thread_buffers()  # the attention's gather buffers go to the next phase's engine thread
             self.engine = self.context = self.controller = None
@@ -315,6 +316,19 @@ class EngineSession:
 
             return CudaToCpuMode()
         return contextlib.nullcontext()
+
+
+async def _settle_engine_tasks() -> None:
+    """Let the tasks megatron-core scheduled on the engine's loop finish before its objects are emptied.
+
+    Admitting a request schedules a task that notifies the engine's condition variable
+    (``call_soon_threadsafe(create_task, ...)``); the last step's ones were still pending when the loop stopped,
+    and ran on an engine whose attributes :func:`drop_engine_objects` had cleared ("no attribute '_cond'").
+    """
+    await asyncio.sleep(0)  # the scheduled callbacks create their tasks
+    pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if pending:
+        await asyncio.wait(pending, timeout=1.0)
 
 
 def drop_engine_objects(engine: Any, controller: Any, context: Any, *others: Any) -> None:
