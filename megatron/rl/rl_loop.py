@@ -32,7 +32,8 @@ _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss
               ("clip_fraction_high", "clip hi"), ("kl_mean", "kl"), ("entropy_mean", "entropy"),
               ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"),
               ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
-              ("packing_efficiency", "packing"), ("generation_tokens_per_s", "gen tok/s"),
+              ("packing_efficiency", "packing"), ("prompt_tokens_shared", "shared"),
+              ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
               ("time_train_s", "t train"), ("time_refit_s", "t refit"))
 
