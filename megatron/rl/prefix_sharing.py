@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron.rl.sequence_packing_utils import (MAX_SEQS_FLAG, SEQ_LENGTH_FLAG, PackingInfo, first_fit_decreasing,
+from megatron.rl.sequence_packing_utils import (PackingInfo, check_plan_inputs, first_fit_decreasing, layout_bins,
                                                plan_packing)
 
 __all__ = ["shareable_prefix", "plan_shared_packing", "sharing_applies"]
@@ -54,9 +54,8 @@ def plan_shared_packing(token_ids: Sequence[Sequence[int]], loss_masks: Sequence
     same for both); the member skips ``k - 1`` of them. Without any shareable pair the plan is
     :func:`~megatron.rl.sequence_packing_utils.plan_packing`'s. Raises its errors for a rollout longer than a bin.
     """
-    if max_sequences_per_bin is not None and max_sequences_per_bin < 1:
-        raise ValueError(f"{MAX_SEQS_FLAG} must be >= 1, got {max_sequences_per_bin}")
     lengths = [len(t) for t in token_ids]
+    check_plan_inputs(lengths, bin_capacity, max_sequences_per_bin)
     max_count = max_sequences_per_bin or len(lengths) or 1
     skip = [shareable_prefix(m) for m in loss_masks]
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -65,12 +64,11 @@ def plan_shared_packing(token_ids: Sequence[Sequence[int]], loss_masks: Sequence
         groups.setdefault(key, []).append(s)
     if all(len(g) == 1 for g in groups.values()):
         return plan_packing(lengths, bin_capacity, max_sequences_per_bin)
-    for s, n in enumerate(lengths):
-        if n > bin_capacity:
-            raise ValueError(f"sequence {s} has {n} tokens, more than {SEQ_LENGTH_FLAG}={bin_capacity}; "
-                             f"raise {SEQ_LENGTH_FLAG} or shorten prompts/generations (max_tokens)")
 
+    n = len(lengths)
+    shared, holder = [0] * n, [-1] * n
     clusters: list[list[int]] = []  # holder first, then members, each in sequence order
+    cluster_lengths: list[int] = []  # positions each cluster takes
     for members in sorted(groups.values(), key=lambda g: g[0]):
         current: list[int] = []
         used = 0
@@ -78,30 +76,17 @@ def plan_shared_packing(token_ids: Sequence[Sequence[int]], loss_masks: Sequence
             stored = lengths[s] - skip[s] if current else lengths[s]
             if current and (used + stored > bin_capacity or len(current) >= max_count):
                 clusters.append(current)
+                cluster_lengths.append(used)
                 current, used, stored = [], 0, lengths[s]
+            if current:
+                shared[s], holder[s] = skip[s], current[0]
             current.append(s)
             used += stored
         clusters.append(current)
+        cluster_lengths.append(used)
 
-    def stored_length(cluster: list[int]) -> int:
-        return lengths[cluster[0]] + sum(lengths[s] - skip[s] for s in cluster[1:])
-
-    placed = first_fit_decreasing([stored_length(c) for c in clusters], [len(c) for c in clusters], bin_capacity,
-                                  max_count)
-    n = len(lengths)
-    seq_to_bin, starts, stored, shared, holder = [0] * n, [0] * n, list(lengths), [0] * n, [-1] * n
-    bins = []
-    for b, items in enumerate(placed):
-        offset, order = 0, []
-        for c in sorted(items, key=lambda i: clusters[i][0]):
-            cluster = clusters[c]
-            for s in cluster:
-                if s != cluster[0]:
-                    shared[s], holder[s] = skip[s], cluster[0]
-                    stored[s] = lengths[s] - skip[s]
-                seq_to_bin[s], starts[s] = b, offset
-                offset += stored[s]
-                order.append(s)
-        bins.append(tuple(order))
-    return PackingInfo(bin_capacity, tuple(stored), tuple(seq_to_bin), tuple(starts), tuple(bins), tuple(shared),
-                       tuple(holder))
+    stored_lengths = [length - k for length, k in zip(lengths, shared)]
+    placed = first_fit_decreasing(cluster_lengths, [len(c) for c in clusters], bin_capacity, max_count)
+    ordered = [[s for c in sorted(items, key=lambda i: clusters[i][0]) for s in clusters[c]] for items in placed]
+    seq_to_bin, starts, bins = layout_bins(ordered, stored_lengths)
+    return PackingInfo(bin_capacity, tuple(stored_lengths), seq_to_bin, starts, bins, tuple(shared), tuple(holder))

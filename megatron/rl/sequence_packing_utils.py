@@ -106,34 +106,44 @@ def plan_packing(seq_lengths: Sequence[int], bin_capacity: int,
     Raises ValueError for a sequence longer than ``bin_capacity`` (naming its index, its length and
     ``--seq-length``), a non-positive length, or ``max_sequences_per_bin < 1``.
     """
+    lengths = [int(x) for x in seq_lengths]
+    check_plan_inputs(lengths, bin_capacity, max_sequences_per_bin)
+    members = first_fit_decreasing(lengths, [1] * len(lengths), bin_capacity,
+                                   max_sequences_per_bin or len(lengths) or 1)
+    seq_to_bin, starts, bins = layout_bins([sorted(seqs) for seqs in members], lengths)
+    info = PackingInfo(bin_capacity, tuple(lengths), seq_to_bin, starts, bins)
+    logger.debug("packed %d sequences into %d bins of %d tokens (efficiency %.3f)", info.num_sequences,
+                 info.num_bins, bin_capacity, info.efficiency)
+    return info
+
+
+def check_plan_inputs(lengths: Sequence[int], bin_capacity: int, max_sequences_per_bin: Optional[int]) -> None:
+    """The named errors of a packing plan's inputs: a bin capacity or count limit below 1, a sequence with no
+    token or longer than a bin."""
     if bin_capacity < 1:
         raise ValueError(f"{SEQ_LENGTH_FLAG} (bin capacity) must be >= 1, got {bin_capacity}")
     if max_sequences_per_bin is not None and max_sequences_per_bin < 1:
         raise ValueError(f"{MAX_SEQS_FLAG} must be >= 1, got {max_sequences_per_bin}")
-    lengths = [int(x) for x in seq_lengths]
     for i, n in enumerate(lengths):
         if n < 1:
             raise ValueError(f"sequence {i} has length {n}; every sequence needs at least one token")
         if n > bin_capacity:
             raise ValueError(f"sequence {i} has {n} tokens, more than {SEQ_LENGTH_FLAG}={bin_capacity}; "
                              f"raise {SEQ_LENGTH_FLAG} or shorten prompts/generations (max_tokens)")
-    members = first_fit_decreasing(lengths, [1] * len(lengths), bin_capacity,
-                                   max_sequences_per_bin or len(lengths) or 1)
 
-    seq_to_bin = [0] * len(lengths)
-    starts = [0] * len(lengths)
-    bins = []
-    for b, seqs in enumerate(members):
-        seqs = sorted(seqs)
+
+def layout_bins(ordered: Sequence[Sequence[int]], stored_lengths: Sequence[int]
+                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(seq_to_bin_idx, seq_starts, bins) of :class:`PackingInfo` for bins holding the sequences ``ordered[b]``
+    one after the other, in that order, each taking ``stored_lengths[s]`` positions."""
+    seq_to_bin = [0] * len(stored_lengths)
+    starts = [0] * len(stored_lengths)
+    for b, seqs in enumerate(ordered):
         offset = 0
         for s in seqs:
             seq_to_bin[s], starts[s] = b, offset
-            offset += lengths[s]
-        bins.append(tuple(seqs))
-    info = PackingInfo(bin_capacity, tuple(lengths), tuple(seq_to_bin), tuple(starts), tuple(bins))
-    logger.debug("packed %d sequences into %d bins of %d tokens (efficiency %.3f)", info.num_sequences,
-                 info.num_bins, bin_capacity, info.efficiency)
-    return info
+            offset += stored_lengths[s]
+    return tuple(seq_to_bin), tuple(starts), tuple(tuple(seqs) for seqs in ordered)
 
 
 def first_fit_decreasing(lengths: Sequence[int], counts: Sequence[int], capacity: int,
