@@ -22,19 +22,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReusedCpuKvBuffer", "kept_buffers", "is_kept"]
+__all__ = ["ReusedCpuKvBuffer", "is_kept"]
 
 # Buffers handed back, by (shape, dtype), most recent last. A couple at most: a run has one policy engine
 # (and maybe an evaluation or separately laid-out one of another shape).
 _POOL: "OrderedDict[tuple[tuple[int, ...], torch.dtype], torch.Tensor]" = OrderedDict()
 _POOL_SIZE = 2
 _LOCK = threading.Lock()
-
-
-def kept_buffers() -> int:
-    """How many KV buffers the pool holds now (tests, diagnostics)."""
-    with _LOCK:
-        return len(_POOL)
 
 
 def is_kept(buffer: torch.Tensor) -> bool:
