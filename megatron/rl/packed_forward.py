@@ -156,25 +156,28 @@ def _sequences(spans: Spans) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0) -> list[list[int]]:
-    """Which sequences (by their ``lengths``) share one attention call (pure).
+def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0,
+                     prefixes: Sequence[int] | None = None) -> list[list[int]]:
+    """Which sequences (by their ``lengths``, and the shared-prefix lengths their queries also attend to)
+    share one attention call (pure).
 
-    ``"exact"``: one group per distinct length (each call is the sequences' own product, bit for bit).
-    ``"grouped"``: power-of-two length classes, adjacent classes merged where that is cheaper
-    (:func:`~megatron.rl.runtime.torch_attention.length_class_groups`): a group costs ``overhead + count x
-    longest^2`` score elements per head (its queries x its padded keys), and the split minimising the total is
+    ``"exact"``: one group per distinct (length, prefix length) (each call is the sequences' own product).
+    ``"grouped"``: power-of-two classes of key length (prefix + length), adjacent classes merged where that is
+    cheaper (:func:`~megatron.rl.runtime.torch_attention.length_class_groups`): a group costs ``overhead + count
+    x longest^2`` score elements per head (its queries x its padded keys), and the split minimising the total is
     found exactly. Groups come out shortest first, each in sequence order.
     """
+    prefixes = prefixes or [0] * len(lengths)
     if grouping == "exact":
-        by_length: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
-            by_length.setdefault(n, []).append(i)
-        return list(by_length.values())
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, (n, prefix) in enumerate(zip(lengths, prefixes)):
+            by_shape.setdefault((n, prefix), []).append(i)
+        return list(by_shape.values())
     if grouping != "grouped":
         raise ValueError(f"grouping must be 'exact' or 'grouped', got {grouping!r}")
     from megatron.rl.runtime.torch_attention import length_class_groups
 
-    return length_class_groups(lengths, overhead, power=2)
+    return length_class_groups([n + prefix for n, prefix in zip(lengths, prefixes)], overhead, power=2)
 
 
 def grouped_attention_cost(lengths: Sequence[int], overhead: int) -> int:
@@ -234,14 +237,8 @@ class _Plan:
         self.rows = len(spans)
         self.calls: list[tuple[tuple[int, int], tuple[int, int], torch.Tensor | None, torch.Tensor | None]] = []
         gather, kv_gather, dest = [], [], []
-        key_lengths = [n + prefix for _, _, n, _, prefix in seqs]
-        if grouping == "exact":  # one call per (length, prefix length): no padding
-            groups: dict[tuple[int, int], list[int]] = {}
-            for i, (_, _, n, _, prefix) in enumerate(seqs):
-                groups.setdefault((n, prefix), []).append(i)
-            calls = list(groups.values())
-        else:
-            calls = attention_groups(key_lengths, grouping, call_overhead_scores(device))
+        calls = attention_groups([n for _, _, n, _, _ in seqs], grouping, call_overhead_scores(device),
+                                 [prefix for *_, prefix in seqs])
         for group in calls:
             lens = torch.tensor([seqs[i][2] for i in group])
             starts = torch.tensor([seqs[i][1] for i in group])
