@@ -46,7 +46,7 @@ def build_megatron():
     from megatron.core.inference.engines import DynamicInferenceEngine
 
     from megatron.rl.inference.megatron import MegatronInference
-    from megatron.rl.inference.megatron_engine import SamplingController
+    from megatron.rl.inference.engine.build import SamplingController
 
     steps: list[tuple[int, float, float]] = []  # (rows, wall s, cpu s)
     rows = {"n": 0}

@@ -19,7 +19,7 @@ Sides:
   rows. Phases: generate (rollouts + rewards), log-probs (the scoring pass; ~0 when skipped), train.
 - ``ours-packed``: the same with ``--rl-use-sequence-packing`` and rows long enough for a whole group
   (:func:`group_row_length`; one micro-batch of one row per prompt), so each group's prompt is computed once
-  for all its rollouts (``--rl-share-prompt-prefix auto``, :mod:`megatron.rl.prefix_sharing`; the column
+  for all its rollouts (``--rl-share-prompt-prefix auto``, :mod:`megatron.rl.packing.prefix_sharing`; the column
   "prompt tokens shared" is the share of rollout tokens not computed). The recommended GRPO layout.
 - ``ours-fixed``: the same as ``ours`` with ``--rl-fixed-microbatch-shapes --rl-recompute-old-logprobs`` (every micro-batch
   at ``[micro-batch, seq-length]`` and a separate scoring pass: how the step ran before), for the packing
@@ -86,7 +86,7 @@ SHAPES = {
 
 def group_row_length(shape: Shape, prompt_tokens: int = 16) -> int:
     """A packed row that holds a whole group with its prompt shared: the prompt once, then every rollout's
-    completion and the prompt's last token (megatron.rl.prefix_sharing), rounded up to a multiple of 32."""
+    completion and the prompt's last token (megatron.rl.packing.prefix_sharing), rounded up to a multiple of 32."""
     return -(-(prompt_tokens + shape.group_size * (shape.new_tokens + 2)) // 32) * 32
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-AGENTS_ENV = 'environments: [{type: "tests.unit_tests.rl.rl.rl_test_agents:HashReward", weight: 1}]\n'
+AGENTS_ENV = 'environments: [{type: "tests.unit_tests.rl.rl_test_agents:HashReward", weight: 1}]\n'
 
 
 def build_argv(a, env: Path) -> list[str]:
@@ -51,8 +51,8 @@ def worker(a, env: Path, out: Path) -> None:
 
     from megatron.rl.agent.env_config import build_agent_from_config
     from megatron.rl.inference.megatron import MegatronInference
-    from megatron.rl.inference_layout import InferenceLayoutConfig
-    from megatron.rl.refit import build_layout_inference, model_bytes
+    from megatron.rl.layout.groups import InferenceLayoutConfig
+    from megatron.rl.layout.refit import build_layout_inference, model_bytes
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_utils import StepContext, rl_iteration
     from megatron.rl.training.config import parse_args

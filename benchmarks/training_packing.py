@@ -16,7 +16,7 @@ room the prompt leaves in ``--seq-length``. That is the shape of GRPO rollouts w
 
 tokens/s counts real (non-padding) tokens: ``sum(len(sequence))`` per step / step time. Packing efficiency
 = real tokens / positions computed. Without pipeline parallelism each micro-batch is cropped to its rows'
-real extent (:mod:`megatron.rl.microbatches`), so padded rows cost their micro-batch's longest sequence,
+real extent (:mod:`megatron.rl.packing.microbatches`), so padded rows cost their micro-batch's longest sequence,
 not ``--seq-length``; ``--fixed-shapes`` runs both layouts at ``[micro-batch, seq-length]`` (the
 ``--rl-fixed-microbatch-shapes`` layout, also what pipeline parallelism uses). The
 two layouts alternate within every round (order swapped each round), median step time per layout.
@@ -55,7 +55,7 @@ def make_sequences(lengths: list[tuple[int, int]], vocab: int, seed: int, group_
     """Random-token :class:`TrainingSequence` s (loss on the response) with GRPO-like advantages."""
     import torch
 
-    from megatron.rl.rollouts import TrainingSequence
+    from megatron.rl.rollout.sequences import TrainingSequence
 
     g = torch.Generator().manual_seed(seed)
     seqs = []

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron.rl import parallel_utils
-    from megatron.rl.refit import build_layout_inference, model_bytes, verify_weights_swap
+    from megatron.rl.layout.refit import build_layout_inference, model_bytes, verify_weights_swap
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_utils import StepContext
     from megatron.rl.training.config import ConfigError, parse_args

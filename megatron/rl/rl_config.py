@@ -24,9 +24,9 @@ from pathlib import Path
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
-from megatron.rl.inference_layout import InferenceLayoutConfig, validate_inference_layout
-from megatron.rl.observe_config import ObserveConfig, resolve_observe
-from megatron.rl.rollout_pipeline import AsyncRolloutConfig
+from megatron.rl.layout.groups import InferenceLayoutConfig, validate_inference_layout
+from megatron.rl.observe.config import ObserveConfig, resolve_observe
+from megatron.rl.rollout.pipeline import AsyncRolloutConfig
 from megatron.rl.sequence_packing_utils import PACKING_ALGOS
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
@@ -61,7 +61,7 @@ class RLConfig:
                                            "sequences).")
     max_sequences_per_bin: int = flag(16, name="--rl-sequence-packing-max-sequences-per-bin")
     packing_algo: str = flag("fifo", name="--rl-sequence-packing-algo", choices=registry_choices(PACKING_ALGOS))
-    # packed rows computed as if each sequence ran alone (megatron.rl.packed_forward; issue 15 items 3 and 5)
+    # packed rows computed as if each sequence ran alone (megatron.rl.packing.packed_forward; issue 15 items 3 and 5)
     packed_attention_per_sequence: bool = flag(
         False, name="--rl-packed-attention-per-sequence",
         help="Same as --rl-packed-attention exact (kept for existing scripts).")
@@ -102,7 +102,7 @@ class RLConfig:
     max_all_failed_iterations: int = flag(3, name="--rl-max-all-failed-iterations",
                                           help="Stop the run after this many consecutive iterations in which every "
                                                "rollout failed (0: never stop).")
-    # policy serving and off-policy servers (megatron/rl/server/policy_server.py, megatron/rl/inference/policy_gap.py)
+    # policy serving and off-policy servers (megatron/rl/server/policy_server.py, megatron/rl/observe/policy_gap.py)
     serve_inference: str | None = flag(
         None, name="--rl-serve-inference", metavar="[HOST:]PORT",
         help="Serve the policy being trained (the in-process engine) as an OpenAI-compatible server on rank 0 during "
@@ -175,7 +175,7 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
     _need(Path(a.langrl_env_config).is_file(), f"--langrl-env-config={a.langrl_env_config}: no such file.")
     raw = from_namespace(RLConfig, a, deterministic_forward=cfg.model.hidden_dropout == 0
                          and cfg.model.attention_dropout == 0)
-    from megatron.rl.async_rollouts import async_loss_config
+    from megatron.rl.rollout.async_source import async_loss_config
 
     rl = dataclasses.replace(raw, observe=resolve_observe(raw.observe, raw, cfg),
                              loss=async_loss_config(raw.loss, raw.async_rollouts))
@@ -254,7 +254,7 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
               f"replicas of the inference layout (world size / (inference TP x PP)): each replica generates an "
               f"equal share of the prompt groups.")
     # --- end separate inference layout ---
-    from megatron.rl.async_rollouts import validate_async_rollouts  # asynchronous rollouts (issue 14)
+    from megatron.rl.rollout.async_source import validate_async_rollouts  # asynchronous rollouts (issue 14)
 
     validate_async_rollouts(rl.async_rollouts, rl, cfg)
 

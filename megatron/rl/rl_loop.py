@@ -12,15 +12,15 @@ import math
 import time
 
 from megatron.rl import parallel_utils
-from megatron.rl.async_rollouts import build_async_rollouts
+from megatron.rl.rollout.async_source import build_async_rollouts
 from megatron.rl.inference.api import build_training_inference
-from megatron.rl.inference.policy_gap import check_policy_gap
+from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_eval import evaluate, format_eval_line
-from megatron.rl.rl_metrics import format_env_line
-from megatron.rl.rl_samples import samples_markdown
+from megatron.rl.observe.metrics import format_env_line
+from megatron.rl.observe.samples import samples_markdown
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, generation_split, rl_iteration
-from megatron.rl.rl_warnings import RunWarnings, WarningThresholds, warning_metrics
+from megatron.rl.observe.warnings import RunWarnings, WarningThresholds, warning_metrics
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.training.metrics import MetricsJsonl
 
@@ -122,7 +122,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     ctx.rollouts = build_async_rollouts(ctx, rl, iteration, save=c.save,
                                         resuming=start.from_checkpoint or bool(c.load))
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
-        from megatron.rl.refit import refit_after_iteration, start_inference_copy
+        from megatron.rl.layout.refit import refit_after_iteration, start_inference_copy
 
         start_inference_copy(ctx, rl, backend)
     writer = run.writer

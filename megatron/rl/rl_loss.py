@@ -2,7 +2,7 @@
 
 Both consume micro-batches of :class:`~megatron.rl.sequence_packing_utils.PackedBatch` rows. Attention
 never crosses sequences: with the local layer spec a block-diagonal causal ``attention_mask`` is passed
-(RoPE at each sequence's own positions, optionally attention per sequence: :mod:`megatron.rl.packed_forward`); with
+(RoPE at each sequence's own positions, optionally attention per sequence: :mod:`megatron.rl.packing.packed_forward`); with
 TransformerEngine the rows are flattened to THD with ``PackedSeqParams``.
 
 Gradient scale. megatron-core's schedule (with ``calculate_per_token_loss=False``, our default) divides
@@ -19,9 +19,10 @@ from typing import Callable
 import torch
 
 from megatron.rl.algorithms import LossNormalizers, aggregate_loss, compute_token_loss
+from megatron.rl.algorithms.entropy import entropy_from_partials, entropy_partials
+from megatron.rl.algorithms.logprobs import logprob_temperature
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
-from megatron.rl.logprobs import token_entropy, token_logprobs
-from megatron.rl.packed_forward import isolate_sequences
+from megatron.rl.packing.packed_forward import isolate_sequences
 from megatron.rl.sequence_packing_utils import PackedBatch
 
 # Per-token stats reported token-weighted as [value * n, n] pairs (see megatron.rl.training.loop).
@@ -29,12 +30,54 @@ _WEIGHTED_STATS = ("clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl_
                    "is_weight_mean", "is_truncated_fraction")
 
 
+# --------------------------------------------------------------------------- log-probs over vocab shards
+# With tensor parallelism each rank holds ``V / TP`` columns of the logits. Log-probs go through megatron-core's
+# ``vocab_parallel_cross_entropy`` (which all-reduces max and sum over the TP group and is differentiable);
+# entropy through :mod:`megatron.rl.algorithms.entropy`'s partial sums, all-reduced with megatron's
+# autograd-aware region ops. With TP = 1 both reduce to the plain full-vocabulary formulas
+# (:func:`megatron.rl.algorithms.logprobs.token_logprobs`, :func:`~megatron.rl.algorithms.entropy_from_logits`).
+# The inference backends report log-probs under ``softmax(logits / T)`` (T = 1 for greedy); the trainer scores
+# the same distribution, so both take ``temperature``.
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(labels | context) under softmax(logits / T).
+
+    Args:
+        logits: [..., V / TP] this rank's vocab shard (any leading shape, e.g. [b, s]).
+        labels: [...] global token ids (int64).
+    Returns: float32 [...], differentiable w.r.t. ``logits``.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    scaled = logits.float() / logprob_temperature(temperature)
+    return -vocab_parallel_cross_entropy(scaled, labels)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / T) per position, [..., V / TP] -> float32 [...], differentiable."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    scaled = logits.float() / logprob_temperature(temperature)
+    row_max = scaled.detach().max(dim=-1).values  # the shift cancels exactly, so no gradient is needed
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    if tp > 1:
+        torch.distributed.all_reduce(row_max, op=torch.distributed.ReduceOp.MAX,
+                                     group=ps.get_tensor_model_parallel_group())
+    sum_exp, sum_exp_shifted = entropy_partials(scaled, row_max)
+    if tp > 1:
+        sum_exp = reduce_from_tensor_model_parallel_region(sum_exp)
+        sum_exp_shifted = reduce_from_tensor_model_parallel_region(sum_exp_shifted)
+    return entropy_from_partials(sum_exp, sum_exp_shifted)
+
+
 def model_forward(model, mb: PackedBatch, device: torch.device, use_thd: bool,
                   packed_attention: str = "auto") -> torch.Tensor:
     """Run the model on packed rows; returns logits [rows, S, V/TP] on the last stage, hidden states elsewhere.
 
     Every sequence of a row gets RoPE at its own positions (0 .. L-1), as if it ran alone: megatron-core does
-    that itself for THD; the [rows, S] path needs :func:`~megatron.rl.packed_forward.isolate_sequences`, which
+    that itself for THD; the [rows, S] path needs :func:`~megatron.rl.packing.packed_forward.isolate_sequences`, which
     also computes the attention as ``packed_attention`` says (``--rl-packed-attention``: one masked product per
     row, per sequence length bit-identical to one sequence per row, or per group of similar lengths; "auto"
     picks the cheaper of masked and grouped per micro-batch).
@@ -65,7 +108,7 @@ def scoring_forward_step(value_name: str, temperature: float, device: torch.devi
 
     def loss_func(mb: PackedBatch, output: torch.Tensor):
         with torch.no_grad():
-            lp = token_logprobs(_logits(output, mb), mb.labels.to(device), temperature)
+            lp = vocab_parallel_logprobs(_logits(output, mb), mb.labels.to(device), temperature)
             _store(mb.values[value_name], lp * mb.loss_mask.to(device))
         return torch.zeros((), device=device), {}
 
@@ -92,11 +135,11 @@ def compute_rl_loss(logits: torch.Tensor, mb: PackedBatch, loss_cfg: PolicyLossC
     device = logits.device
     labels = mb.labels.to(device)
     mask = mb.loss_mask.to(device).reshape(-1)
-    logprobs = token_logprobs(logits, labels, temperature).reshape(-1)
+    logprobs = vocab_parallel_logprobs(logits, labels, temperature).reshape(-1)
     if old_logprobs_from_forward:
         _store(mb.values["old_logprobs"], logprobs.detach() * mask)
     values = {k: v.to(device).reshape(-1) for k, v in mb.values.items()}
-    entropy = token_entropy(logits, temperature).reshape(-1) if loss_cfg.needs_entropy else None
+    entropy = vocab_parallel_entropy(logits, temperature).reshape(-1) if loss_cfg.needs_entropy else None
     token_loss, stats = compute_token_loss(
         loss_cfg, logprobs, values["old_logprobs"], values["advantages"], mask,
         ref_logprobs=values.get("ref_logprobs"), inference_logprobs=values.get("inference_logprobs"),

@@ -1,6 +1,6 @@
 """One RL iteration, orchestrated: collect -> score -> log-probs -> pack -> loss -> optimizer steps.
 
-The math lives in pure modules (:mod:`megatron.rl.algorithms`, :mod:`megatron.rl.rollouts`,
+The math lives in pure modules (:mod:`megatron.rl.algorithms`, :mod:`megatron.rl.rollout.sequences`,
 :mod:`megatron.rl.sequence_packing_utils`); the forward steps in :mod:`megatron.rl.rl_loss`. This module
 only moves data between them and the process groups:
 
@@ -18,7 +18,7 @@ only moves data between them and the process groups:
 5. ``--grpo-iterations`` passes of optimizer steps with the GRPO/PPO loss.
 
 Without pipeline parallelism every micro-batch runs at the shape its rows need (no padding-only rows or
-positions, :mod:`megatron.rl.microbatches`); with it, at the fixed ``[micro_batch_size, seq_length]``.
+positions, :mod:`megatron.rl.packing.microbatches`); with it, at the fixed ``[micro_batch_size, seq_length]``.
 """
 from __future__ import annotations
 
@@ -36,19 +36,19 @@ import torch
 from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent, GroupedRolloutRequest
 from megatron.rl.algorithms import LossNormalizers
-from megatron.rl.async_rollouts import staleness_metrics
+from megatron.rl.rollout.async_source import staleness_metrics
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
-from megatron.rl.rl_metrics import RolloutObservations, observe_rollouts
-from megatron.rl.rollouts import CollectionStats, TrainingSequence, groups_to_sequences, split_evenly
-from megatron.rl.microbatches import (
+from megatron.rl.observe.metrics import RolloutObservations, observe_rollouts
+from megatron.rl.rollout.sequences import CollectionStats, TrainingSequence, groups_to_sequences, split_evenly
+from megatron.rl.packing.microbatches import (
     MicrobatchDataLoader,
     get_microbatch_dataloader,
     shared_microbatch_shapes,
     token_slots,
 )
-from megatron.rl.prefix_sharing import plan_shared_packing, sharing_applies
+from megatron.rl.packing.prefix_sharing import plan_shared_packing, sharing_applies
 from megatron.rl.sequence_packing_utils import PackedBatch, build_rank_batch, distribute_bins, plan_packing
 from megatron.rl.training.loop import train_step
 
@@ -89,8 +89,8 @@ class StepContext:
     device: torch.device
     use_thd: bool = False
     ref_model: list | None = None  # only when --grpo-kl-beta > 0
-    rollouts: Any = None  # asynchronous rollouts (megatron.rl.async_rollouts.AsyncRollouts); None: synchronous
-    packed_attention: str = "auto"  # --rl-packed-attention (megatron.rl.packed_forward.choose_attention)
+    rollouts: Any = None  # asynchronous rollouts (megatron.rl.rollout.async_source.AsyncRollouts); None: synchronous
+    packed_attention: str = "auto"  # --rl-packed-attention (megatron.rl.packing.packed_forward.choose_attention)
 
 
 def _dp():
@@ -104,7 +104,7 @@ def generation_split(inference: Any) -> tuple[Any, int, int]:
 
     By training DP rank, unless the backend's lockstep groups are not one per DP rank (a separate inference
     layout's replicas, or expert parallelism at the training layout): then by its
-    :class:`~megatron.rl.inference_layout.RolloutShard`, whose results are regrouped by DP rank afterwards.
+    :class:`~megatron.rl.layout.groups.RolloutShard`, whose results are regrouped by DP rank afterwards.
     """
     shard = getattr(inference, "rollout_shard", None)
     if shard is not None:
@@ -123,7 +123,7 @@ def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
     groups are not one per DP rank, i.e. a separate inference layout's replicas, or expert parallelism at the
     training layout), each lockstep group generates ``P / groups`` groups (every rank of it the same ones),
     and the groups are then regrouped by training DP rank
-    (:class:`~megatron.rl.inference_layout.RolloutShard`).
+    (:class:`~megatron.rl.layout.groups.RolloutShard`).
     """
     if ctx.rollouts is not None:  # asynchronous rollouts: the pipeline's next batch (may be generated ahead)
         return ctx.rollouts.collect(iteration)

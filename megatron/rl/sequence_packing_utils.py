@@ -16,7 +16,7 @@ Packing places several sequences in one row ("bin") of ``--seq-length`` tokens:
 4. :func:`pack_per_token` / :func:`unpack_per_token` move per-token values (log-probs) between the
    packed layout and per-sequence tensors.
 
-Micro-batches of a rank's rows (and their shapes) are :mod:`megatron.rl.microbatches`.
+Micro-batches of a rank's rows (and their shapes) are :mod:`megatron.rl.packing.microbatches`.
 
 Layouts. A sequence ``s`` has ``L_s`` tokens. Its *predicted layout* has ``L_s - 1`` entries: entry
 ``j - 1`` belongs to token ``j`` (its log-prob given tokens ``< j``); token 0 is never predicted. In a
@@ -57,7 +57,7 @@ class PackingInfo:
     bins: [num_bins] bin membership: the sequence indices of each bin, in their order in the bin.
     shared_prefix: [num_seqs] or empty (no sharing): how many leading tokens sequence ``s`` does not store but
         reads, as attention keys, from ``prefix_holder[s]`` earlier in the same bin (its prompt but the last
-        token; :mod:`megatron.rl.prefix_sharing`). ``seq_lengths`` counts the tokens *stored*.
+        token; :mod:`megatron.rl.packing.prefix_sharing`). ``seq_lengths`` counts the tokens *stored*.
     prefix_holder: [num_seqs] or empty: the sequence holding that prefix (-1: none).
     """
 

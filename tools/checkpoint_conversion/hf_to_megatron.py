@@ -2,7 +2,7 @@
 
 How any target TP/PP layout is written: the Megatron model is built in this single process at TP=1/PP=1
 from the Hugging Face weights and saved with megatron-core's ``dist_checkpointing`` (through
-:func:`megatron.rl.training.checkpointing.save_checkpoint`). A torch_dist checkpoint stores *global*
+:func:`megatron.rl.training.checkpoint.save_load.save_checkpoint`). A torch_dist checkpoint stores *global*
 tensors, so it is resharded on load to whatever TP/PP the training run uses. The target layout given here
 fixes what cannot be resharded (Megatron pads the vocabulary to a multiple of
 ``make_vocab_size_divisible_by x TP``) and is validated up front: a TP that does not divide the attention
@@ -242,7 +242,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
     if save.exists() and not save.is_dir():
         raise ConversionError(f"--save={save} exists and is not a directory")
 
-    from megatron.rl.training.checkpointing import save_checkpoint
+    from megatron.rl.training.checkpoint.save_load import save_checkpoint
 
     train_cfg, model = build_tp1_model(plan.flags, plan.padded_vocab, plan.dtype)
     fill_model(model, iter_hf_to_megatron(reader.get, plan.spec, plan.padded_vocab))
@@ -251,7 +251,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
                                       else [])
     # the padded vocab is stored so a run that pads differently is refused on load (not silently mis-sized);
     # the model flags (with the tokenizer copied next to it) let --use-checkpoint-args work on the checkpoint alone
-    from megatron.rl.training.checkpoint_args import checkpoint_flags
+    from megatron.rl.training.checkpoint.args import checkpoint_flags
     from tools.checkpoint_conversion.hf_io import tokenizer_files
 
     flags = checkpoint_flags(target_cfg, plan.spec.vocab_size)

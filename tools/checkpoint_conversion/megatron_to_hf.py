@@ -6,7 +6,7 @@ needs besides the weights, looked up next to the checkpoint (the directory given
 passed explicitly:
 
 - the Megatron model flags: stored in the checkpoint by this version's training and conversion (see
-  :mod:`megatron.rl.training.checkpoint_args`), else ``megatron_args.txt`` (``--megatron-args FILE``, or flags
+  :mod:`megatron.rl.training.checkpoint.args`), else ``megatron_args.txt`` (``--megatron-args FILE``, or flags
   after ``--``, used instead of the stored ones);
 - the Hugging Face config: ``hf_config/config.json`` (``--hf-config DIR``); without one a minimal config is
   written for the family (``--model-type``, else guessed: qk-layernorm -> qwen3, qkv bias -> qwen2, else llama);
@@ -98,10 +98,10 @@ def _special_token_ids(cfg) -> dict[str, int]:
 
 def _flags_of(ckpt: Path, dirs: list[Path]) -> list[str]:
     """The model flags stored in the checkpoint itself, else those of a ``megatron_args.txt`` next to it."""
-    from megatron.rl.training.checkpoint_args import flags_to_argv, read_checkpoint_flags
+    from megatron.rl.training.checkpoint.args import flags_to_argv, read_checkpoint_flags
     from megatron.rl.training.config import build_parser
 
-    from megatron.rl.training.checkpoint_paths import CheckpointError
+    from megatron.rl.training.checkpoint.paths import CheckpointError
 
     try:
         stored, why = read_checkpoint_flags(ckpt), "saved before checkpoints carried them"
@@ -128,7 +128,7 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
     Raises ConversionError when the checkpoint, its flags or a config that matches them cannot be found.
     """
     t0 = time.perf_counter()
-    from megatron.rl.training.checkpoint_paths import CheckpointError, resolve_checkpoint_dir
+    from megatron.rl.training.checkpoint.paths import CheckpointError, resolve_checkpoint_dir
 
     load = Path(load)
     if not load.exists():
@@ -161,7 +161,7 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
     spec = family.arch_spec(hf_cfg)
 
     _, model = build_tp1_model(list(megatron_args), _checkpoint_vocab_rows(ckpt), out_dtype)
-    from megatron.rl.training.checkpointing import load_checkpoint
+    from megatron.rl.training.checkpoint.save_load import load_checkpoint
 
     try:
         load_checkpoint(ckpt, [model], load_optimizer=False, load_rng=False, model_args=model_args)

@@ -23,7 +23,7 @@ Model parallelism (TP / PP / EP)
     Every rank of a lockstep group calls ``agenerate`` with the same requests in the same order (e.g.
     each runs the same agents on the same data); the group's lowest rank is the *source*: before each
     step it broadcasts which requests join (tokens and sampling settings) over a dedicated gloo group,
-    and every rank adds exactly those (:mod:`megatron.rl.inference.lockstep`). Sampling happens on every
+    and every rank adds exactly those (:mod:`megatron.rl.inference.engine.lockstep`). Sampling happens on every
     rank from identical gathered logits with identically seeded generators, so every rank returns
     identical responses. With expert parallelism the lockstep group spans the EP ranks too, so they all
     serve the source's requests: ``rollout_shard`` then tells the RL loop to split prompts by lockstep group
@@ -37,8 +37,8 @@ Log-probs and sampling
     stop strings end a request as :mod:`megatron.rl.inference.stopping` says.
 
 Modules: this one takes requests (render, tokenize, validate, wait for the response);
-:mod:`~megatron.rl.inference.lockstep` schedules them; :mod:`~megatron.rl.inference.megatron_session` owns
-the engine thread and KV cache; :mod:`~megatron.rl.inference.megatron_engine` builds the engine.
+:mod:`~megatron.rl.inference.engine.lockstep` schedules them; :mod:`~megatron.rl.inference.engine.session` owns
+the engine thread and KV cache; :mod:`~megatron.rl.inference.engine.build` builds the engine.
 
 Lengths
     A prompt that leaves no room for one generated token within ``max_sequence_length`` (or an empty
@@ -63,9 +63,9 @@ from megatron.rl.inference.api import (
     expand_checked,
 )
 from megatron.rl.inference.chat_template import render_chat
-from megatron.rl.inference.lockstep import Job, LockstepScheduler, broadcast_plan, lockstep_group, lockstep_rank_groups
-from megatron.rl.inference.megatron_engine import EngineSettings, EngineTokenizer, unwrap_gpt_model
-from megatron.rl.inference.megatron_session import EngineSession, EosIds
+from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler, broadcast_plan, lockstep_group, lockstep_rank_groups
+from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, unwrap_gpt_model
+from megatron.rl.inference.engine.session import EngineSession, EosIds
 from megatron.rl.runtime import setup_runtime
 from megatron.rl.runtime.openmp import release_thread_pool
 
@@ -89,7 +89,7 @@ class MegatronInference(InferenceInterface):
         max_sequence_length: prompt + generated tokens per request; default the model's
             ``max_sequence_length``.
         process_groups: for an inference copy with its own layout, its
-            :class:`~megatron.rl.inference_layout.InferenceGroups` (process groups, lockstep group and
+            :class:`~megatron.rl.layout.groups.InferenceGroups` (process groups, lockstep group and
             source); None = the training layout from megatron-core's ``parallel_state``.
 
     ``torch.distributed`` and megatron-core's ``parallel_state`` must be initialised (one process
@@ -136,8 +136,8 @@ class MegatronInference(InferenceInterface):
         """The RL run's backend over the trainer's model; with ``--rl-inference-*`` layout flags, over a copy."""
         from megatron.rl.training.config import ConfigError
 
-        if rl.inference_layout.enabled:  # an inference copy at its own layout (megatron.rl.refit)
-            from megatron.rl.refit import build_layout_inference
+        if rl.inference_layout.enabled:  # an inference copy at its own layout (megatron.rl.layout.refit)
+            from megatron.rl.layout.refit import build_layout_inference
 
             return build_layout_inference(cfg, rl.inference_layout, model, tokenizer)
         if len(model) != 1:
@@ -290,11 +290,11 @@ class MegatronInference(InferenceInterface):
 def _training_layout_shard(source: int, size: int) -> Any:
     """The prompt split for an engine at the training layout: None (by data-parallel rank, as always) unless
     expert parallelism joins several data-parallel ranks into one lockstep group; then a
-    :class:`~megatron.rl.inference_layout.RolloutShard` by lockstep group, so that those ranks ask for the
+    :class:`~megatron.rl.layout.groups.RolloutShard` by lockstep group, so that those ranks ask for the
     same prompts (the group serves its lowest rank's requests) and get their training share afterwards."""
     from megatron.core import parallel_state as ps
 
-    from megatron.rl.inference_layout import RolloutShard
+    from megatron.rl.layout.groups import RolloutShard
 
     if not ps.model_parallel_is_initialized():
         return None

@@ -3,7 +3,7 @@
 
 The flags after ``--`` are ``pretrain_gpt.py`` / ``train_rl.py`` flags. Without model flags
 (``--num-layers`` ...) they are read from the checkpoint (``--use-checkpoint-args`` is implied; see
-:mod:`megatron.rl.training.checkpoint_args`), so a checkpoint saved by this version serves from its
+:mod:`megatron.rl.training.checkpoint.args`), so a checkpoint saved by this version serves from its
 directory alone; older checkpoints need their model flags. Only the model weights are loaded.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ def megatron_backend_from_cli(argv: Sequence[str]):
     Initialises torch.distributed / megatron-core for one process (the server's). Raises
     :class:`InferenceError` for flags that cannot serve (no checkpoint, several processes) with what to do.
     """
-    from megatron.rl.training.checkpoint_args import FLAG, has_model_flags
-    from megatron.rl.training.checkpointing import CheckpointError, load_checkpoint
+    from megatron.rl.training.checkpoint.args import FLAG, has_model_flags
+    from megatron.rl.training.checkpoint.save_load import CheckpointError, load_checkpoint
     from megatron.rl.training.config import ConfigError, parse_args
     from megatron.rl.training.initialize import initialize_megatron
     from megatron.rl.training.model_provider import build_model, checkpoint_model_args

@@ -21,7 +21,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     """Errors that mean "fix your flags / files", reported without a traceback."""
     from megatron.rl.agent.env_config import EnvConfigError
     from megatron.rl.runtime.cpu_patches import UnsupportedMegatronCoreVersion
-    from megatron.rl.training.checkpoint_paths import CheckpointError
+    from megatron.rl.training.checkpoint.paths import CheckpointError
     from megatron.rl.training.config import ConfigError
     from megatron.rl.training.data import DataError
     from megatron.rl.training.tokenizer import TokenizerError

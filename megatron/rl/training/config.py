@@ -60,7 +60,7 @@ def parse_args(argv: Sequence[str] | None = None, extra_args_providers: Iterable
     given = list(sys.argv[1:] if argv is None else argv)
     from_ckpt = None
     if "--use-checkpoint-args" in given:
-        from megatron.rl.training.checkpoint_args import check_explicit_flags, merge_checkpoint_args
+        from megatron.rl.training.checkpoint.args import check_explicit_flags, merge_checkpoint_args
 
         given, *from_ckpt = merge_checkpoint_args(given, parser)
     if ignore_unknown_args:

@@ -161,7 +161,7 @@ class CheckpointConfig:
     no_save_rng: bool = flag(False)
     ckpt_format: str = flag("torch_dist", choices=["torch_dist"])
     dist_ckpt_optim_format: str = flag("fully_reshardable", choices=["fully_reshardable", "dp_reshardable"])
-    # model flags filled from the checkpoint (megatron/rl/training/checkpoint_args.py)
+    # model flags filled from the checkpoint (megatron/rl/training/checkpoint/args.py)
     use_checkpoint_args: bool = flag(
         False, help="take the model flags (architecture, tokenizer, vocab, lengths) stored in the checkpoint of "
                     "--load (else --pretrained-checkpoint); an explicit conflicting flag is an error")

@@ -135,8 +135,8 @@ def padded_vocab_size(cfg: TrainingConfig, tokenizer=None) -> int:
 def checkpoint_model_args(cfg: TrainingConfig, tokenizer=None) -> dict:
     """``cfg.model_args()`` plus the padded vocab size (checked on load: a checkpoint padded for another
     TP / --make-vocab-size-divisible-by is refused before any tensor is read), what it was padded from, and
-    the model-defining flags (``"flags"``, see :mod:`megatron.rl.training.checkpoint_args`)."""
-    from megatron.rl.training.checkpoint_args import checkpoint_flags
+    the model-defining flags (``"flags"``, see :mod:`megatron.rl.training.checkpoint.args`)."""
+    from megatron.rl.training.checkpoint.args import checkpoint_flags
 
     out = cfg.model_args()
     vocab = cfg.tokenizer.vocab_size

@@ -67,7 +67,7 @@ def resolve_load_dir(cfg: TrainingConfig, required: bool = True) -> str | None:
     pattern ``--save DIR --load DIR`` (first run of a job that resumes itself), or when
     ``--pretrained-checkpoint`` supplies the starting weights instead.
     """
-    from megatron.rl.training.checkpointing import CheckpointError, latest_checkpoint
+    from megatron.rl.training.checkpoint.save_load import CheckpointError, latest_checkpoint
 
     c = cfg.checkpoint
     if not c.load:
@@ -128,7 +128,7 @@ class TrainingRun:
                    checkpoint_model_args(cfg, tokenizer), ref, writer)
 
     def _load(self, path: str, *, weights_only: bool, model=None):
-        from megatron.rl.training.checkpointing import load_checkpoint
+        from megatron.rl.training.checkpoint.save_load import load_checkpoint
 
         c = self.cfg.checkpoint
         if weights_only:
@@ -171,7 +171,7 @@ class TrainingRun:
 
     def save(self, iteration: int, run_state: dict) -> None:
         """Save a checkpoint of ``iteration`` to ``--save`` with the caller's ``run_state``. Collective."""
-        from megatron.rl.training.checkpointing import save_checkpoint
+        from megatron.rl.training.checkpoint.save_load import save_checkpoint
 
         c = self.cfg.checkpoint
         save_checkpoint(c.save, iteration, self.model, None if c.no_save_optim else self.optimizer, self.scheduler,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron.rl.algorithms import LossNormalizers, PolicyLossConfig, aggregate_loss, compute_token_loss
-from megatron.rl.microbatches import get_microbatch_dataloader
+from megatron.rl.packing.microbatches import get_microbatch_dataloader
 from megatron.rl.sequence_packing_utils import (PACKING_ALGOS, align_generated_values, build_packed_batch,
                                                 build_rank_batch, distribute_bins, pack_per_token, plan_packing,
                                                 unpack_per_token)

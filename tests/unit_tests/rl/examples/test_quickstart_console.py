@@ -27,8 +27,8 @@ def test_iteration_lines_are_kept_whole():
     assert len(PRETRAIN_LINE) > 200
     assert console_line(PRETRAIN_LINE) == PRETRAIN_LINE.rstrip()  # the iteration number survives
     assert console_line("[..] INFO megatron.rl.rl_loop:  evaluation at iteration 10 | pass@1: 0.5 | 1.0s") is not None
-    assert console_line("[..] WARNING megatron.rl.rl_warnings: iteration 3: possible training problem:") is not None
-    assert console_line("[..] INFO megatron.rl.training.checkpointing: saved checkpoint /x") is None
+    assert console_line("[..] WARNING megatron.rl.observe.warnings: iteration 3: possible training problem:") is not None
+    assert console_line("[..] INFO megatron.rl.training.checkpoint.save_load: saved checkpoint /x") is None
 
 
 def test_first_error_prefers_the_one_line_report_over_torchruns():

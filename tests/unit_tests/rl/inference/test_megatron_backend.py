@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from megatron.rl.inference.kv_buffer_reuse import is_kept
+from megatron.rl.inference.engine.kv_reuse import is_kept
 
 from tests.unit_tests.rl.inference.scripts.megatron_common import (
     CharTokenizer,
@@ -129,7 +129,7 @@ def test_stop_strings_and_max_tokens(setup):
 def test_byte_level_stop_strings_are_detokenized_only_at_their_last_byte(setup, monkeypatch):
     """The byte tokenizer's stop triggers: the engine checks the text only after a token that can complete a
     stop string, and still stops right at the first one."""
-    from megatron.rl.inference import megatron_session
+    from megatron.rl.inference.engine import session as megatron_session
 
     model, backend = setup
     checks = []
@@ -301,7 +301,7 @@ def test_scalar_sampling_params_deep_copy_is_an_independent_equal_copy():
 
     from megatron.core.inference.sampling_params import SamplingParams
 
-    from megatron.rl.inference.megatron_session import _scalar_sampling_params
+    from megatron.rl.inference.engine.session import _scalar_sampling_params
 
     params = _scalar_sampling_params()(num_tokens_to_generate=5, termination_id=3, return_log_probs=True)
     clone = copy.deepcopy(params)

@@ -61,9 +61,9 @@ def test_gap_on_many_mixed_requests_stays_below_1e_5(peaked):
 
 def test_gap_to_the_packed_trainer_forward_stays_below_1e_5(peaked):
     """The same mix scored as the trainer does: responses packed several to a row (sequence packing), one
-    [rows, S] forward. Before packed sequences got RoPE at their own positions (megatron.rl.packed_forward)
+    [rows, S] forward. Before packed sequences got RoPE at their own positions (megatron.rl.packing.packed_forward)
     this reached 2.9e-5 (sequences at row offsets > 0); now 3.3e-6, the engine's own residual."""
-    from megatron.rl.logprobs import token_logprobs
+    from megatron.rl.rl_loss import vocab_parallel_logprobs as token_logprobs
     from megatron.rl.rl_loss import model_forward
     from megatron.rl.sequence_packing_utils import build_packed_batch, plan_packing, unpack_per_token
 

@@ -135,7 +135,7 @@ def test_serving_flags_are_checked_up_front(tmp_path, extra, needle):
 
 
 def test_policy_gap_check():
-    from megatron.rl.inference.policy_gap import OffPolicyServerError, check_policy_gap
+    from megatron.rl.observe.policy_gap import OffPolicyServerError, check_policy_gap
 
     check_policy_gap({"logprob_gap_mean": 1e-6}, 3, 0.1, False, "megatron")  # the trainer's own policy
     check_policy_gap({}, 1, 0.1, False, "openai", first=True)  # no log-probs: nothing to judge

@@ -75,7 +75,7 @@ def test_sharded_safetensors_write_and_lazy_read(tmp_path):
 
 def _load_converted(ckpt: Path, tp: int = 1):
     """The converted checkpoint loaded the way a training run does (flags file -> parse -> build -> load)."""
-    from megatron.rl.training.checkpointing import load_checkpoint
+    from megatron.rl.training.checkpoint.save_load import load_checkpoint
     from megatron.rl.training.initialize import initialize_megatron
     from megatron.rl.training.model_provider import build_model, unwrap_model
     from tools.checkpoint_conversion.hf_to_megatron import parse_megatron_flags

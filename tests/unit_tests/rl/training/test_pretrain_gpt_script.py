@@ -45,7 +45,7 @@ def test_bad_input_fails_before_compute_with_named_error(tmp_path, bad, needle):
 
 
 def test_resolve_load_dir(tmp_path):
-    from megatron.rl.training.checkpoint_paths import CheckpointError
+    from megatron.rl.training.checkpoint.paths import CheckpointError
     from megatron.rl.training.config import parse_args
     from megatron.rl.training.loop import resolve_load_dir
 

@@ -70,7 +70,7 @@ def test_ref_model_is_a_frozen_copy_from_the_pretrained_checkpoint(tmp_path, meg
 
 
 def test_empty_load_is_an_error_only_for_pretraining(tmp_path):
-    from megatron.rl.training.checkpointing import CheckpointError
+    from megatron.rl.training.checkpoint.save_load import CheckpointError
 
     cfg = parse_args([*TINY, "--load", str(tmp_path / "none")], world_size=1)
     with pytest.raises(CheckpointError, match="no checkpoint there"):

@@ -45,7 +45,7 @@ def main(modes: list[str]):
 
     from megatron.rl.algorithms import (LossNormalizers, PolicyLossConfig, aggregate_loss, compute_token_loss,
                                         token_logprobs)
-    from megatron.rl.microbatches import get_microbatch_dataloader
+    from megatron.rl.packing.microbatches import get_microbatch_dataloader
     from megatron.rl.sequence_packing_utils import build_packed_batch, build_rank_batch, distribute_bins, plan_packing
 
     dist.init_process_group("gloo")

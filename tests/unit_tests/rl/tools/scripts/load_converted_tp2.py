@@ -25,7 +25,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
-    from megatron.rl.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron.rl.training.checkpoint.save_load import load_checkpoint, save_checkpoint
     from megatron.rl.training.initialize import initialize_megatron
     from megatron.rl.training.model_provider import build_model, unwrap_model
     from tiny_hf_models import hf_logits, megatron_logits

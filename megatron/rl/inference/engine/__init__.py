@@ -1,0 +1,1 @@
+"""megatron-core's dynamic engine in process: build, session, lockstep, shared prefill, KV reuse."""

@@ -1,0 +1,113 @@
+"""Prefilling a prompt once for all the requests of a step that share it (a GRPO group's rollouts).
+
+A GRPO rollout phase submits every prompt ``--grpo-group-size`` times. megatron-core 0.16.1's dynamic
+context prefills each request on its own, so the prefill step computes every prompt token that many times:
+on the small peer-benchmark shape (16 prompts x 8 rollouts of 13 tokens) the 1,664-token prefill step was
+~90 ms of a ~340 ms rollout phase.
+
+:class:`SharedPromptPrefill` is a mixin for ``DynamicInferenceContext``. When a request is added in full
+(not a chunk) with exactly the prompt of a request already added *in the same step* (its *leader*), the
+request (a *follower*) enters the step with only its last prompt token, as if its first ``L - 1`` tokens
+were already in its KV cache (offset ``L - 1``, one query token: the state of a chunked prefill's last
+chunk, which megatron-core's attention, rotary and bookkeeping already handle). Its KV blocks are allocated
+as usual; after every layer appends the step's keys and values, the leader's first ``L - 1`` cache slots
+(just written by the leader's own prompt tokens, at the same positions, so with the same rotary phases) are
+copied into the follower's. From the next step on the follower is an ordinary request.
+
+The follower's first token is sampled from its own logits row (its own generator), computed from the same
+keys and values the leader's prompt produced; only its last position's attention runs as a one-query row
+instead of the last row of a prompt-length product, which is the decode steps' case and within the
+train-inference log-prob bound (tests/unit_tests/rl/inference/engine/test_shared_prefill.py).
+
+Not used for hybrid (Mamba) models, whose per-request states would need the whole prompt, nor for MLA
+latent caches (another cache layout).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["SharedPromptPrefill"]
+
+# The per-token arrays megatron-core 0.16.1's ``add_request`` fills for each prompt token of the step.
+_TOKEN_ARRAYS = ("token_to_pos_ids", "token_to_input_ids", "token_to_request_idx", "token_to_position_in_request",
+                 "token_to_block_idx", "token_to_local_position_within_kv_block")
+
+
+class SharedPromptPrefill:
+    """Mixin over ``DynamicInferenceContext`` (put it first in the bases); see the module docstring."""
+
+    def _shared_state(self) -> dict[str, Any]:
+        # Kept in __dict__ under one key: the context's constructor runs before any of our methods.
+        state = self.__dict__.get("_rl_shared_prefill")
+        if state is None:
+            state = self.__dict__["_rl_shared_prefill"] = {"leaders": {}, "src": [], "dst": [], "plan": None,
+                                                            "shared_tokens": 0}
+        return state
+
+    def _clear_shared(self) -> None:
+        state = self._shared_state()
+        state["leaders"].clear()
+        state["src"].clear()
+        state["dst"].clear()
+        state["plan"] = None
+
+    @property
+    def shared_prefill_tokens(self) -> int:
+        """Prompt tokens not computed because a leader's were copied, since construction (a diagnostic)."""
+        return self._shared_state()["shared_tokens"]
+
+    def add_request(self, req: Any, chunk_length: int | None = None) -> None:
+        whole = req.finished_chunk_token_count == 0 and chunk_length in (None, req.remaining_prompt_length)
+        length = req.remaining_prompt_length
+        if not whole or length < 2 or self.is_hybrid_model or self.cache_mla_latent:
+            return super().add_request(req, chunk_length)
+        state = self._shared_state()
+        key = tuple(req.remaining_prompt_tokens.tolist())
+        leader = state["leaders"].get(key)
+        start, index = self.active_token_count, self.total_request_count
+        super().add_request(req, chunk_length)
+        if leader is None:
+            state["leaders"][key] = index
+            return
+        # Keep only the last prompt token in the step: move its entries to the request's first token row.
+        last = start + length - 1
+        for name in _TOKEN_ARRAYS:
+            array = getattr(self, name)
+            array[start] = array[last]
+        self.active_token_count = start + 1
+        self.request_query_lengths[index] = 1
+        self.request_kv_length_offsets[index] = length - 1
+        positions = torch.arange(length - 1, device=self.request_to_kv_block_ids.device)
+        state["src"].append(self._cache_slots(leader, positions))
+        state["dst"].append(self._cache_slots(index, positions))
+        state["plan"] = None
+        state["shared_tokens"] += length - 1
+
+    def _cache_slots(self, index: int, positions: torch.Tensor) -> torch.Tensor:
+        """Flat slots (``block * block_size + offset``) of request ``index``'s cache ``positions``."""
+        size = self.block_size_tokens
+        blocks = self.request_to_kv_block_ids[index][positions // size].long()
+        return blocks * size + positions % size
+
+    def append_key_value_cache(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        super().append_key_value_cache(layer_number, key, value)
+        state = self._shared_state()
+        if not state["src"]:
+            return
+        if state["plan"] is None:
+            state["plan"] = (torch.cat(state["src"]), torch.cat(state["dst"]))
+        src, dst = state["plan"]
+        layer = self.layer_map[layer_number - 1]
+        for cache in (self.memory_buffer[0, layer], self.memory_buffer[1, layer]):
+            flat = cache.view(-1, *cache.shape[2:])  # [blocks * block_size, heads, dim]
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    def update_requests(self, *args: Any, **kwargs: Any):
+        self._clear_shared()  # the step ran: its leaders are ordinary requests from here on
+        return super().update_requests(*args, **kwargs)
+
+    def reset(self) -> None:
+        self._clear_shared()
+        return super().reset()

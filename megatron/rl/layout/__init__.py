@@ -1,0 +1,1 @@
+"""A separate inference layout: its process groups, the inference copy, the refit."""

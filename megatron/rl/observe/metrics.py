@@ -1,0 +1,160 @@
+"""Per-environment rollout metrics and sample completions of an RL iteration.
+
+:func:`summarize_groups` (pure) counts what each environment's rollout groups did; summaries of several
+data-parallel ranks add up with :func:`merge_summaries`; :func:`summary_metrics` turns them into flat
+metrics (``env/<name>/reward_mean`` ... plus run-wide shares the failure-point warnings read);
+:func:`format_env_line` is their short form for the iteration log line. :func:`observe_rollouts` is the
+one collective: it gathers the summaries and sample candidates of all DP ranks.
+
+Definitions (the same for single- and multi-turn episodes):
+
+* reward / response length / turns are means over the *successful* rollouts; failed ones are counted.
+* response length: tokens the policy generated over all turns (``generation_mask`` ones); observation
+  tokens inserted by the environment are not counted.
+* length-capped: a turn stopped because it hit the token budget (``finish_reason == "length"``); for
+  rollouts without finish reasons, generated tokens ``>= --rl-max-new-tokens``.
+* same-reward group: a group with at least two successful rollouts whose rewards are all equal (zero
+  advantage everywhere: no learning signal).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+from megatron.rl import parallel_utils
+from megatron.rl.observe.samples import sample_candidates, select_samples
+from megatron.rl.base.types import RolloutGroup
+
+__all__ = ["EnvSummary", "RolloutObservations", "summarize_groups", "merge_summaries", "summary_metrics",
+           "format_env_line", "is_length_capped", "observe_rollouts"]
+
+
+@dataclasses.dataclass
+class EnvSummary:
+    """Counts and sums over one environment's groups (additive across ranks)."""
+
+    groups: int = 0
+    rollouts: int = 0
+    ok: int = 0
+    failed: int = 0
+    reward_sum: float = 0.0
+    length_sum: int = 0
+    turns_sum: int = 0
+    length_capped: int = 0
+    scored_groups: int = 0  # groups with >= 2 ok rollouts
+    same_reward_groups: int = 0
+    same_reward_values: dict[float, int] = dataclasses.field(default_factory=dict)  # constant reward -> groups
+
+    def add(self, other: "EnvSummary") -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "same_reward_values":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for v, c in other.same_reward_values.items():
+            self.same_reward_values[v] = self.same_reward_values.get(v, 0) + c
+
+
+def is_length_capped(rollout, max_new_tokens: int) -> bool:
+    """Whether any turn of the rollout stopped at the token budget (see the module docstring)."""
+    reasons = (rollout.metadata or {}).get("finish_reasons")
+    if reasons:
+        return "length" in reasons
+    return getattr(rollout, "num_generated_tokens", 0) >= max_new_tokens
+
+
+def summarize_groups(groups: Sequence[RolloutGroup], max_new_tokens: int) -> dict[str, EnvSummary]:
+    """``{env: EnvSummary}`` over ``groups`` (the env is the group's ``env_id``, else its first rollout's)."""
+    out: dict[str, EnvSummary] = {}
+    for g in groups:
+        env = g.env_id or next((r.env_id for r in g.rollouts if r.env_id), "") or "unknown"
+        s = out.setdefault(env, EnvSummary())
+        s.groups += 1
+        ok = [r for r in g.rollouts if r.ok]
+        s.rollouts += len(g.rollouts)
+        s.ok += len(ok)
+        s.failed += len(g.rollouts) - len(ok)
+        for r in ok:
+            s.reward_sum += r.reward
+            s.length_sum += getattr(r, "num_generated_tokens", 0)
+            s.turns_sum += int((r.metadata or {}).get("num_turns", 1))
+            s.length_capped += is_length_capped(r, max_new_tokens)
+        if len(ok) >= 2:
+            s.scored_groups += 1
+            if all(r.reward == ok[0].reward for r in ok):
+                s.same_reward_groups += 1
+                s.same_reward_values[ok[0].reward] = s.same_reward_values.get(ok[0].reward, 0) + 1
+    return out
+
+
+def merge_summaries(parts: Sequence[dict[str, EnvSummary]]) -> dict[str, EnvSummary]:
+    """Add per-rank summaries environment by environment (in the order given: deterministic sums)."""
+    out: dict[str, EnvSummary] = {}
+    for part in parts:
+        for env, s in part.items():
+            out.setdefault(env, EnvSummary()).add(s)
+    return out
+
+
+def _mean(total: float, count: int) -> float:
+    return total / count if count else float("nan")
+
+
+def summary_metrics(summaries: dict[str, EnvSummary]) -> dict[str, float]:
+    """Flat metrics: ``env/<name>/{groups,reward_mean,response_length_mean,failed_rollouts,turns_mean,
+    length_capped_fraction}`` per environment, and run-wide ``turns_per_episode_mean``,
+    ``length_capped_fraction``, ``same_reward_groups``, ``same_reward_group_fraction``."""
+    out: dict[str, float] = {}
+    total = EnvSummary()
+    for env in sorted(summaries):
+        s = summaries[env]
+        total.add(s)
+        p = f"env/{env}/"
+        out[p + "groups"] = float(s.groups)
+        out[p + "reward_mean"] = _mean(s.reward_sum, s.ok)
+        out[p + "response_length_mean"] = _mean(s.length_sum, s.ok)
+        out[p + "failed_rollouts"] = float(s.failed)
+        out[p + "turns_mean"] = _mean(s.turns_sum, s.ok)
+        out[p + "length_capped_fraction"] = _mean(s.length_capped, s.ok)
+    out["turns_per_episode_mean"] = _mean(total.turns_sum, total.ok)
+    out["length_capped_fraction"] = _mean(total.length_capped, total.ok)
+    out["same_reward_groups"] = float(total.same_reward_groups)
+    out["same_reward_group_fraction"] = _mean(total.same_reward_groups, total.scored_groups)
+    return out
+
+
+def format_env_line(metrics: dict[str, float]) -> str:
+    """The per-environment part of the iteration line: ``envs: a 12g r=0.5 len=7.2, b 4g r=0.1 len=30 fail=2``;
+    empty for a single environment (the line's overall numbers are its numbers)."""
+    envs = sorted({k.split("/")[1] for k in metrics if k.startswith("env/") and k.endswith("/groups")})
+    if len(envs) < 2:
+        return ""
+    parts = []
+    for env in envs:
+        m = {k.rsplit("/", 1)[1]: v for k, v in metrics.items() if k.startswith(f"env/{env}/")}
+        part = f"{env} {int(m['groups'])}g r={m['reward_mean']:.3g} len={m['response_length_mean']:.3g}"
+        if m.get("turns_mean", 1.0) != 1.0 and math.isfinite(m.get("turns_mean", 1.0)):
+            part += f" turns={m['turns_mean']:.3g}"
+        if m.get("failed_rollouts"):
+            part += f" fail={int(m['failed_rollouts'])}"
+        parts.append(part)
+    return "envs: " + ", ".join(parts)
+
+
+@dataclasses.dataclass
+class RolloutObservations:
+    """What :func:`observe_rollouts` found over all DP ranks (identical on every rank)."""
+
+    metrics: dict[str, float]
+    summaries: dict[str, EnvSummary]
+    samples: list[dict]
+
+
+def observe_rollouts(groups: Sequence[RolloutGroup], max_new_tokens: int, num_samples: int,
+                     dp_group=None) -> RolloutObservations:
+    """Per-environment metrics and ``num_samples`` samples over all data-parallel ranks' ``groups``.
+    Collective over ``dp_group`` (one ``all_gather_object`` of small summaries and candidate samples)."""
+    local = (summarize_groups(groups, max_new_tokens), sample_candidates(groups, num_samples))
+    gathered = parallel_utils.all_gather_object(local, dp_group)
+    summaries = merge_summaries([s for s, _ in gathered])
+    samples = select_samples([c for _, cands in gathered for c in cands], num_samples)
+    return RolloutObservations(summary_metrics(summaries), summaries, samples)

@@ -1,0 +1,1 @@
+"""Packing rollouts into rows for training: prefix sharing, micro-batches, the packed forward."""

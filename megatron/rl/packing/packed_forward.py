@@ -1,0 +1,370 @@
+"""Packed rows computed as if each sequence ran alone: RoPE at its own positions, attention over its own keys.
+
+A packed row (:class:`~megatron.rl.sequence_packing_utils.PackedBatch`) holds several sequences, each with
+``position_ids`` restarting at 0, and a block-diagonal causal ``attention_mask`` keeps them apart. Two things
+still made a packed sequence's log-probs differ from the same sequence run alone (and from the inference
+engine, which runs each request on its own) in fp32:
+
+1. **RoPE at row positions.** megatron-core 0.16.1's ``GPTModel`` ignores ``position_ids`` for rotary
+   embeddings: it asks its ``RotaryEmbedding`` for the table of positions ``0 .. S-1`` ([S, 1, 1, dim], one
+   for every row) and rotates queries and keys at their *row* positions, so a sequence at offset ``o > 0`` was
+   scored as if it started at ``o``. The attention logits are equal in exact arithmetic (RoPE is relative)
+   but not in floats: up to ~3e-5 on the log-probs of a peaked model.
+2. **A longer attention product.** Its queries meet all ``S`` keys of the row (the other sequences' masked to
+   -10000, i.e. probability 0); the softmax sums and the probability-value product then run over ``S``
+   entries instead of ``L``, in another order and another kernel blocking: up to ~7e-6 left after (1).
+
+With the THD format (TransformerEngine, ``PackedSeqParams``) megatron-core already handles both: its RoPE slices
+the table per ``cu_seqlens`` segment from position 0, and the fused attention runs per segment. The local layer
+spec has no THD path (``DotProductAttention`` asserts ``packed_seq_params is None``), so
+:func:`isolate_sequences` gives the [rows, S] forward the same semantics, for one forward call, with two hooks
+on megatron-core's own modules (no copy of their math):
+
+- :func:`rope_at_positions`: a forward hook on each ``RotaryEmbedding`` replaces its table with the table's rows
+  gathered at ``position_ids`` ([S, rows, 1, dim]); megatron-core's unfused bshd RoPE broadcasts it over the
+  heads as it broadcast the shared table over the rows. Table row ``p`` is the same float whatever the table's
+  length, so the rotated queries and keys equal those of the sequence alone, bit for bit.
+- :func:`attention_per_sequence`: each local ``DotProductAttention`` runs its own ``forward`` on each sequence's
+  queries, keys and values with ``attention_mask=None`` (megatron-core's causal mask), the call of the sequence
+  alone; sequences of equal length share one call as its batch. Padding positions get a zero output (nothing
+  real attends to them, and their loss mask is 0). Cost: one attention call per distinct length instead of
+  one per layer (Python and op overhead on small models), but no ``S x S`` masked work for short sequences
+  in long rows.
+
+Together: packed log-probs equal the one-sequence-per-row forward's bit for bit (tested), and those of each
+sequence run alone up to the linear layers' M-dependent rounding (<= 1e-6).
+
+Defaults. The RoPE hook is always on (one gather per forward). The attention is chosen per forward
+(``--rl-packed-attention``, :func:`choose_attention`): ``exact`` (one call per distinct sequence length, bit for
+bit the products the sequences have alone), ``grouped`` (one call per group of power-of-two length classes,
+each sequence padded to its group's longest and the padding masked: a few calls, at most ~4x the sequences'
+own score elements) and ``masked`` (one product over each whole row: ``rows x S^2`` score elements whatever the
+sequences). ``auto``, the default, takes grouped where a cost model (score elements plus a fixed cost per
+call) says it is cheaper than masked, else masked: rows of one sequence each and the quickstart's 64-token
+rows of three stay masked (bit for bit the forward before the option existed). Measured (training forward +
+backward, 2 cores): 9 rows x 320 tokens holding 64 sequences of 8-260 tokens 213 -> 150 ms; 11 rows x 1024
+holding 32 of 40-600 tokens 2.34 -> 1.35 s; in ``benchmarks/async_rollouts.py``'s synchronous setting the
+training step 0.26-0.31 -> 0.16-0.19 s. Every kind leaves the engine-trainer gap at ~3e-6 (tested < 1e-5):
+``exact`` needed one call per length, 2.2x-4.6x slower than masked on small models with many distinct lengths.
+
+Grouped calls whose longest keys are fewer than 16, and every call of a sequence after a shared prompt prefix
+(:mod:`megatron.rl.packing.prefix_sharing`: keys = the prefix's, then its own), pad their keys to
+:data:`~megatron.rl.runtime.torch_attention.MIN_KEY_SLOTS` as the inference engine does: the softmax and the
+product with V round otherwise below 16 keys (the quickstart's grouped max gap 1.03e-5 -> 1.7e-6). ``auto`` takes
+grouped for rows holding shared prefixes: in the masked product a member's prefix keys lie apart from its own
+and the sums round like neither side's (median per-iteration max gap 1.9e-6 against 4.8e-7).
+
+Where the second hook is not used, and why: with activation recomputation (``--recompute-granularity``) the
+backward pass re-runs the attention after this context has exited, so the recomputed forward would differ
+from the forward it differentiates; there the masked attention is kept (RoPE positions still apply: the table
+is computed once, outside the recomputed layers). Not supported at all (named errors): context parallelism
+(megatron-core slices the RoPE table per CP rank) and fused RoPE (TransformerEngine's bshd kernel takes one
+table for all rows; with TransformerEngine the trainer uses THD anyway).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
+
+# per row: (start, length) of each real sequence, in row order; (start, length, prefix start, prefix length) for a
+# sequence whose queries also attend to a shared prefix earlier in the row (megatron.rl.packing.prefix_sharing)
+Spans = Sequence[Sequence[tuple[int, ...]]]
+
+
+def _transformer_config(model: torch.nn.Module):
+    """The model's TransformerConfig (wrappers such as DDP carry configs of their own: skip those)."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "apply_rope_fusion"):
+            return config
+    return None
+
+
+def gather_rotary_table(table: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """The RoPE table's rows at each token's position.
+
+    Args:
+        table: [S_table, 1, 1, dim] megatron-core's table (``RotaryEmbedding(S)``), row p = angles of position p.
+        position_ids: [rows, S] int64, each < S_table.
+    Returns: [S, rows, 1, dim], for queries/keys laid out [S, rows, heads, dim].
+    """
+    if table.dim() != 4 or table.shape[1] != 1 or table.shape[2] != 1:
+        raise ValueError(f"expected a shared RoPE table [S, 1, 1, dim], got {tuple(table.shape)}")
+    if position_ids.numel() and int(position_ids.max()) >= table.shape[0]:
+        raise ValueError(f"position id {int(position_ids.max())} is outside the RoPE table of {table.shape[0]} "
+                         f"positions")
+    return table[:, 0, 0, :][position_ids.t().to(table.device)].unsqueeze(2)
+
+
+@contextlib.contextmanager
+def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Iterator[None]:
+    """While active, every ``RotaryEmbedding`` in ``model`` returns its table gathered at ``position_ids``.
+
+    Wrap one [rows, S] (non-THD) forward call; ``position_ids`` [rows, S] are the ones given to the model. A model
+    without RoPE is left alone.
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    modules = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    if not modules:
+        yield
+        return
+    config = _transformer_config(model)
+    if config is not None:
+        if getattr(config, "context_parallel_size", 1) > 1:
+            raise NotImplementedError("per-sequence RoPE positions in packed rows do not support context "
+                                      "parallelism (megatron-core slices the RoPE table per CP rank)")
+        if getattr(config, "apply_rope_fusion", False):
+            raise NotImplementedError("per-sequence RoPE positions need the unfused RoPE (apply_rope_fusion="
+                                      "False); fused RoPE comes with TransformerEngine, whose packed forward is "
+                                      "THD and needs no override")
+
+    def hook(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(module).__name__} returned {type(output).__name__}; per-sequence RoPE "
+                            f"positions support the plain [S, 1, 1, dim] table only")
+        return gather_rotary_table(output, position_ids)
+
+    handles = [m.register_forward_hook(hook) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _sequences(spans: Spans) -> list[tuple[int, int, int, int, int]]:
+    """(row, start, length, prefix start, prefix length) of every real sequence (prefix length 0: none; see
+    :meth:`~megatron.rl.sequence_packing_utils.PackedBatch.sequence_spans`), checking that each row's spans are
+    contiguous from 0 and that a prefix lies before its sequence in the row."""
+    out = []
+    for r, row in enumerate(spans):
+        used = 0
+        for span in row:
+            start, n = span[0], span[1]
+            prefix_start, prefix_n = (span[2], span[3]) if len(span) == 4 else (start, 0)
+            if start != used or n < 1:
+                raise ValueError(f"row {r}: sequence spans {list(row)} are not contiguous from position 0")
+            if prefix_n and (prefix_n < 0 or prefix_start < 0 or prefix_start + prefix_n > start):
+                raise ValueError(f"row {r}: the shared prefix {span[2:]} of the sequence at {start} is not before it")
+            out.append((r, start, n, prefix_start, prefix_n))
+            used += n
+    return out
+
+
+def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0,
+                     prefixes: Sequence[int] | None = None) -> list[list[int]]:
+    """Which sequences (by their ``lengths``, and the shared-prefix lengths their queries also attend to)
+    share one attention call (pure).
+
+    ``"exact"``: one group per distinct (length, prefix length) (each call is the sequences' own product).
+    ``"grouped"``: power-of-two classes of key length (prefix + length), adjacent classes merged where that is
+    cheaper (:func:`~megatron.rl.runtime.torch_attention.length_class_groups`): a group costs ``overhead + count
+    x longest^2`` score elements per head (its queries x its padded keys), and the split minimising the total is
+    found exactly. Groups come out shortest first, each in sequence order.
+    """
+    prefixes = prefixes or [0] * len(lengths)
+    if grouping == "exact":
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, (n, prefix) in enumerate(zip(lengths, prefixes)):
+            by_shape.setdefault((n, prefix), []).append(i)
+        return list(by_shape.values())
+    if grouping != "grouped":
+        raise ValueError(f"grouping must be 'exact' or 'grouped', got {grouping!r}")
+    from megatron.rl.runtime.torch_attention import length_class_groups
+
+    return length_class_groups([n + prefix for n, prefix in zip(lengths, prefixes)], overhead, power=2)
+
+
+def grouped_attention_cost(lengths: Sequence[int], overhead: int) -> int:
+    """Score elements per head, plus ``overhead`` per call, of the ``"grouped"`` attention of ``lengths``."""
+    return sum(overhead + len(g) * max(lengths[i] for i in g) ** 2
+               for g in attention_groups(lengths, "grouped", overhead))
+
+
+# What one more attention call costs, in score elements per head: a call's ~30 small ops (forward and backward)
+# against the per-element cost of the products, the masked softmax and their backward. CPU: fitted to forward +
+# backward times of masked and grouped rows on 2 cores (hidden 64-256, rows of 64-1024 tokens); GPUs: kernel
+# launches against memory bandwidth.
+_CALL_OVERHEAD_SCORES = {"cpu": 16 * 1024, "cuda": 4 * 1024 * 1024}
+
+
+def call_overhead_scores(device: torch.device) -> int:
+    return _CALL_OVERHEAD_SCORES.get(device.type, _CALL_OVERHEAD_SCORES["cuda"])
+
+
+def choose_attention(spans: Spans, seq_length: int, mode: str, device: torch.device) -> str:
+    """The attention of one [rows, S] packed forward: ``"masked"`` (one product over each whole row, the
+    sequences kept apart by the block-diagonal mask), ``"exact"`` or ``"grouped"`` (:func:`attention_groups`).
+
+    ``mode="auto"`` takes ``"grouped"`` where its estimated cost (its calls' padded products, one call overhead
+    each and one more for gathering and scattering the rows) is below the masked product's ``rows x S^2``
+    score elements per head: rows holding several sequences much shorter than the row. Rows of one sequence
+    each, or of a few sequences filling short rows, stay masked. A sequence after a shared prefix counts as long
+    as its keys (prefix + own tokens). A pure function of the spans, so every rank and pipeline stage chooses
+    alike.
+    """
+    if mode != "auto":
+        return mode
+    seqs = _sequences(spans)
+    if any(prefix for *_, prefix in seqs):
+        # A shared prefix's keys lie apart from the sequence's own in the row: the masked product's sums then
+        # run over another layout than the engine's (quickstart: median train-inference gap 4.8e-7 -> 1.9e-6)
+        return "grouped"
+    lengths = [n for _, _, n, _, _ in seqs]
+    if not lengths:
+        return "masked"
+    overhead = call_overhead_scores(device)
+    grouped = grouped_attention_cost(lengths, overhead) + overhead
+    return "grouped" if grouped < len(spans) * seq_length ** 2 else "masked"
+
+
+class _Plan:
+    """The attention calls of one forward: per call its [Lq, count] query positions and [Lk, count] key positions
+    (flat: ``p * rows + r``), its mask (None when all its sequences have length L and no prefix: megatron-core's
+    causal default) and which of its outputs are real; all calls' positions concatenated (``gather`` for
+    queries, ``kv_gather`` for keys and values: one gather per tensor and layer, whose backward is one scatter,
+    instead of one per call) and where the real outputs go (``scatter``). A sequence after a shared prefix has
+    the prefix's positions before its own as keys; its query ``i`` sees keys ``<= prefix + i``. Built once per
+    forward, shared by every layer."""
+
+    def __init__(self, spans: Spans, grouping: str, device: torch.device):
+        seqs = _sequences(spans)
+        self.rows = len(spans)
+        self.calls: list[tuple[tuple[int, int], tuple[int, int], torch.Tensor | None, torch.Tensor | None]] = []
+        gather, kv_gather, dest = [], [], []
+        calls = attention_groups([n for _, _, n, _, _ in seqs], grouping, call_overhead_scores(device),
+                                 [prefix for *_, prefix in seqs])
+        for group in calls:
+            lens = torch.tensor([seqs[i][2] for i in group])
+            starts = torch.tensor([seqs[i][1] for i in group])
+            rows = torch.tensor([seqs[i][0] for i in group])
+            prefix_starts = torch.tensor([seqs[i][3] for i in group])
+            prefixes = torch.tensor([seqs[i][4] for i in group])
+            pos = torch.arange(int(lens.max()))
+            valid = pos[:, None] < lens[None, :]  # [Lq, count]
+            # padding positions read the sequence's first token (finite): masked as keys, dropped as outputs
+            index = torch.where(valid, starts[None, :] + pos[:, None], starts[None, :]) * self.rows + rows[None, :]
+            flat = index.reshape(-1)
+            gather.append(flat)
+            dest.append(index[valid])
+            keep = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)
+            # Keys padded to MIN_KEY_SLOTS like the engine's (its softmax and product with V round differently below
+            # 16 keys): grouped calls of short sequences and every call with a shared prefix. A call of exact mode
+            # without prefixes stays the sequences' own product.
+            short = grouping != "exact" and int((lens + prefixes).max()) < MIN_KEY_SLOTS
+            if not bool(prefixes.any()) and not short:
+                kv_gather.append(flat)
+                mask = None
+                if keep is not None:
+                    allowed = (pos[None, :] <= pos[:, None])[None] & valid.t()[:, None, :]  # [count, Lq, Lk]
+                    mask = ~allowed[:, None]
+                self.calls.append((tuple(index.shape), tuple(index.shape), mask, keep))
+                continue
+            kpos = torch.arange(max(int((lens + prefixes).max()), MIN_KEY_SLOTS))
+            in_prefix = kpos[:, None] < prefixes[None, :]  # [Lk, count]
+            own = kpos[:, None] - prefixes[None, :]
+            key_valid = kpos[:, None] < (prefixes + lens)[None, :]
+            key_at = torch.where(in_prefix, prefix_starts[None, :] + kpos[:, None],
+                                 torch.where(key_valid, starts[None, :] + own, starts[None, :]))
+            key_index = key_at * self.rows + rows[None, :]
+            kv_gather.append(key_index.reshape(-1))
+            # query i of a sequence sees its prefix and its own keys up to i: key j <= prefix + i
+            allowed = (key_valid.t()[:, None, :]
+                       & (kpos[None, None, :] <= (pos[None, :, None] + prefixes[:, None, None])))  # [count, Lq, Lk]
+            self.calls.append((tuple(index.shape), tuple(key_index.shape), ~allowed[:, None], keep))
+        self.sizes = [a * b for (a, b), _, _, _ in self.calls]
+        self.kv_sizes = [a * b for _, (a, b), _, _ in self.calls]
+        # on the model's device once, not once per layer
+        self.gather = torch.cat(gather).to(device) if gather else None
+        self.kv_gather = None
+        if kv_gather:
+            shared = all(a is b for a, b in zip(gather, kv_gather))
+            self.kv_gather = self.gather if shared else torch.cat(kv_gather).to(device)
+        self.scatter = torch.cat(dest).to(device) if dest else None
+        self.calls = [(q_shape, kv_shape, None if mask is None else mask.to(device),
+                       None if keep is None else keep.to(device)) for q_shape, kv_shape, mask, keep in self.calls]
+
+
+def _per_sequence(original, plan: _Plan):
+    """A ``DotProductAttention.forward`` replacement: ``original`` once per call of ``plan``, over the call's
+    sequences stacked as its batch (batch entries are independent products, so a sequence's result depends on
+    its own queries and keys and the call's padded length only)."""
+
+    def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        # query [S, rows, heads, dim]; key/value [S, rows, groups, dim]; output [S, rows, heads * dim]
+        s_len, rows = query.shape[0], plan.rows
+        if query.shape[1] != rows:
+            raise ValueError(f"{rows} rows of sequence spans for attention over {query.shape[1]} rows")
+        contexts = []
+        if plan.calls:
+            # index_select, not t[index]: its backward is an index_add, the latter's an accumulating index_put
+            # (~10x slower on CPU)
+            parts = [t.reshape(s_len * rows, *t.shape[2:]).index_select(0, index).split(sizes)
+                     for t, index, sizes in ((query, plan.gather, plan.sizes), (key, plan.kv_gather, plan.kv_sizes),
+                                             (value, plan.kv_gather, plan.kv_sizes))]
+            for (q_shape, kv_shape, mask, keep), q, k, v in zip(plan.calls, *parts):
+                q = q.view(*q_shape, *q.shape[1:])
+                k, v = (t.view(*kv_shape, *t.shape[1:]) for t in (k, v))
+                context = original(q, k, v, mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                                   packed_seq_params=packed_seq_params)
+                context = context.reshape(-1, context.shape[-1])  # [L * count, heads * dim]
+                contexts.append(context if keep is None else context.index_select(0, keep))
+        width = query.shape[2] * value.shape[3]
+        out = query.new_zeros((s_len * rows, contexts[0].shape[-1] if contexts else width))
+        if contexts:  # padding keeps a zero output: nothing real attends to it and its loss mask is 0
+            out = out.index_copy(0, plan.scatter, torch.cat(contexts))
+        return out.reshape(s_len, rows, -1)
+
+    return forward
+
+
+@contextlib.contextmanager
+def attention_per_sequence(model: torch.nn.Module, spans: Spans, grouping: str = "exact") -> Iterator[bool]:
+    """While active, every local ``DotProductAttention`` in ``model`` attends within each span only (yields
+    whether the model has any: other attention modules, TransformerEngine's, are left alone).
+
+    ``spans[r]``: (start, length) of the real sequences of row ``r``, contiguous from position 0; the positions
+    after them are padding (zero attention output). Wrap one [rows, S] forward call. Other attention modules
+    (TransformerEngine's) are left alone.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    modules = [m for m in model.modules() if type(m) is DotProductAttention]
+    if not modules:
+        yield False
+        return
+    plan = _Plan(spans, grouping, next(model.parameters()).device)
+    for m in modules:
+        m.forward = _per_sequence(m.forward, plan)  # instance attribute: shadows the class's forward
+    try:
+        yield True
+    finally:
+        for m in modules:
+            del m.forward
+
+
+def uses_recomputation(model: torch.nn.Module) -> bool:
+    config = _transformer_config(model)
+    return config is not None and getattr(config, "recompute_granularity", None) is not None
+
+
+@contextlib.contextmanager
+def isolate_sequences(model: torch.nn.Module, position_ids: torch.Tensor, spans: Spans,
+                      attention: str = "exact") -> Iterator[bool]:
+    """The hooks (the module doc) for one [rows, S] forward of packed rows: RoPE positions always; attention
+    ``attention`` (:func:`choose_attention`: "masked", "exact", "grouped" or "auto"), where the per-sequence
+    kinds fall back to the masked product under activation recomputation (the backward would re-run the
+    attention without the hook). Yields whether the forward needs the block-diagonal attention mask (the
+    masked product): the per-sequence attention ignores it."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(rope_at_positions(model, position_ids))
+        kind = choose_attention(spans, position_ids.shape[-1], attention, position_ids.device)
+        per_sequence = kind != "masked" and not uses_recomputation(model)
+        hooked = per_sequence and stack.enter_context(attention_per_sequence(model, spans, kind))
+        yield not hooked

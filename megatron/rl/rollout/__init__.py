@@ -1,0 +1,1 @@
+"""Rollouts: sequences from groups, collection, the synchronous and asynchronous sources, the pipeline, the durable bank."""

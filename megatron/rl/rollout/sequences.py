@@ -1,0 +1,115 @@
+"""From agents' rollout groups to training sequences: drop failures, compute advantages, filter, split.
+
+Pure functions (no process groups): the orchestration in :mod:`megatron.rl.rl_utils` gathers the groups of
+all data-parallel ranks and then calls these identically on every rank, so every rank derives the same
+global list of sequences and the same packing plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import torch
+
+from megatron.rl.algorithms import compute_advantages
+from megatron.rl.base.types import RolloutGroup, TokenRollout
+from megatron.rl.rollout.pipeline import VERSIONS_KEY
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainingSequence:
+    """One rollout as the trainer sees it. All lists are token-aligned (``len == len(token_ids)``).
+
+    loss_mask: 1 at tokens the policy generated (trained), 0 at prompt/observation tokens.
+    inference_logprobs: the backend's log-prob at generated tokens (0.0 elsewhere), or None.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    inference_logprobs: list[float] | None
+    advantage: float
+    reward: float
+    group_index: int
+    env_id: str
+    policy_versions: list[int] | None = None  # per token (-1 where not generated); asynchronous rollouts only
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclasses.dataclass
+class CollectionStats:
+    """What happened to the collected rollouts (all counts over the groups passed in)."""
+
+    groups: int = 0
+    rollouts: int = 0
+    failed_rollouts: int = 0
+    dropped_groups_too_few_ok: int = 0
+    filtered_same_reward_groups: int = 0
+    failure_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    rewards: list[float] = dataclasses.field(default_factory=list)  # of every ok rollout
+    response_lengths: list[int] = dataclasses.field(default_factory=list)  # generated tokens per ok rollout
+
+
+def _as_token_rollout(rollout) -> TokenRollout:
+    if not isinstance(rollout, TokenRollout):
+        raise TypeError(f"the trainer needs token-level rollouts (TokenRollout), but the agent returned "
+                        f"{type(rollout).__name__}; agents used for training must report token ids and log-probs")
+    return rollout
+
+
+def groups_to_sequences(groups: Sequence[RolloutGroup], estimator: str = "grpo", filter_same_reward: bool = False,
+                        min_group_size: int = 2) -> tuple[list[TrainingSequence], CollectionStats]:
+    """Advantages per group over its successful rollouts; failed rollouts never enter training.
+
+    A group keeps its ``ok`` rollouts; with fewer than ``min_group_size`` of them it is dropped (its
+    advantages would be meaningless). With ``filter_same_reward`` groups whose ok rewards are all equal are
+    dropped too (they have zero advantage everywhere). Advantages are computed per group in float64, so
+    groups of different sizes are fine.
+    """
+    stats = CollectionStats()
+    sequences: list[TrainingSequence] = []
+    for gi, group in enumerate(groups):
+        stats.groups += 1
+        ok = []
+        for r in group.rollouts:
+            stats.rollouts += 1
+            if r.ok:
+                ok.append(_as_token_rollout(r))
+            else:
+                stats.failed_rollouts += 1
+                reason = (r.failure_reason or "unknown")[:80]
+                stats.failure_reasons[reason] = stats.failure_reasons.get(reason, 0) + 1
+        stats.rewards.extend(r.reward for r in ok)
+        stats.response_lengths.extend(r.num_generated_tokens for r in ok)
+        if len(ok) < min_group_size:
+            stats.dropped_groups_too_few_ok += 1
+            continue
+        rewards = torch.tensor([[r.reward for r in ok]], dtype=torch.float64)
+        if filter_same_reward and bool((rewards == rewards[0, 0]).all()):
+            stats.filtered_same_reward_groups += 1
+            continue
+        advantages = compute_advantages(rewards, estimator)[0].tolist()
+        for r, adv in zip(ok, advantages):
+            sequences.append(TrainingSequence(token_ids=list(r.token_ids), loss_mask=list(r.generation_mask),
+                                              inference_logprobs=None if r.logprobs is None else list(r.logprobs),
+                                              advantage=float(adv), reward=float(r.reward), group_index=gi,
+                                              env_id=r.env_id, policy_versions=r.metadata.get(VERSIONS_KEY)))
+    return sequences, stats
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    """``parts`` contiguous ranges covering ``range(n)``, sizes differing by at most one (earlier ones larger)."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out

@@ -1,0 +1,1 @@
+"""Checkpoints: save/load, paths, integrity (checksums), arguments, RNG state."""

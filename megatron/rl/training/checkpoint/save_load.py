@@ -1,0 +1,550 @@
+"""Save and load training checkpoints with megatron-core's ``dist_checkpointing`` (torch_dist backend).
+
+What a checkpoint holds (see CONTRACTS.md, "Checkpoint format"):
+
+- sharded: ``model`` (``GPTModel.sharded_state_dict()``; ``model0``, ``model1``, ... with virtual
+  pipeline chunks), ``optimizer`` (megatron optimizer's sharded state; the distributed optimizer in a
+  format that reshards across DP/TP/PP), ``rng_state`` (one ShardedObject entry per rank);
+- common (rank 0's copy): ``iteration``, ``opt_param_scheduler``, ``run_state`` (json-able dict from the
+  caller: consumed samples, data position, ...), ``model_args`` (json-able architecture flags checked on
+  load), and ``checkpoint_info`` (format version, contents, parallel layout at save time, whether the
+  optimizer state is the distributed optimizer's).
+
+Because the model and optimizer are stored as global tensors, a checkpoint saved under one
+TP/PP/DP layout loads under another; the RNG state is then dropped (logged), everything else is kept.
+
+Publishing is atomic (see :mod:`megatron.rl.training.checkpoint.paths`): a save killed at any point
+leaves the previous checkpoint as the one ``--load`` picks. Integrity (see
+:mod:`megatron.rl.training.checkpoint.integrity`): a checksum manifest is written before publishing and verified
+before loading; loaded values are scanned for NaN/Inf; the stored iteration must match the directory name.
+
+Every rank must call :func:`save_checkpoint` / :func:`load_checkpoint` (collective), after
+``torch.distributed`` and megatron's ``parallel_state`` are initialised. Entry scripts need an
+``if __name__ == "__main__":`` guard because the torch_dist writer starts a subprocess.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from megatron.rl.training.checkpoint import integrity
+from megatron.rl.training.checkpoint import paths
+from megatron.rl.training.checkpoint.paths import CheckpointError, latest_checkpoint
+from megatron.rl.training.checkpoint.rng import (
+    RNG_KEY, capture_rng_state, parallel_layout, restore_rng_state, rng_sharded_object)
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+DIST_OPT_FORMATS = ("fully_reshardable", "dp_reshardable")
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "LoadedCheckpoint", "CheckpointError",
+           "DIST_OPT_FORMATS"]
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` restored.
+
+    iteration: the saved iteration (``"release"`` checkpoints give 0); None if the checkpoint has none.
+    run_state: the caller's json-able dict from save time ({} if none).
+    path: the checkpoint directory that was loaded.
+    loaded_optimizer / loaded_scheduler / loaded_rng: which optional parts were restored.
+    model_args: the architecture flags stored with the checkpoint ({} if none).
+    """
+
+    iteration: int | None
+    run_state: dict
+    path: Path
+    loaded_optimizer: bool = False
+    loaded_scheduler: bool = False
+    loaded_rng: bool = False
+    model_args: dict = dataclasses.field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+def _require_distributed() -> None:
+    if not torch.distributed.is_initialized():
+        raise CheckpointError("checkpointing needs torch.distributed initialised (a 1-process group is enough); "
+                              "call initialize_megatron() first")
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def _rank0_then_share(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 and give every rank its result; an exception on rank 0 is raised on all ranks
+    as a CheckpointError (instead of leaving the other ranks waiting in a collective)."""
+    box: list[Any] = [None]
+    if _rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            logger.exception("checkpoint: rank 0 failed")
+            box[0] = ("error", f"{type(e).__name__}: {e}")
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise CheckpointError(value)
+    return value
+
+
+def _unwrap(chunks: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(chunks))
+
+
+def _model_sharded_state(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    models = _unwrap(chunks)
+    if len(models) == 1:
+        return {"model": models[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
+
+
+def _optimizer_metadata(dist_opt_format: str) -> dict[str, Any]:
+    # chained_optim_avoid_prefix: keys of a chained optimizer do not depend on how params are split into
+    # sub-optimizers (dense/expert), so they stay stable when the layout changes.
+    return {"distrib_optim_sharding_type": dist_opt_format, "chained_optim_avoid_prefix": True}
+
+
+def _json_roundtrip(value: dict | None, name: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name} must be json-serialisable (plain dicts/lists/str/numbers/bools): {e}") from e
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    # torch DCP wraps per-rank failures in CheckpointException, which derives from BaseException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception; DCP's multi-rank tracebacks are reduced to their final line."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
+def _cuda_rng() -> bool:
+    from megatron.rl.runtime import cuda_usable
+
+    return cuda_usable()
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Create the state of parameters that have not been stepped yet (a fresh optimizer, iteration 0).
+
+    Without it such a checkpoint has no exp_avg/exp_avg_sq/step entries and cannot be loaded. Adam's
+    lazy initialisation creates exactly these values (zeros, step 0) on its first step, so doing it early
+    changes nothing numerically.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        empty = [p for g in inner.param_groups for p in g["params"] if len(inner.state[p]) == 0]
+        if not empty:
+            continue
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for p in empty:
+                inner.state[p]["step"] = torch.tensor(0.0)
+                inner.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                inner.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif getattr(sub, "init_state_fn", None) is not None:
+            sub.init_state_fn(inner, getattr(sub, "config", None))
+
+
+def _restore_zero_steps(optim_state: Any) -> None:
+    """megatron-core 0.16.1 stores Adam's shared step only when it is truthy (``if step:``), so a checkpoint
+    saved at step 0 has per-param exp_avg/exp_avg_sq but no step and torch Adam's load_state_dict raises
+    KeyError 'step'. Put the missing step (0) back into the loaded optimizer state dict."""
+    if isinstance(optim_state, (list, tuple)):
+        for v in optim_state:
+            _restore_zero_steps(v)
+        return
+    if not isinstance(optim_state, dict):
+        return
+    state = optim_state.get("state")
+    if isinstance(state, dict) and "param_groups" in optim_state and "common_step" not in state:
+        per_param = [v for v in state.values() if isinstance(v, dict)]
+        if per_param and all("exp_avg" in v and "step" not in v for v in per_param):
+            state["common_step"] = torch.tensor(0.0)
+    for v in optim_state.values():
+        if isinstance(v, (dict, list, tuple)):
+            _restore_zero_steps(v)
+
+
+# model_args keys checked by dedicated code below (not by plain equality): the padded vocab may legitimately
+# come from different --make-vocab-size-divisible-by / TP combinations, "vocab_padding" only feeds messages,
+# and "flags" (the model flags, read by --use-checkpoint-args; see checkpoint_args.py) holds run lengths too.
+_SPECIAL_ARGS = ("padded_vocab_size", "vocab_padding", "flags")
+
+
+# Values derived from other flags when not given (--ffn-hidden-size from --hidden-size, ...): compared after the
+# flags they derive from, so a --hidden-size change is reported as --hidden-size, not as ffn_hidden_size.
+_DERIVED_ARGS = ("ffn_hidden_size", "kv_channels", "num_query_groups", "moe_ffn_hidden_size")
+
+
+def check_model_args(saved: dict, current: dict, ckpt_path: Path) -> None:
+    """Raise CheckpointError on the first architecture flag whose value differs (flags before the values derived
+    from them); log flags only one side has.
+
+    ``vocab_size`` None on either side means "the tokenizer's" (older checkpoints, runs without --vocab-size):
+    not compared here; the padded vocab check covers the shapes."""
+    keys = sorted((set(saved) & set(current)) - set(_SPECIAL_ARGS), key=lambda k: (k in _DERIVED_ARGS, k))
+    for key in keys:
+        if key == "vocab_size" and None in (saved[key], current[key]):
+            continue
+        if saved[key] != current[key]:
+            flag, value = "--" + key.replace("_", "-"), saved[key]
+            fix = f"{'add' if value else 'drop'} {flag}" if isinstance(value, bool) else f"pass {flag} {value}"
+            raise CheckpointError(
+                f"architecture mismatch loading {ckpt_path}: {key} is {value!r} in the checkpoint but "
+                f"{current[key]!r} in this run: {fix} (the checkpoint's value), or load a matching checkpoint.")
+    only_saved = sorted(set(saved) - set(current) - set(_SPECIAL_ARGS))
+    only_current = sorted(set(current) - set(saved) - set(_SPECIAL_ARGS))
+    if (only_saved or only_current) and _rank() == 0:
+        logger.warning("model_args not compared (present on one side only): checkpoint-only %s, run-only %s",
+                       only_saved, only_current)
+
+
+def divisible_by_for_padded_vocab(vocab_size: int, padded: int, tp: int) -> int | None:
+    """A ``--make-vocab-size-divisible-by`` value that pads ``vocab_size`` to exactly ``padded`` at TP ``tp``
+    (Megatron's rule: round up to a multiple of divisible_by x tp), preferring the largest power of two;
+    None when no value can (``padded`` not a multiple of ``tp``, or smaller than the vocab). Pure."""
+    if padded < vocab_size or padded % tp:
+        return None
+    fits = [d for d in range(1, padded // tp + 1)
+            if (padded // tp) % d == 0 and -(-vocab_size // (d * tp)) * d * tp == padded]
+    if not fits:
+        return None
+    pow2 = [d for d in fits if d & (d - 1) == 0]
+    return max(pow2) if pow2 else max(fits)
+
+
+def _saved_padded_vocab(ckpt: Path, saved_args: dict) -> int | None:
+    """The checkpoint's padded vocab: from its model_args, else from the embedding/output tensor metadata
+    (checkpoints written before the key existed, or by other tools). Reads no tensor data."""
+    if "padded_vocab_size" in saved_args:
+        return int(saved_args["padded_vocab_size"])
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    except _errors():
+        return None
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if key in meta:
+            return int(meta[key].global_shape[0])
+    return None
+
+
+def check_padded_vocab(ckpt: Path, saved_args: dict, current: dict, layout: dict) -> None:
+    """CheckpointError when the checkpoint's padded vocab differs from this run's (``current["padded_vocab_size"]``).
+
+    A smaller saved embedding would otherwise load into a larger one and leave random rows in every softmax.
+    ``current["vocab_padding"]`` ({"vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size"})
+    makes the message name the --make-vocab-size-divisible-by value that matches.
+    """
+    want = current.get("padded_vocab_size")
+    if want is None:
+        return
+    have = _saved_padded_vocab(ckpt, saved_args)
+    if have is None or have == int(want):
+        return
+    saved_tp = (saved_args.get("vocab_padding") or {}).get("tensor_model_parallel_size") or layout.get("tp")
+    msg = (f"vocabulary mismatch loading {ckpt}: the checkpoint was saved with padded vocab {have}"
+           f"{f' (TP={saved_tp})' if saved_tp else ''}; this run pads to {want}")
+    pad = current.get("vocab_padding") or {}
+    vocab, tp = pad.get("vocab_size"), pad.get("tensor_model_parallel_size")
+    div = pad.get("make_vocab_size_divisible_by")
+    saved_vocab = (saved_args.get("vocab_padding") or {}).get("vocab_size")
+    if vocab is not None and tp is not None:
+        msg += f" ({vocab} tokens, --make-vocab-size-divisible-by {div} x TP={tp})"
+        fix = divisible_by_for_padded_vocab(vocab, have, tp)
+        if saved_vocab is not None and saved_vocab != vocab:
+            msg += f". The checkpoint's tokenizer had {saved_vocab} tokens: use the tokenizer it was trained with"
+        elif fix is not None:
+            msg += f": pass --make-vocab-size-divisible-by {fix} to pad to {have} at TP={tp}"
+        else:
+            msg += (f"; no --make-vocab-size-divisible-by gives {have} at TP={tp}: use a TP that divides {have} "
+                    f"(e.g. the saving run's)")
+    raise CheckpointError(msg + ". Loading anyway would leave randomly initialised vocabulary rows.")
+
+
+def uses_distributed_optimizer(optimizer) -> bool:
+    """Whether a megatron optimizer (or any part of a chained one) is a ``DistributedOptimizer``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_differences(info: dict, optimizer) -> list[str]:
+    """What differs between the saving run's optimizer setup and this one (from checkpoint_info)."""
+    out = []
+    saved_dist = info.get("distributed_optimizer")
+    now_dist = uses_distributed_optimizer(optimizer)
+    if saved_dist is not None and bool(saved_dist) != now_dist:
+        out.append(f"the checkpoint's optimizer state is from {'the distributed' if saved_dist else 'a plain'} "
+                   f"optimizer but this run uses {'the distributed' if now_dist else 'a plain'} one: "
+                   f"{'add' if saved_dist else 'drop'} --use-distributed-optimizer to match")
+    layout = parallel_layout()
+    saved_layout = info.get("layout") or {}
+    if saved_layout.get("ep", layout["ep"]) != layout["ep"]:
+        out.append(f"expert-parallel size changed ({saved_layout['ep']} -> {layout['ep']}; "
+                   f"--expert-model-parallel-size)")
+    return out
+
+
+def _optimizer_error(ckpt: Path, detail: str, info: dict, optimizer) -> CheckpointError:
+    diffs = _optimizer_differences(info, optimizer)
+    why = "; ".join(diffs) if diffs else f"the optimizer state does not fit this run ({detail})"
+    return CheckpointError(f"cannot load the optimizer state of {ckpt}: {why}. Pass --no-load-optim to load the "
+                           f"model weights only (the optimizer then starts fresh).")
+
+
+# ------------------------------------------------------------------------------------------------- save
+
+def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chunks: Sequence[torch.nn.Module],
+                    optimizer=None, opt_param_scheduler=None, run_state: dict | None = None,
+                    model_args: dict | None = None, dist_opt_format: str = "fully_reshardable", *,
+                    save_rng: bool = True) -> Path:
+    """Save a checkpoint of ``iteration`` under ``save_dir`` and publish it atomically. Collective.
+
+    Args:
+        save_dir: the save directory (created if missing); the checkpoint goes to ``iter_%07d`` (or
+            ``release`` when ``iteration == "release"``: the model-only form conversion tools write).
+        iteration: completed training iterations (int >= 0) or ``"release"``.
+        model_chunks: the model, one module per virtual-pipeline chunk (DDP/Float16Module wrappers ok).
+        optimizer: a megatron optimizer (``get_megatron_optimizer``); None saves no optimizer state.
+        opt_param_scheduler: an ``OptimizerParamScheduler``; its state_dict goes to common state.
+        run_state: json-able dict returned by :func:`load_checkpoint` (data position, consumed samples...).
+        model_args: json-able architecture flags compared on load (keep parallel sizes out of it).
+        dist_opt_format: distributed-optimizer format, ``"fully_reshardable"`` (reshards across DP/TP/PP)
+            or ``"dp_reshardable"`` (faster, DP changes only). Ignored for other optimizers.
+        save_rng: store each rank's RNG states (``--no-save-rng`` turns it off; never for "release").
+
+    Returns: the published checkpoint directory. Raises CheckpointError if the save fails on any rank
+    (the previous checkpoint and the tracker are then untouched).
+    """
+    _require_distributed()
+    if dist_opt_format not in DIST_OPT_FORMATS:
+        raise ValueError(f"dist_opt_format must be one of {DIST_OPT_FORMATS}, got {dist_opt_format!r} "
+                         f"('fully_sharded_model_space' fails to load in megatron-core 0.16.1)")
+    name = paths.checkpoint_dir_name(iteration)
+    run_state, model_args = _json_roundtrip(run_state, "run_state"), _json_roundtrip(model_args, "model_args")
+    root = Path(save_dir)
+    t0 = time.perf_counter()
+
+    def prepare() -> str:
+        root.mkdir(parents=True, exist_ok=True)
+        paths.remove_partial_dirs(root)
+        tmp = root / paths.tmp_dir_name(iteration, paths.new_stamp())
+        tmp.mkdir()
+        return str(tmp)
+
+    tmp_dir = Path(_rank0_then_share(prepare))
+
+    from megatron.core import dist_checkpointing
+
+    state = _model_sharded_state(model_chunks)
+    contents = sorted(state)
+    opt_meta = _optimizer_metadata(dist_opt_format)
+    if optimizer is not None:
+        _materialize_optimizer_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=opt_meta)
+        contents.append("optimizer")
+    if save_rng and iteration != paths.RELEASE:  # a release is model-only: nothing to resume
+        state[RNG_KEY] = rng_sharded_object(capture_rng_state(include_cuda=_cuda_rng()))
+        contents.append(RNG_KEY)
+    if opt_param_scheduler is not None:
+        state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+        contents.append("opt_param_scheduler")
+    state["iteration"] = 0 if iteration == paths.RELEASE else iteration
+    state["run_state"] = run_state
+    state["model_args"] = model_args
+    state["checkpoint_info"] = {"format_version": FORMAT_VERSION, "contents": contents,
+                                "layout": parallel_layout(), "dist_opt_format": dist_opt_format,
+                                "release": iteration == paths.RELEASE}
+    if optimizer is not None:
+        state["checkpoint_info"]["distributed_optimizer"] = uses_distributed_optimizer(optimizer)
+    try:
+        dist_checkpointing.save(state, str(tmp_dir), content_metadata=opt_meta)
+        ok = True
+        err = ""
+    except _errors() as e:  # every rank must agree before anything is published
+        logger.exception("checkpoint save into %s failed", tmp_dir)
+        ok, err = False, _describe(e)
+    flags = torch.tensor([0 if ok else 1], dtype=torch.int64, device="cuda" if _cuda_rng() else "cpu")
+    torch.distributed.all_reduce(flags)  # every rank learns whether any rank failed
+    if int(flags.item()) != 0:
+        raise CheckpointError(f"saving {root / name} failed on {int(flags.item())} rank(s)"
+                              f"{': ' + err if err else ''}; the previous checkpoint is untouched "
+                              f"(partial dir {tmp_dir} is removed by the next save)")
+
+    integrity.write_manifest(tmp_dir)  # inside the temp dir: published together with the checkpoint
+    final = root / name
+    _rank0_then_share(lambda: paths.publish(tmp_dir, final))
+    _rank0_then_share(lambda: paths.write_tracker(root, iteration))
+    torch.distributed.barrier()
+    if _rank() == 0:
+        logger.info("saved checkpoint %s (iteration %s) in %.2f s", final, iteration, time.perf_counter() - t0)
+    return final
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+def _load_common(ckpt: Path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(str(ckpt))
+    except _errors() as e:  # any failure here means an unreadable checkpoint
+        raise CheckpointError(f"cannot read the common state of checkpoint {ckpt} ({_describe(e)}); "
+                              f"the directory is corrupt or not a torch_dist checkpoint") from e
+
+
+def _saved_contents(ckpt: Path, common: dict) -> set[str]:
+    info = common.get("checkpoint_info")
+    if info:
+        return set(info["contents"])
+    # a checkpoint written by another tool: look at which sharded keys it holds
+    from megatron.core import dist_checkpointing
+
+    keys = dist_checkpointing.load_tensors_metadata(str(ckpt)).keys()
+    found = {"model"}
+    if any(k.startswith("optimizer.") for k in keys):
+        found.add("optimizer")
+    if "opt_param_scheduler" in common:
+        found.add("opt_param_scheduler")
+    return found
+
+
+def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn.Module], optimizer=None,
+                    opt_param_scheduler=None, *, load_optimizer: bool = True, load_rng: bool = True,
+                    strict: bool = True, model_args: dict | None = None,
+                    verify_checksums: bool = True) -> LoadedCheckpoint:
+    """Load the latest checkpoint of ``load_dir`` into the given model/optimizer/scheduler. Collective.
+
+    Args:
+        load_dir: a save directory (its tracker names the checkpoint) or a checkpoint directory itself.
+        model_chunks: freshly built model chunks of the *current* parallel layout (may differ from the
+            layout at save time); their parameters are overwritten.
+        optimizer / opt_param_scheduler: restored when given and ``load_optimizer`` (the optimizer's main
+            params are refreshed from the loaded model when the optimizer state is not loaded).
+        load_optimizer: False loads the model only (release checkpoints, --finetune, --no-load-optim).
+        load_rng: restore per-rank RNG states (only possible when the parallel layout is unchanged).
+        strict: every model key must be in the checkpoint and vice versa.
+        model_args: this run's architecture flags; any key stored with a different value raises.
+        verify_checksums: check the files against the checksum manifest before reading them
+            (``--no-verify-checkpoint-checksums`` turns it off); the NaN/Inf scan of loaded values always runs.
+
+    Returns: LoadedCheckpoint. Raises CheckpointError for a missing/corrupt/incomplete checkpoint, a
+    model_args mismatch, missing optimizer state with ``load_optimizer=True``, or tensors that do not fit.
+    """
+    _require_distributed()
+    t0 = time.perf_counter()
+    ckpt = paths.resolve_checkpoint_dir(load_dir)
+    if verify_checksums:
+        integrity.verify_manifest(ckpt)
+    common = _load_common(ckpt)
+    integrity.check_iteration_matches_dir(ckpt, common.get("iteration"))
+    saved_args = common.get("model_args") or {}
+    info = common.get("checkpoint_info") or {}
+    if model_args:
+        current_args = _json_roundtrip(model_args, "model_args")
+        check_model_args(saved_args, current_args, ckpt)
+        check_padded_vocab(ckpt, saved_args, current_args, info.get("layout") or {})
+    contents = _saved_contents(ckpt, common)
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    state = _model_sharded_state(model_chunks)
+    want_opt = optimizer is not None and load_optimizer
+    if want_opt and "optimizer" not in contents:
+        raise CheckpointError(f"checkpoint {ckpt} has no optimizer state (a model-only/release checkpoint); "
+                              f"load it with load_optimizer=False (--no-load-optim or --finetune)")
+    if want_opt and info.get("distributed_optimizer") is not None and \
+            bool(info["distributed_optimizer"]) != uses_distributed_optimizer(optimizer):
+        raise _optimizer_error(ckpt, "", info, optimizer)  # known before any tensor is read
+    if want_opt:
+        saved_meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or \
+            _optimizer_metadata("fully_reshardable")
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=saved_meta)
+
+    layout = parallel_layout()
+    want_rng = load_rng and RNG_KEY in contents
+    if want_rng and info.get("layout") != layout:
+        want_rng = False
+        if _rank() == 0:
+            logger.info("RNG state not restored: saved under layout %s, now %s (generators keep this run's seeds)",
+                        info.get("layout"), layout)
+    if want_rng:
+        state[RNG_KEY] = rng_sharded_object(capture_rng_state(include_cuda=_cuda_rng()))
+
+    try:
+        loaded = dist_checkpointing.load(
+            state, str(ckpt), strict=StrictHandling.ASSUME_OK_UNEXPECTED if strict else StrictHandling.LOG_ALL)
+    except _errors() as e:  # shape/key mismatches and unreadable shards surface here
+        if want_opt and "optimizer" in str(e):
+            raise _optimizer_error(ckpt, _describe(e), info, optimizer) from e
+        raise CheckpointError(f"loading {ckpt} failed ({_describe(e)}). If the architecture changed, "
+                              f"pass model_args to get the differing flag named") from e
+
+    models = _unwrap(model_chunks)
+    keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
+    for key, model in zip(keys, models):
+        if key not in loaded:
+            raise CheckpointError(f"checkpoint {ckpt} has no '{key}' entry (saved with a different number of "
+                                  f"virtual pipeline chunks?)")
+        try:
+            model.load_state_dict(loaded[key], strict=strict)
+        except RuntimeError as e:
+            raise CheckpointError(f"checkpoint {ckpt} does not fit the model ({key}): {e}") from e
+
+    loaded_sched = False
+    if want_opt:
+        _restore_zero_steps(loaded["optimizer"])
+        try:
+            optimizer.load_state_dict(loaded["optimizer"])
+        except (KeyError, ValueError, RuntimeError, IndexError, AssertionError) as e:
+            raise _optimizer_error(ckpt, _describe(e), info, optimizer) from e
+        if opt_param_scheduler is not None and "opt_param_scheduler" in common:
+            # named flags instead of megatron-core's bare AssertionError (after the optimizer: its errors first)
+            integrity.check_scheduler_matches(ckpt, common["opt_param_scheduler"], opt_param_scheduler)
+            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+            loaded_sched = True
+    elif optimizer is not None:
+        optimizer.reload_model_params()  # main (fp32) params must follow the loaded model params
+    integrity.check_finite_state(ckpt, models, optimizer if want_opt else None)
+    if want_rng:
+        restore_rng_state(loaded[RNG_KEY], include_cuda=_cuda_rng())
+
+    iteration = common.get("iteration")
+    if info.get("release") or ckpt.name == paths.RELEASE:
+        iteration = 0
+    torch.distributed.barrier()
+    if _rank() == 0:
+        logger.info("loaded checkpoint %s (iteration %s; optimizer %s, rng %s) in %.2f s", ckpt, iteration,
+                    want_opt, want_rng, time.perf_counter() - t0)
+    return LoadedCheckpoint(iteration=iteration, run_state=common.get("run_state") or {}, path=ckpt,
+                            loaded_optimizer=want_opt, loaded_scheduler=loaded_sched, loaded_rng=want_rng,
+                            model_args=saved_args)

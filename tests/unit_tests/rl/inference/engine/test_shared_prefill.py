@@ -1,0 +1,105 @@
+"""Requests with the same prompt prefill it once (megatron.rl.inference.engine.shared_prefill).
+
+The same batch is generated with sharing on and off: sharing must actually skip prompt tokens, give the same
+greedy completions, stay within the fp32 train-inference log-prob bound against a teacher-forced forward, and
+keep every sampled rollout's log-probs within that bound of the unshared engine's for the same seeds.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit_tests.rl.inference.scripts.megatron_common import (init_distributed, peaked_tiny_gpt,
+                                                                   teacher_forced_logprobs)
+
+MAX_GAP = 1e-5  # the fp32 train-inference bound of test_megatron_logprob_gap.py
+
+
+@pytest.fixture(scope="module")
+def engines():
+    init_distributed(tp=1)
+    from megatron.rl.inference.megatron import EngineSettings, MegatronInference
+    from megatron.rl.training.tokenizer import ByteLevelTokenizer
+
+    model = peaked_tiny_gpt(hidden=64, layers=2, seq=128)
+    backends = {share: MegatronInference(model, ByteLevelTokenizer(), settings=EngineSettings(
+        block_size_tokens=16, share_prompt_prefill=share)) for share in (True, False)}
+    yield model, backends
+    for backend in backends.values():
+        backend.exit_inference_mode()
+
+
+def _groups(temperature: float, seed0: int = 0) -> list:
+    """GRPO-like: 6 prompts (1 to 37 tokens, one spanning 3 KV blocks) x 4 rollouts, plus 3 lone prompts."""
+    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
+
+    prompts = ["a", "Q: 12+7=? A:", "the quick brown fox jumps over the lazy", "xy", "abcdefghijklmnop",
+               "hello world"]
+    requests = []
+    for p, prompt in enumerate(prompts):
+        for i in range(4):
+            requests.append(InferenceRequest(prompt=prompt, generation_args=GenerationArgs(
+                temperature=temperature, max_tokens=6 + 3 * (i % 3), seed=seed0 + 10 * p + i)))
+    for prompt in ("lone one", "another lone prompt", "z"):
+        requests.append(InferenceRequest(prompt=prompt, generation_args=GenerationArgs(
+            temperature=temperature, max_tokens=9, seed=seed0 + 99)))
+    return requests
+
+
+def _context(backend):
+    return backend.context
+
+
+def test_shared_prompts_skip_their_prefill_and_keep_greedy_completions(engines):
+    _, backends = engines
+    shared = backends[True].generate(_groups(0.0))
+    skipped = _context(backends[True]).shared_prefill_tokens
+    plain = backends[False].generate(_groups(0.0))
+    # each group's 3 followers skip all but their prompt's last token; the lone prompts share nothing
+    lengths = [r.prompt_length for r in shared[:24:4]]
+    assert lengths[2] > 32  # one prompt spans three 16-token KV blocks
+    assert skipped == sum(3 * (n - 1) for n in lengths)
+    assert [r.token_ids for r in shared] == [r.token_ids for r in plain]
+    for a, b in zip(shared, plain):
+        assert a.finish_reason == b.finish_reason == "length", (a.error, b.error)
+
+
+def test_sampled_rollouts_match_the_unshared_engine_and_the_trainer(engines):
+    model, backends = engines
+    shared = backends[True].generate(_groups(1.0, seed0=1000))
+    plain = backends[False].generate(_groups(1.0, seed0=1000))
+    gaps, magnitudes = [], []
+    for a, b in zip(shared, plain):
+        assert a.finish_reason in ("stop", "length"), a.error
+        assert a.token_ids == b.token_ids  # same seeds, same distributions within rounding: same samples
+        ref = teacher_forced_logprobs(model, a.token_ids, a.prompt_length, 1.0)
+        gaps.append(float((torch.tensor(a.logprobs) - ref).abs().max()))
+        assert float((torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max()) < MAX_GAP
+        magnitudes.append(float(ref.abs().mean()))
+    assert sum(magnitudes) / len(magnitudes) > 1.0, "the model is not peaked: the test would not exercise the gap"
+    assert max(gaps) < MAX_GAP, f"max train-inference gap {max(gaps):.3g}"
+
+
+def test_followers_admitted_beside_requests_in_flight(engines):
+    """A second batch of groups joins while the first decodes: the step mixes decode rows, leaders and followers
+    at other KV offsets, and followers' caches are copied from leaders of that step only."""
+    import asyncio
+
+    model, backends = engines
+    backend = backends[True]
+    first, second = _groups(1.0, seed0=2000), _groups(1.0, seed0=3000)
+    for r in first:
+        r.generation_args.max_tokens = 20
+
+    async def both():
+        early = asyncio.ensure_future(backend.agenerate(first))
+        await asyncio.sleep(0.05)
+        return await early, await backend.agenerate(second)
+
+    before = _context(backend).shared_prefill_tokens if backend.active else 0
+    a, b = asyncio.run(both())
+    assert _context(backend).shared_prefill_tokens > before
+    for r in a + b:
+        assert r.finish_reason in ("stop", "length"), r.error
+        ref = teacher_forced_logprobs(model, r.token_ids, r.prompt_length, 1.0)
+        assert float((torch.tensor(r.logprobs) - ref).abs().max()) < MAX_GAP
