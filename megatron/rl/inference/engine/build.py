@@ -28,6 +28,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 from megatron.core.utils import get_model_config
 
+from megatron.rl.inference.engine.graphs import DecodeGraphs
 from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
 from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS, set_decode_lengths
@@ -93,6 +94,9 @@ class EngineSettings:
             return cls()
         # GPU: megatron-core's own block size, step size and token padding, a larger buffer and batch.
         return cls(buffer_size_gb=4.0, block_size_tokens=256, max_requests=512, max_tokens=16384, token_rounder=None)
+
+
+GRAPH_DEVICES = ("cuda",)  # where EngineSettings.decode_cuda_graphs captures (CPU has no graphs to capture)
 
 
 @dataclasses.dataclass
@@ -168,6 +172,8 @@ class SamplingController(TextGenerationController):
         self._step_log_probs: torch.Tensor | None = None
         self._step_sampling: _StepSampling | None = None
         self.key_multiple = 1  # decode attention's key slots are rounded up to this (EngineSettings.decode_buckets)
+        self.graphs: DecodeGraphs | None = None  # EngineSettings.decode_cuda_graphs on a GPU
+        self.graph_buckets: frozenset[int] = frozenset()
 
     def make_generator(self, seed: int) -> NoiseStream:
         g = torch.Generator(device=self._sampled_tokens_cuda.device)
@@ -192,6 +198,13 @@ class SamplingController(TextGenerationController):
                 set_decode_lengths(lengths, key_multiple=self.key_multiple)
         self._step_sampling = self._prepare_sampling(context)
         return result
+
+    def _dynamic_step_forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        context = self.inference_wrapped_model.inference_context
+        rows = context.padded_active_request_count
+        if self.graphs is not None and context.is_decode_only() and rows in self.graph_buckets:
+            return self.graphs(rows, input_ids, position_ids)
+        return super()._dynamic_step_forward_logits(input_ids, position_ids)
 
     def _prepare_sampling(self, context: Any) -> "_StepSampling":
         """The active requests' sampling settings as tensors, their generators and the host-side facts."""
@@ -249,6 +262,7 @@ class _DecodeBuckets:
     """
 
     DECODE_BUCKETS: tuple[int, ...] = ()
+    FULL_DECODE_LOGITS = False  # decode logits for every padded row (a fixed output shape for graphs)
 
     def round_up_tokens(self, value, tp_size=None):
         rounded = super().round_up_tokens(value, tp_size)
@@ -257,11 +271,20 @@ class _DecodeBuckets:
         bucket = bucket_size(rounded, self.DECODE_BUCKETS)
         return rounded if bucket is None else bucket
 
+    def last_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        # Decode: every request has one query token, so its last-token row is its own row; all padded rows are kept
+        # (the sampler takes the active ones) so the forward's output has the bucket's shape, not the request count's.
+        # The output layer then also runs on the padded rows: MKL may round a product of another row count
+        # differently in the last bits, so only graphs (which need the fixed shape) take it.
+        if self.FULL_DECODE_LOGITS and self.is_decode_only():
+            return logits.squeeze(0)
+        return super().last_token_logits(logits)
+
 
 @functools.lru_cache(maxsize=None)
 def _context_class(token_rounder: int | None, share_prompt_prefill: bool = False,
                    keep_cpu_kv_buffer: bool = False, decode_buckets: tuple[int, ...] | None = None,
-                   ) -> type[DynamicInferenceContext]:
+                   full_decode_logits: bool = False) -> type[DynamicInferenceContext]:
     """DynamicInferenceContext with its class-level token padding (``TOKEN_ROUNDER``) replaced and the mixins
     of :mod:`~megatron.rl.inference.engine.shared_prefill`, :mod:`~megatron.rl.inference.engine.kv_reuse` and
     decode buckets (:class:`_DecodeBuckets`)."""
@@ -278,6 +301,7 @@ def _context_class(token_rounder: int | None, share_prompt_prefill: bool = False
         attrs["TOKEN_ROUNDER"] = token_rounder
     if decode_buckets:
         attrs["DECODE_BUCKETS"] = tuple(sorted(decode_buckets))
+        attrs["FULL_DECODE_LOGITS"] = full_decode_logits
     name = "DynamicInferenceContext" + (f"Round{token_rounder}" if token_rounder else "") + "".join(
         m.__name__.strip("_") for m in mixins)
     return type(name, mixins + (DynamicInferenceContext,), attrs)
@@ -315,7 +339,7 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     if buckets is None and settings.decode_cuda_graphs:
         buckets = power_of_two_buckets(settings.token_rounder or 8, settings.max_requests)
     context = _context_class(settings.token_rounder, settings.share_prompt_prefill, settings.keep_cpu_kv_buffer,
-                             tuple(buckets) if buckets else None)(
+                             tuple(buckets) if buckets else None, settings.decode_cuda_graphs)(
         params_dtype=config.params_dtype,
         num_layers=num_local_layers,
         kv_channels=config.kv_channels,
@@ -344,6 +368,9 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
                                     pp_group=None if pg_collection is None else pg_collection.pp)
     if buckets:
         controller.key_multiple = MIN_KEY_SLOTS
+    if settings.decode_cuda_graphs and context.memory_buffer.device.type in GRAPH_DEVICES:
+        forward = super(SamplingController, controller)._dynamic_step_forward_logits
+        controller.graphs, controller.graph_buckets = DecodeGraphs(forward), frozenset(buckets)
     engine = DynamicInferenceEngine(controller, context, random_seed=settings.seed, pg_collection=pg_collection)
     log.debug("dynamic inference engine: %d KV blocks of %d tokens, max_requests=%d, max_tokens=%d",
               context.block_allocator.total_count, context.block_size_tokens, context.max_requests,

@@ -192,3 +192,60 @@ def test_the_guard_catches_the_reads_of_the_attention_and_sampler_without_host_k
     with no_device_to_host_reads():
         got = sample_tokens(lp, t, k, p, [None] * 4, torch.Generator().manual_seed(0), [0, 2, 3], True)
     assert torch.equal(got, sample_tokens(lp, t, k, p, [None] * 4, torch.Generator().manual_seed(0)))
+
+
+def _emulated_capture(calls: list):
+    """A CPU stand-in for CUDA graph capture: the 'graph' reruns the function into the captured output tensor."""
+    def capture(run):
+        calls.append("capture")
+        out = run()
+
+        def replay():
+            calls.append("replay")
+            with torch.inference_mode(out.is_inference()):
+                out.copy_(run())
+        return replay, out
+    return capture
+
+
+def test_decode_graphs_capture_once_replay_after_and_fall_back_to_eager():
+    from megatron.rl.inference.engine.graphs import DecodeGraphs
+
+    ids, pos = torch.zeros(8, dtype=torch.long), torch.arange(8)
+    eager: list = []
+
+    def forward(i, p):
+        eager.append(1)
+        return (i + p).float()
+
+    calls: list = []
+    graphs = DecodeGraphs(forward, capture=_emulated_capture(calls))
+    first = graphs(8, ids, pos)
+    second = graphs(8, ids, pos)
+    assert calls == ["capture", "replay", "replay"] and graphs.captured == [8]  # capture records, replay runs
+    assert second is first and torch.equal(second, pos.float())  # the graph's own output tensor
+    assert torch.equal(graphs(8, ids.clone(), pos), pos.float()) and calls[-1] == "replay"  # moved inputs: eager
+
+    def failing(run):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    eager.clear()
+    broken = DecodeGraphs(forward, capture=failing)
+    assert torch.equal(broken(8, ids, pos), pos.float()) and torch.equal(broken(8, ids, pos), pos.float())
+    assert broken.captured == [] and len(eager) == 2  # eager both times, capture not retried
+
+
+def test_engine_routes_decode_steps_through_the_graphs_and_keeps_every_token(model, monkeypatch):
+    from megatron.rl.inference.engine import build
+    from megatron.rl.inference.engine.graphs import DecodeGraphs
+
+    calls: list = []
+    # on CPU the flag keeps its fixed shapes (buckets, logits of every padded row) but captures nothing: eager
+    eager = _generate(_backend(model, decode_cuda_graphs=True), _requests(seed=2))
+    monkeypatch.setattr(build, "GRAPH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(build, "DecodeGraphs", lambda forward: DecodeGraphs(forward, capture=_emulated_capture(calls)))
+    graphed = _generate(_backend(model, decode_cuda_graphs=True), _requests(seed=2))
+    assert calls.count("capture") >= 3 and calls.count("replay") > 10, calls  # several buckets, replayed after
+    for a, b in zip(eager, graphed):
+        assert a.finish_reason in ("stop", "length"), a.error
+        assert a.generated_token_ids == b.generated_token_ids and a.logprobs == b.logprobs
