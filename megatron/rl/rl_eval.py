@@ -160,7 +160,7 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     included, without optimizer or DDP). Returns the merged ``eval/`` metrics (all ranks).
     """
     from megatron.rl.agent.env_config import build_agent_from_config
-    from megatron.rl.inference.api import build_training_inference
+    from megatron.rl.layout.refit import build_run_inference
     from megatron.rl.rl_utils import generation_split
     from megatron.rl.training.run import EVAL_ONLY, TrainingRun, resolve_load_dir
 
@@ -171,7 +171,7 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     run = TrainingRun.build(cfg, EVAL_ONLY)
     loaded = run.resume().loaded
-    inference = build_training_inference(cfg, rl, run.model, run.tokenizer)
+    inference = build_run_inference(cfg, rl, run.model, run.tokenizer)
     agent.set_data_parallel(*generation_split(inference)[1:])
     if rl.inference_layout.enabled:
         inference.refit_if_stale()  # the copy starts from the loaded weights

@@ -13,7 +13,7 @@ import time
 
 from megatron.rl import parallel_utils
 from megatron.rl.rollout.async_source import build_async_rollouts
-from megatron.rl.inference.api import build_training_inference
+from megatron.rl.layout.refit import build_run_inference
 from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_eval import evaluate, format_eval_line
@@ -23,6 +23,7 @@ from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, 
 from megatron.rl.observe.warnings import RunWarnings, WarningThresholds, warning_metrics
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.training.metrics import MetricsJsonl
+from megatron.rl.base.errors import RLError
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: fl
     return " | ".join(parts) + " |"
 
 
-class AllRolloutsFailedError(RuntimeError):
+class AllRolloutsFailedError(RLError, RuntimeError):
     """Every rollout failed for ``--rl-max-all-failed-iterations`` iterations in a row."""
 
 
@@ -103,7 +104,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
             log.warning("no --pretrained-checkpoint: RL starts from randomly initialised weights")
     if c.load is None and c.save is None:
         log.info("no --save: this run will not be resumable")
-    backend = build_training_inference(cfg, rl, model, tokenizer)
+    backend = build_run_inference(cfg, rl, model, tokenizer)
     agent.set_data_parallel(*generation_split(backend)[1:])
     if run_state.get("agent"):
         agent.load_state_dict(run_state["agent"])

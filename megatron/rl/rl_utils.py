@@ -51,11 +51,12 @@ from megatron.rl.packing.microbatches import (
 from megatron.rl.packing.prefix_sharing import plan_shared_packing, sharing_applies
 from megatron.rl.sequence_packing_utils import PackedBatch, build_rank_batch, distribute_bins, plan_packing
 from megatron.rl.training.loop import train_step
+from megatron.rl.base.errors import RLError
 
 log = logging.getLogger(__name__)
 
 
-class RLDataError(RuntimeError):
+class RLDataError(RLError, RuntimeError):
     """The agents produced nothing trainable (no prompts, every rollout failed, ...)."""
 
 

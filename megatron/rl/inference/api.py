@@ -28,6 +28,8 @@ from megatron.rl.base.chat import ChatMessage  # re-exported: requests carry cha
 from megatron.rl.inference.validation import (SEED_MAX, MaxTokens, NumSamples, Seed, StopString,
                                               Temperature, Text, TopK, TopP, request_error, sample_count)
 
+from megatron.rl.base.errors import RLError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -48,7 +50,7 @@ __all__ = [
 ]
 
 
-class InferenceError(RuntimeError):
+class InferenceError(RLError, RuntimeError):
     """A backend could not serve a request at all (unreachable server, unknown backend, ...)."""
 
 

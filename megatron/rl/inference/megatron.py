@@ -54,6 +54,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 from pydantic import ValidationError
 
+from megatron.rl.base.errors import ConfigError
 from megatron.rl.inference.api import (
     GenerationArgs,
     InferenceError,
@@ -133,13 +134,8 @@ class MegatronInference(InferenceInterface):
 
     @classmethod
     def build_for_training(cls, cfg: Any, rl: Any, model: list, tokenizer: Any) -> InferenceInterface:
-        """The RL run's backend over the trainer's model; with ``--rl-inference-*`` layout flags, over a copy."""
-        from megatron.rl.training.config import ConfigError
-
-        if rl.inference_layout.enabled:  # an inference copy at its own layout (megatron.rl.layout.refit)
-            from megatron.rl.layout.refit import build_layout_inference
-
-            return build_layout_inference(cfg, rl.inference_layout, model, tokenizer)
+        """The RL run's backend over the trainer's model (an inference copy at its own layout is the trainer's
+        :func:`megatron.rl.layout.refit.build_run_inference`)."""
         if len(model) != 1:
             raise ConfigError("--inference-backend megatron needs a single model chunk per rank "
                               "(megatron-core inference does not support the interleaved pipeline schedule)")

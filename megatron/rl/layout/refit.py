@@ -23,14 +23,16 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl import parallel_utils
-from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
+from megatron.rl.inference.api import (InferenceInterface, InferenceRequest, InferenceResponse,
+                                       build_training_inference)
 from megatron.rl.layout.groups import InferenceGroups, InferenceLayoutConfig, build_inference_groups
 from megatron.rl.training.config import TrainingConfig
+from megatron.rl.base.errors import RLError
 
 log = logging.getLogger(__name__)
 
 
-class RefitVerificationError(RuntimeError):
+class RefitVerificationError(RLError, RuntimeError):
     """--rl-verify-model-weights-swap found the inference copy disagreeing with the trainer."""
 
 
@@ -261,6 +263,14 @@ def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, t
              groups.replica_rank, model_bytes(copy_model) / 2**20, float(size[0]) / 2**20, method)
     backend = MegatronInference(copy_model[0], tokenizer, process_groups=groups)
     return LayoutInference(backend, copy, groups)
+
+
+def build_run_inference(cfg: TrainingConfig, rl: Any, model: list, tokenizer) -> InferenceInterface:
+    """The backend an RL run generates with: the inference copy at its own layout when ``--rl-inference-*``
+    flags ask for one (not refit yet), else ``--inference-backend``'s ``build_for_training``."""
+    if rl.inference_layout.enabled:
+        return build_layout_inference(cfg, rl.inference_layout, model, tokenizer)
+    return build_training_inference(cfg, rl, model, tokenizer)
 
 
 def start_inference_copy(ctx, rl, inference: LayoutInference) -> None:

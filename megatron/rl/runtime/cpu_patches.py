@@ -20,6 +20,7 @@ import torch
 
 from megatron.rl.runtime import torch_attention
 from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
+from megatron.rl.base.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
 ALLOW_UNTESTED_ENV = "MEGATRON_RL_ALLOW_UNTESTED_MCORE"
 
 
-class UnsupportedMegatronCoreVersion(RuntimeError):
+class UnsupportedMegatronCoreVersion(UserError, RuntimeError):
     pass
 
 

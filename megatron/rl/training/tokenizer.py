@@ -31,6 +31,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Typ
 
 from megatron.rl.base import chat
 from megatron.rl.base.registry import Registry
+from megatron.rl.base.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ __all__ = [
 DEFAULT_TOKENIZER_TYPE = "ByteLevelTokenizer"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """Bad tokenizer configuration (unknown type, missing directory, unusable tokenizer)."""
 
 
