@@ -26,7 +26,7 @@ from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from megatron.rl.layout.groups import InferenceLayoutConfig, validate_inference_layout
 from megatron.rl.observe.config import ObserveConfig, resolve_observe
-from megatron.rl.rollout.pipeline import AsyncRolloutConfig
+from megatron.rl.rollout.async_config import AsyncRolloutConfig, async_loss_config, validate_async_rollouts
 from megatron.rl.sequence_packing_utils import PACKING_ALGOS
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
@@ -175,8 +175,6 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
     _need(Path(a.langrl_env_config).is_file(), f"--langrl-env-config={a.langrl_env_config}: no such file.")
     raw = from_namespace(RLConfig, a, deterministic_forward=cfg.model.hidden_dropout == 0
                          and cfg.model.attention_dropout == 0)
-    from megatron.rl.rollout.async_source import async_loss_config
-
     rl = dataclasses.replace(raw, observe=resolve_observe(raw.observe, raw, cfg),
                              loss=async_loss_config(raw.loss, raw.async_rollouts))
     validate_rl_config(rl, cfg)
@@ -254,8 +252,6 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
               f"replicas of the inference layout (world size / (inference TP x PP)): each replica generates an "
               f"equal share of the prompt groups.")
     # --- end separate inference layout ---
-    from megatron.rl.rollout.async_source import validate_async_rollouts  # asynchronous rollouts (issue 14)
-
     validate_async_rollouts(rl.async_rollouts, rl, cfg)
 
 

@@ -64,6 +64,7 @@ from megatron.rl.inference.api import (
     expand_checked,
 )
 from megatron.rl.inference.chat_template import render_chat
+from megatron.rl.inference.control import RolloutShard, TrainerControl
 from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler, broadcast_plan, lockstep_group, lockstep_rank_groups
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, unwrap_gpt_model
 from megatron.rl.inference.engine.session import EngineSession, EosIds
@@ -78,8 +79,10 @@ class _RequestError(ValueError):
 
 
 @InferenceInterface.register("megatron")
-class MegatronInference(InferenceInterface):
-    """In-process megatron-core dynamic-engine backend over the training model.
+class MegatronInference(InferenceInterface, TrainerControl):
+    """In-process megatron-core dynamic-engine backend over the training model; implements the trainer's
+    controls (:class:`~megatron.rl.inference.control.TrainerControl`): pause/resume across weight updates,
+    policy versions per token, its prompt split and its engine steps.
 
     Args:
         model: the training GPTModel (or a one-element list of model chunks; DDP / Float16Module
@@ -112,13 +115,14 @@ class MegatronInference(InferenceInterface):
         self.settings = settings or EngineSettings.for_device(runtime.device)
         self.max_sequence_length = int(max_sequence_length or self.settings.max_sequence_length
                                        or self._gpt.max_sequence_length)
-        self.rollout_shard = None  # how the RL loop splits prompts when not by training data-parallel rank
+        # how the trainer splits prompts when not by training data-parallel rank (None: by DP rank)
         if process_groups is None:
             group, source, self.lockstep_size = lockstep_group()
             self.rollout_shard = _training_layout_shard(source, self.lockstep_size)
-        else:
+        else:  # one lockstep group per replica of the inference layout
             group, source = process_groups.lockstep_group, process_groups.lockstep_source
             self.lockstep_size = 1 if group is None else dist.get_world_size(group)
+            self.rollout_shard = RolloutShard.for_groups(process_groups)
         self._scheduler = LockstepScheduler(dist.get_rank() == source, broadcast_plan(group, source))
         self._session = EngineSession(model, self._gpt, EngineTokenizer(tokenizer), EosIds.of(tokenizer),
                                       self.settings, self.max_sequence_length,
@@ -286,11 +290,9 @@ class MegatronInference(InferenceInterface):
 def _training_layout_shard(source: int, size: int) -> Any:
     """The prompt split for an engine at the training layout: None (by data-parallel rank, as always) unless
     expert parallelism joins several data-parallel ranks into one lockstep group; then a
-    :class:`~megatron.rl.layout.groups.RolloutShard` by lockstep group, so that those ranks ask for the
+    :class:`~megatron.rl.inference.control.RolloutShard` by lockstep group, so that those ranks ask for the
     same prompts (the group serves its lowest rank's requests) and get their training share afterwards."""
     from megatron.core import parallel_state as ps
-
-    from megatron.rl.layout.groups import RolloutShard
 
     if not ps.model_parallel_is_initialized():
         return None

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron.rl.inference.engine.lockstep import lockstep_rank_groups
-from megatron.rl.layout.groups import RolloutShard, layout_rank_lists, LayoutSizes
+from megatron.rl.inference.control import RolloutShard
+from megatron.rl.layout.groups import layout_rank_lists, LayoutSizes
 from tests.conftest import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "moe_colocated_run.py"

@@ -278,7 +278,7 @@ def test_megatron_backend_generation_is_capped_at_seq_length(env_yaml, monkeypat
     """A prompt + generation longer than --seq-length used to be generated, then fail in packing (finding 8)."""
     import torch
 
-    from megatron.rl.inference.api import build_training_inference
+    from megatron.rl.inference.control import build_training_inference
     from megatron.rl.inference.megatron import MegatronInference
 
     seen = {}

@@ -5,10 +5,11 @@ The fake mirrors MegatronInference: pause/resume do nothing while the engine is 
 set the version either), and a generation restarts a stopped engine with whatever version it last had."""
 import contextlib
 
+from megatron.rl.inference.control import TrainerControl
 from megatron.rl.rollout.async_source import EngineControl
 
 
-class _Engine:
+class _Engine(TrainerControl):
     def __init__(self):
         self.version = None
         self.active = False
