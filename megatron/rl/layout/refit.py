@@ -16,20 +16,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
 import time
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
 from megatron.rl import parallel_utils
+from megatron.rl.base.errors import RLError
 from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.inference.control import build_training_inference
 from megatron.rl.inference.forwarding import ForwardingInference
 from megatron.rl.layout.groups import InferenceGroups, InferenceLayoutConfig, build_inference_groups
+from megatron.rl.runtime import patches
+from megatron.rl.runtime.reshard_planner import PLANNER_PATCH
 from megatron.rl.training.config import TrainingConfig
-from megatron.rl.base.errors import RLError
 
 log = logging.getLogger(__name__)
 
@@ -87,45 +87,6 @@ def model_bytes(chunks: list) -> int:
     return sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
 
 
-_EXPERT_INDEX = re.compile(r"(?<=\.local_experts\.)(\d+)(?=\.)")
-_PATCHED_PLANNER = "_megatron_rl_sequential_experts"
-
-
-def patch_planner_for_sequential_experts() -> None:
-    """A registered patch of megatron-core 0.16.1's reshard planner (applied once; see the reason below).
-
-    Reason: the planner matches parameters across layouts by a "resolved name" in which per-rank expert
-    indices become global ones, but only for TEGroupedMLP names (``...experts.linear_fc1.weightK``). The
-    local layer spec's SequentialMLP names its experts ``...experts.local_experts.K...`` with K local to the
-    expert-parallel rank, so with EP > 1 two ranks' ``local_experts.0`` are different experts under one name
-    (the refit fails with "not found in source model", or copies the wrong expert). Its replicated expert
-    tensors (a RowParallelLinear bias) are also planned over the dense data-parallel group, which holds
-    different experts, instead of the expert data-parallel group. This wraps ``extract_param_metadata`` to
-    fix both for expert-parallel parameters; everything else is untouched.
-    """
-    from megatron.core.resharding import planner
-
-    if getattr(planner.extract_param_metadata, _PATCHED_PLANNER, False):
-        return
-    original = planner.extract_param_metadata
-
-    def extract_param_metadata(param, param_name, owner_rank, pg_collection, num_experts=None,
-                               layer_module_prefix_map=None):
-        meta = original(param, param_name, owner_rank, pg_collection, num_experts=num_experts,
-                        layer_module_prefix_map=layer_module_prefix_map)
-        match = _EXPERT_INDEX.search(meta.resolved_name or "")
-        if meta.is_ep and match is not None and meta.global_expert_index is None and num_experts:
-            ep_ranks = meta.expert_parallel_group_ranks
-            index = ep_ranks.index(owner_rank) * (num_experts // len(ep_ranks)) + int(match.group(1))
-            meta.resolved_name = meta.resolved_name[:match.start()] + str(index) + meta.resolved_name[match.end():]
-            meta.global_expert_index = index
-            meta.data_parallel_group_ranks = dist.get_process_group_ranks(pg_collection.expt_dp)
-        return meta
-
-    setattr(extract_param_metadata, _PATCHED_PLANNER, True)
-    planner.extract_param_metadata = extract_param_metadata
-
-
 class InferenceCopy:
     """Trainer model + inference copy + how to move weights between them (megatron-core ``swap_model_weights``).
 
@@ -146,7 +107,7 @@ class InferenceCopy:
         from megatron.core.resharding import swap_model_weights
         from megatron.core.utils import unwrap_model
 
-        patch_planner_for_sequential_experts()
+        patches.apply(PLANNER_PATCH)  # megatron-core's planner, taught SequentialMLP's expert names
         start = time.perf_counter()
         with torch.no_grad():
             swap_model_weights(unwrap_model(list(self.train_model)), unwrap_model(list(self.model)), self.refit_method)

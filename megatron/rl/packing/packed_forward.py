@@ -68,7 +68,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
+from megatron.rl.runtime.attention_override import attention_forward_per_call
+from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS, length_class_groups
 
 # per row: (start, length) of each real sequence, in row order; (start, length, prefix start, prefix length) for a
 # sequence whose queries also attend to a shared prefix earlier in the row (megatron.rl.packing.prefix_sharing)
@@ -175,8 +176,6 @@ def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0,
         return list(by_shape.values())
     if grouping != "grouped":
         raise ValueError(f"grouping must be 'exact' or 'grouped', got {grouping!r}")
-    from megatron.rl.runtime.torch_attention import length_class_groups
-
     return length_class_groups([n + prefix for n, prefix in zip(lengths, prefixes)], overhead, power=2)
 
 
@@ -327,26 +326,22 @@ def _per_sequence(original, plan: _Plan):
 @contextlib.contextmanager
 def attention_per_sequence(model: torch.nn.Module, spans: Spans, grouping: str = "exact") -> Iterator[bool]:
     """While active, every local ``DotProductAttention`` in ``model`` attends within each span only (yields
-    whether the model has any: other attention modules, TransformerEngine's, are left alone).
+    whether the model has any: other attention modules, TransformerEngine's, are left alone). The forward is
+    replaced through the registered per-call patch
+    (:func:`~megatron.rl.runtime.attention_override.attention_forward_per_call`).
 
     ``spans[r]``: (start, length) of the real sequences of row ``r``, contiguous from position 0; the positions
-    after them are padding (zero attention output). Wrap one [rows, S] forward call. Other attention modules
-    (TransformerEngine's) are left alone.
+    after them are padding (zero attention output). Wrap one [rows, S] forward call.
     """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    plan: list[_Plan] = []  # built once, for the first module (none: nothing to plan)
 
-    modules = [m for m in model.modules() if type(m) is DotProductAttention]
-    if not modules:
-        yield False
-        return
-    plan = _Plan(spans, grouping, next(model.parameters()).device)
-    for m in modules:
-        m.forward = _per_sequence(m.forward, plan)  # instance attribute: shadows the class's forward
-    try:
-        yield True
-    finally:
-        for m in modules:
-            del m.forward
+    def per_sequence(original):
+        if not plan:
+            plan.append(_Plan(spans, grouping, next(model.parameters()).device))
+        return _per_sequence(original, plan[0])
+
+    with attention_forward_per_call(model, per_sequence) as modules:
+        yield bool(modules)
 
 
 def uses_recomputation(model: torch.nn.Module) -> bool:

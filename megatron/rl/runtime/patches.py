@@ -21,7 +21,7 @@ import dataclasses
 import threading
 from typing import Any, Callable, Iterable
 
-__all__ = ["Patch", "MCORE_0_16_1", "REGISTRY", "APPLIED", "register", "declare_subclass", "apply", "entries",
+__all__ = ["Patch", "MCORE_0_16_1", "REGISTRY", "APPLIED", "register", "declare_subclass", "apply", "record", "entries",
            "not_written_for"]
 
 MCORE_0_16_1 = ("0.16.1",)
@@ -91,6 +91,13 @@ def apply(name: str) -> Any:
         result = patch.apply()
         APPLIED.append(name)
         return result
+
+
+def record(name: str) -> None:
+    """Note that patch ``name`` was applied by its own entry point (idempotent functions called directly)."""
+    with _lock:
+        if name not in APPLIED:
+            APPLIED.append(name)
 
 
 def entries(when: str | None = None) -> list[Patch]:

@@ -1,7 +1,7 @@
 """Build megatron-core GPT models from a :class:`~megatron.rl.training.config.TrainingConfig`.
 
-``transformer_config_from_args`` maps our typed flags onto megatron-core's ``TransformerConfig`` (with the
-CPU settings from CPU_RUNTIME.md: CPU initialisation, no CUDA fusions, ``batch_p2p_comm`` off over gloo);
+``transformer_config_from_args`` maps our typed flags onto megatron-core's ``TransformerConfig`` (on CPU:
+CPU initialisation, no CUDA fusions, ``batch_p2p_comm`` off over gloo);
 ``build_model`` creates one ``GPTModel`` per virtual-pipeline chunk on this rank, optionally wrapped in
 ``Float16Module`` (bf16/fp16) and Megatron ``DistributedDataParallel``, and wires the hooks the pipeline
 schedules call (``finalize_model_grads_func`` — without it data-parallel gradients are never reduced —

@@ -1,0 +1,53 @@
+"""The classes of ours that derive from megatron-core classes and override their internals, as registry entries.
+
+Each lives with its feature (the engine build, its context mixins, the pretraining dataset); its entry here
+says which megatron-core members it overrides, why, and for which versions, so that a megatron-core upgrade
+finds them all in one place. A test checks that every listed member exists in the installed megatron-core and
+that every such class in the package is listed.
+"""
+from __future__ import annotations
+
+from megatron.rl.runtime.patches import declare_subclass
+
+_CONTROLLER = "megatron.core.inference.text_generation_controllers.text_generation_controller:TextGenerationController"
+_CONTEXT = "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext"
+
+declare_subclass(
+    "engine sampling and log-probs", where="megatron.rl.inference.engine.build:SamplingController",
+    changes=f"{_CONTROLLER}._dynamic_step_sample_bookkeeping, ._dynamic_step_sample_logits, "
+            f"._dynamic_step_calculate_log_probs",
+    why="the trainer recomputes log-probs under softmax(logits / T) before top-k / top-p, and each request has "
+        "its own temperature, top-k, top-p and seed; the stock controller samples per bucket of equal settings "
+        "and reports other log-probs, so each active row is sampled and scored here")
+
+declare_subclass(
+    "dynamic context: step padding", where="megatron.rl.inference.engine.build:_context_class",
+    changes=f"{_CONTEXT}.TOKEN_ROUNDER",
+    why="megatron-core pads every forward step to a multiple of 64 tokens for CUDA graphs; without graphs a decode "
+        "step of a few requests computes mostly padding (EngineSettings.token_rounder)")
+
+declare_subclass(
+    "dynamic context: shared prompt prefill", where="megatron.rl.inference.engine.shared_prefill:SharedPromptPrefill",
+    changes=f"{_CONTEXT}.add_request, .append_key_value_cache, .update_requests, .reset (and the per-token "
+            f"arrays add_request fills)",
+    why="a GRPO group submits its prompt group-size times and the context prefills each copy; followers enter "
+        "with their last prompt token and get the leader's KV slots after each layer's append")
+
+declare_subclass(
+    "dynamic context: reused CPU KV buffer", where="megatron.rl.inference.engine.kv_reuse:ReusedCpuKvBuffer",
+    changes=f"{_CONTEXT}.allocate_all_tensors, .deallocate_all_tensors (and the memory_buffer they make)",
+    why="every rollout phase builds a context whose KV buffer is a fresh allocation that the kernel page-faults "
+        "on first write; on CPU a stopped engine's buffer serves the next one of the same shape")
+
+declare_subclass(
+    "scalar sampling parameters", where="megatron.rl.inference.engine.session:_scalar_sampling_params",
+    changes="megatron.core.inference.sampling_params:SamplingParams (a deep copy made shallow)",
+    why="every request deep-copies its SamplingParams on creation, walking ~30 objects where a shallow copy of "
+        "its scalars is the same")
+
+declare_subclass(
+    "pretraining dataset sources", where="megatron.rl.training.data:PretrainingGPTDataset",
+    changes="megatron.core.datasets.gpt_dataset:GPTDataset.build_low_level_dataset, ._key_config_attributes, "
+            "._get_num_epochs",
+    why="JSONL and mock corpora as low-level datasets, their settings in the index-cache key, and a clear error "
+        "instead of megatron-core's endless loop over a split without tokens")
