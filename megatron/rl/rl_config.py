@@ -23,13 +23,15 @@ from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
+from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
+from megatron.rl.inference import api
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from megatron.rl.layout.groups import InferenceLayoutConfig, validate_inference_layout
 from megatron.rl.observe.config import ObserveConfig, resolve_observe
 from megatron.rl.rollout.async_config import AsyncRolloutConfig, async_loss_config, validate_async_rollouts
 from megatron.rl.sequence_packing_utils import PACKING_ALGOS
+from megatron.rl.server.policy_server import parse_address
 from megatron.rl.training.config import ConfigError, TrainingConfig
-from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +164,6 @@ def _need(cond: bool, msg: str) -> None:
 
 def _known_backends() -> list[str]:
     """Built-in backend names plus any registered so far, without importing the backends' modules."""
-    from megatron.rl.inference import api
 
     return api.InferenceInterface._registry.names()
 
@@ -260,7 +261,6 @@ def _validate_serving(rl: RLConfig, cfg: TrainingConfig) -> None:
     _need(rl.max_policy_logprob_gap > 0, f"--rl-max-policy-logprob-gap={rl.max_policy_logprob_gap}: must be > 0.")
     if rl.serve_inference is None:
         return
-    from megatron.rl.server.policy_server import parse_address
 
     try:
         parse_address(rl.serve_inference)

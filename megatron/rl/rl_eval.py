@@ -20,11 +20,13 @@ from typing import Sequence
 
 from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent, EvaluationRequest
+from megatron.rl.agent.env_config import build_agent_from_config
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
 from megatron.rl.layout.refit import build_run_inference
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rollout.collection import data_parallel, derive_seed, generation_split
 from megatron.rl.training.config import ConfigError, TrainingConfig
+from megatron.rl.training.run import EVAL_ONLY, TrainingRun, resolve_load_dir
 
 __all__ = ["evaluation_request", "merge_eval_metrics", "evaluate", "format_eval_line", "format_eval_table",
            "eval_environments", "run_eval_only"]
@@ -155,8 +157,6 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     :data:`~megatron.rl.training.run.EVAL_ONLY` policy (the training build and load, checkpoint flags
     included, without optimizer or DDP). Returns the merged ``eval/`` metrics (all ranks).
     """
-    from megatron.rl.agent.env_config import build_agent_from_config
-    from megatron.rl.training.run import EVAL_ONLY, TrainingRun, resolve_load_dir
 
     c = cfg.checkpoint
     if resolve_load_dir(cfg, required=False) is None and not c.pretrained_checkpoint:

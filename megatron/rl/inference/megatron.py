@@ -55,19 +55,15 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from megatron.rl.base.errors import ConfigError
-from megatron.rl.inference.api import (
-    GenerationArgs,
-    InferenceError,
-    InferenceInterface,
-    InferenceRequest,
-    InferenceResponse,
-    expand_checked,
-)
+from megatron.rl.inference.api import (GenerationArgs, InferenceError, InferenceInterface, InferenceRequest,
+                                       InferenceResponse, expand_checked)
 from megatron.rl.inference.chat_template import render_chat
 from megatron.rl.inference.control import RolloutShard, TrainerControl
-from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler, broadcast_plan, lockstep_group, lockstep_rank_groups
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, unwrap_gpt_model
+from megatron.rl.inference.engine.lockstep import (Job, LockstepScheduler, broadcast_plan, lockstep_group,
+                                                   lockstep_rank_groups)
 from megatron.rl.inference.engine.session import EngineSession, EosIds
+from megatron.rl.inference.megatron_checkpoint import megatron_backend_from_cli
 from megatron.rl.runtime import setup_runtime
 from megatron.rl.runtime.openmp import release_thread_pool
 
@@ -132,7 +128,6 @@ class MegatronInference(InferenceInterface, TrainerControl):
     @classmethod
     def from_cli(cls, argv: list[str]) -> "MegatronInference":
         """Serve a checkpoint: ``argv`` are training flags with ``--load`` (see :mod:`.megatron_checkpoint`)."""
-        from megatron.rl.inference.megatron_checkpoint import megatron_backend_from_cli
 
         return megatron_backend_from_cli(argv)
 

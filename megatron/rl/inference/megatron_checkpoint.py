@@ -13,6 +13,12 @@ import os
 from typing import Sequence
 
 from megatron.rl.inference.api import InferenceError, backend_class
+from megatron.rl.training.checkpoint.args import FLAG, has_model_flags
+from megatron.rl.training.checkpoint.save_load import CheckpointError, load_checkpoint
+from megatron.rl.training.config import ConfigError, parse_args
+from megatron.rl.training.initialize import initialize_megatron
+from megatron.rl.training.model_provider import build_model, checkpoint_model_args
+from megatron.rl.training.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +32,6 @@ def megatron_backend_from_cli(argv: Sequence[str]):
     Initialises torch.distributed / megatron-core for one process (the server's). Raises
     :class:`InferenceError` for flags that cannot serve (no checkpoint, several processes) with what to do.
     """
-    from megatron.rl.training.checkpoint.args import FLAG, has_model_flags
-    from megatron.rl.training.checkpoint.save_load import CheckpointError, load_checkpoint
-    from megatron.rl.training.config import ConfigError, parse_args
-    from megatron.rl.training.initialize import initialize_megatron
-    from megatron.rl.training.model_provider import build_model, checkpoint_model_args
-    from megatron.rl.training.tokenizer import build_tokenizer
 
     argv = list(argv)
     if not any(a.split("=", 1)[0] in ("--load", "--pretrained-checkpoint") for a in argv):

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import torch.distributed as dist
 from typing import Any
 
+from megatron.rl import runtime
 from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import flag
 from megatron.rl.inference.engine.lockstep import lockstep_rank_groups
@@ -106,9 +108,8 @@ def validate_inference_layout(layout: InferenceLayoutConfig, cfg: TrainingConfig
     ``cuda``: whether the run uses CUDA (default: the runtime's choice).
     """
     if cuda is None:
-        from megatron.rl.runtime import cuda_usable
 
-        cuda = cuda_usable()
+        cuda = runtime.cuda_usable()
     if layout.refit_method == "nccl" and not cuda:
         raise ConfigError("--refit-method nccl needs CUDA (NCCL moves GPU tensors); this run has no usable GPU: "
                           "use --refit-method gloo (the default on CPU).")
@@ -213,7 +214,6 @@ class InferenceGroups:
 def build_inference_groups(s: LayoutSizes, backend: str | None = None) -> InferenceGroups:
     """Create the inference layout's process groups (collective over the world: every rank creates every
     group in the same order, as ``torch.distributed.new_group`` requires)."""
-    import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     rank = dist.get_rank()

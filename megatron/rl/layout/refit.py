@@ -23,13 +23,16 @@ import torch
 
 from megatron.rl import parallel_utils
 from megatron.rl.base.errors import RLError
-from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
+from megatron.rl.inference.api import GenerationArgs, InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.inference.control import build_training_inference
 from megatron.rl.inference.forwarding import ForwardingInference
 from megatron.rl.layout.groups import InferenceGroups, InferenceLayoutConfig, build_inference_groups
-from megatron.rl.runtime import patches
+from megatron.rl.rl_utils import build_step_batches, logprob_gap, score
+from megatron.rl.rollout.sequences import TrainingSequence
+from megatron.rl.runtime import patches, setup_runtime
 from megatron.rl.runtime.reshard_planner import PLANNER_PATCH
 from megatron.rl.training.config import TrainingConfig
+from megatron.rl.training.model_provider import build_gpt_chunk, padded_vocab_size, transformer_config_from_args
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +63,6 @@ def build_inference_model(cfg: TrainingConfig, groups: InferenceGroups, vocab_si
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from megatron.core.transformer.module import Float16Module
-
-    from megatron.rl.runtime import setup_runtime
-    from megatron.rl.training.model_provider import build_gpt_chunk, transformer_config_from_args
 
     device = setup_runtime().device
     tconfig = transformer_config_from_args(cfg.model, _inference_parallel_config(cfg, groups))
@@ -172,9 +172,7 @@ class LayoutInference(ForwardingInference):
 def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, train_model: list, tokenizer,
                            vocab_size: int | None = None) -> LayoutInference:
     """Groups, inference copy and backend for ``layout`` (collective over the world). No refit yet."""
-    from megatron.rl.inference.megatron import MegatronInference
-    from megatron.rl.runtime import setup_runtime
-    from megatron.rl.training.model_provider import padded_vocab_size
+    from megatron.rl.inference.megatron import MegatronInference  # heavy: megatron-core's inference engine
 
     runtime = setup_runtime()
     s = layout.sizes(cfg)
@@ -211,7 +209,6 @@ def start_inference_copy(ctx, rl, inference: LayoutInference) -> None:
 
 def probe_requests(tokenizer, max_new_tokens: int, temperature: float) -> list[InferenceRequest]:
     """A small fixed probe batch (the same on every rank)."""
-    from megatron.rl.inference.api import GenerationArgs
 
     prompts = ["The weights were refit; ", "1 2 3 4 5 6", "probe: abcdefghij"]
     return [InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=temperature,
@@ -227,8 +224,6 @@ def verify_weights_swap(ctx, rl, inference: LayoutInference, tolerance: float | 
     the world. Returns the largest |difference|; raises :class:`RefitVerificationError` above ``tolerance``
     (default 1e-3 in fp32, 5e-2 in bf16/fp16).
     """
-    from megatron.rl.rl_utils import build_step_batches, logprob_gap, score
-    from megatron.rl.rollout.sequences import TrainingSequence
 
     if tolerance is None:
         half = any(p.dtype in (torch.bfloat16, torch.float16) for p in inference.copy.model[0].parameters())

@@ -18,6 +18,8 @@ import os
 from typing import Any
 
 import torch
+import torch.cuda.random as cuda_random
+from torch.overrides import _get_current_function_mode_stack
 
 from megatron.rl.base.errors import UserError
 from megatron.rl.runtime import cuda_fallbacks, kv_append, patches, rope_cache
@@ -180,7 +182,6 @@ def _patch_memory_stats():
            changes="torch.cuda.get_rng_state, .set_rng_state, .manual_seed, .manual_seed_all; "
            "megatron.core.tensor_parallel.random:_set_cuda_rng_state")
 def _patch_rng():
-    import torch.cuda.random as cuda_random
 
     import megatron.core.tensor_parallel.random as mpu_random
 
@@ -323,16 +324,17 @@ def _patch_moe_split_sizes():
 cpu_patch("dynamic inference RoPE: cos/sin once per step",
           "megatron-core's dynamic context rotates each layer's queries and keys with apply_rotary_pos_emb, which "
           "gathers the step's frequencies and takes their cos and sin again in every layer (2 x layers times per "
-          "step, the same values); on CPU that is ~10% of a small model's decode step. The unfused formula then "
-          "runs on cos/sin computed once per step (rope_cache.py; bit for bit the same, tested)",
+          "step, the same values), a noticeable share of a small model's decode step on CPU. The unfused formula "
+          "then runs on cos/sin computed once per step (rope_cache.py; bit for bit the same, tested)",
           "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.apply_rotary_emb_query, "
           ".apply_rotary_emb_key")(rope_cache.install)
 
 
 cpu_patch("dynamic inference KV append: index_copy_",
-          "without Triton, megatron-core appends each layer's keys and values to the paged cache with an advanced-index "
-          "put over (block, slot) index tensors, ~0.2 ms per tensor and layer at 128 decode rows; index_copy_ at flat "
-          "slots computed once per step writes the same values (kv_append.py, tested against the original)",
+          "without Triton, megatron-core appends each layer's keys and values to the paged cache with an "
+          "advanced-index put over (block, slot) index tensors, slow per-element index arithmetic on CPU; "
+          "index_copy_ at flat slots computed once per step writes the same values (kv_append.py, tested against "
+          "the original)",
           "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.append_key_value_cache")(
     kv_append.install)
 
@@ -369,7 +371,6 @@ def enter_cpu_mode() -> None:
 
 
 def cpu_mode_active() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
 
     return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
 

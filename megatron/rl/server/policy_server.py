@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+import torch.distributed as dist
 from typing import Any, Iterator
 
 from megatron.rl.inference.api import InferenceError, InferenceInterface, InferenceRequest, InferenceResponse
@@ -165,7 +166,6 @@ class ServedPolicy(ForwardingInference):
 
     def _wait_for_other_ranks(self) -> None:
         if self._barrier_group is not None:  # other DP ranks' rollouts may still call this server
-            import torch.distributed as dist
 
             dist.barrier(group=self._barrier_group)
 
@@ -210,9 +210,8 @@ def serve_policy(backend: InferenceInterface, address: str, wait_s: float = 600.
 
     Raises :class:`PolicyServingError` for a model-parallel layout or an address that cannot be bound.
     """
-    import torch.distributed as dist
 
-    from megatron.rl.server.inference.app import ServerConfig, create_app
+    from megatron.rl.server.inference.app import ServerConfig, create_app  # fastapi: only when serving
 
     host, port = parse_address(address)
     lockstep = control_of(backend).lockstep_size

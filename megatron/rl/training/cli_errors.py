@@ -45,7 +45,7 @@ def report_user_error(program: str, error: BaseException, stream=None) -> str:
 def run_cli(program: str, main, argv=None) -> int:
     """The ``main()`` of ``pretrain_gpt.py`` and ``train_rl.py``: ``main(argv)``, then megatron torn down (even
     on error); user errors reported by :func:`report_user_error` as one line, with exit status 2."""
-    from megatron.rl.training.initialize import destroy_megatron
+    from megatron.rl.training.initialize import destroy_megatron  # torch: the CLI's first steps stay torch-free
 
     try:
         try:

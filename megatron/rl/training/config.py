@@ -281,7 +281,7 @@ def resolve_config(cfg: TrainingConfig, world_size: int, cuda: bool | None = Non
     ``cuda``: whether this job runs on CUDA (default: what the runtime would choose).
     """
     if cuda is None:
-        from megatron.rl.runtime import cuda_usable
+        from megatron.rl.runtime import cuda_usable  # torch: flag parsing stays torch-free
 
         cuda = cuda_usable()
     _positive("world size", world_size)

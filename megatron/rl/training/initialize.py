@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.rl.logging import setup_distributed_logging
 from megatron.rl.runtime import RuntimeInfo, cpu_patches, patches, setup_runtime
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
@@ -112,8 +113,6 @@ def initialize_megatron(cfg: TrainingConfig) -> RuntimeInfo:
     Raises :class:`ConfigError` when the launched world size differs from the one ``cfg`` was validated for.
     """
     from megatron.core import parallel_state as ps
-
-    from megatron.rl.logging import setup_distributed_logging
 
     setup_distributed_logging(cfg.logging.log_level)
     info = setup_runtime()

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from megatron.rl import runtime
+
 log = logging.getLogger(__name__)
 
 EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
@@ -75,10 +77,9 @@ class LoopControl:
             return False
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return self.signal_received
-        from megatron.rl.runtime import cuda_usable
 
         flag = torch.tensor([int(self.signal_received)], dtype=torch.int64,
-                            device="cuda" if cuda_usable() else "cpu")
+                            device="cuda" if runtime.cuda_usable() else "cpu")
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.rl.training.checkpoint import integrity
-from megatron.rl.training.checkpoint import paths
+from megatron.rl import runtime
+from megatron.rl.training.checkpoint import integrity, paths
 from megatron.rl.training.checkpoint.paths import CheckpointError, latest_checkpoint
-from megatron.rl.training.checkpoint.rng import (
-    RNG_KEY, capture_rng_state, parallel_layout, restore_rng_state, rng_sharded_object)
+from megatron.rl.training.checkpoint.rng import (RNG_KEY, capture_rng_state, parallel_layout, restore_rng_state,
+                                                 rng_sharded_object)
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,6 @@ def _json_roundtrip(value: dict | None, name: str) -> dict:
 
 def _errors() -> tuple[type[BaseException], ...]:
     # torch DCP wraps per-rank failures in CheckpointException, which derives from BaseException
-    from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)
 
@@ -143,9 +143,8 @@ def _describe(e: BaseException) -> str:
 
 
 def _cuda_rng() -> bool:
-    from megatron.rl.runtime import cuda_usable
 
-    return cuda_usable()
+    return runtime.cuda_usable()
 
 
 def _materialize_optimizer_state(optimizer) -> None:
