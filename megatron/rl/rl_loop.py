@@ -141,7 +141,7 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
                       inference=inference, pad_token_id=run.tokenizer.pad, seq_length=cfg.model.seq_length,
                       micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
                       device=run.runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
-                      ref_model=run.ref_model, packed_attention=rl.packed_attention_mode)
+                      ref_model=run.ref_model, packed_attention=rl.packed_attention)
     # A durable rollout bank restores what a resumed run lost.
     ctx.rollouts = build_rollout_source(agent, inference, rl, t.seed, start.iteration, save=c.save,
                                         resuming=start.from_checkpoint or bool(c.load))

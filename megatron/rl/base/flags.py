@@ -38,6 +38,9 @@ as one field ``feature: FeatureConfig = section(FeatureConfig)``. An old-style
 ``x_y: T = flag(D, name="--x-y", choices=C, help=H)`` (``name=`` only if the field is named otherwise;
 ``action="store_true"`` is ``bool = flag(False)``; ``default=None`` is ``T | None = flag(None)``), and its line
 in a hand-written namespace-to-config mapping goes away.
+
+A flag that no longer exists but that scripts may still pass is listed in the config's ``_removed_flags``
+(``{"--old-flag": "what to pass instead"}``): passing it raises ``ConfigError`` naming the replacement.
 """
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ import functools
 import types
 import typing
 from typing import Any, Callable, Iterator, Sequence
+
+from megatron.rl.base.errors import ConfigError
 
 __all__ = ["flag", "derived", "section", "registry_choices", "add_flags", "from_namespace", "flag_fields",
            "FlagField", "dest_of", "option_of"]
@@ -162,8 +167,20 @@ def _argparse_kwargs(cls: type, f: dataclasses.Field) -> dict:
     return kw
 
 
+class _RemovedFlag(argparse.Action):
+    """A flag of ``_removed_flags``: not in ``--help``, and passing it is a ConfigError naming its replacement."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, use: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.use = use
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise ConfigError(f"{option_string} is not a flag of this version: use {self.use}.")
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> argparse.ArgumentParser:
-    """Add the flags of ``cls`` (and of its nested sections) to ``parser``, one argument group per section."""
+    """Add the flags of ``cls`` (and of its nested sections) to ``parser``, one argument group per section, and
+    its ``_removed_flags`` (see the module docstring)."""
     groups: dict[str, Any] = {}
 
     def group(name: str):
@@ -183,6 +200,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
             group(meta["group"] or default_title).add_argument(option_of(f), **_argparse_kwargs(c, f))
 
     walk(cls, title or cls.__name__)
+    for option, use in getattr(cls, "_removed_flags", {}).items():
+        parser.add_argument(option, action=_RemovedFlag, use=use)
     return parser
 
 

@@ -42,11 +42,11 @@ def setup_runtime() -> RuntimeInfo:
 def flush_denormals():
     """Treat subnormal floats as zero on CPU while a training run computes (this thread and the threads it starts).
 
-    x86 runs arithmetic on subnormals (|x| < 1.2e-38 in fp32) through a microcode slow path, ~100x per op.
-    RL weights and optimizer states drift into that range over a run: the quickstart's iterations went from
-    ~0.5 s to 10-30 s at iteration ~70 (generation and training alike), and back to ~0.5 s with the flag on
-    the same checkpoint. Scoped to the run, not the process: the flag also zeroes subnormal Python floats
-    (a request's temperature of 1e-308 would parse as 0), which the request validation must still see.
+    x86 runs arithmetic on subnormals (|x| < 1.2e-38 in fp32) through a microcode slow path, many times slower
+    per op, and RL weights and optimizer states drift into that range over a run (generation and training slow
+    down alike: docs/benchmarks.md, "Subnormal floats"). Scoped to the run, not the process: the flag also zeroes
+    subnormal Python floats (a request's temperature of 1e-308 would parse as 0), which the request validation
+    must still see.
     """
     if cuda_usable():
         yield

@@ -22,7 +22,8 @@ import torch.cuda.random as cuda_random
 from torch.overrides import _get_current_function_mode_stack
 
 from megatron.rl.base.errors import UserError
-from megatron.rl.runtime import cuda_fallbacks, kv_append, patches, rope_cache
+# cuda_fallbacks registers the paged-attention patch, which install() applies as a CPU patch too
+from megatron.rl.runtime import cuda_fallbacks, kv_append, patches, rope_cache  # noqa: F401
 from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
 
 log = logging.getLogger(__name__)

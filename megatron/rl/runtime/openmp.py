@@ -21,7 +21,7 @@ import ctypes
 import functools
 import logging
 import threading
-import torch
+import torch  # noqa: F401 - loads torch's OpenMP runtime, whose pause call this module finds
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from megatron.rl import parallel_utils
 from megatron.rl.runtime import setup_runtime
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.training.loop_control import LoopControl
-from megatron.rl.training.run import PRETRAIN_RESUME, TrainingRun, resolve_load_dir
+from megatron.rl.training.run import PRETRAIN_RESUME, TrainingRun
 
 log = logging.getLogger(__name__)
 

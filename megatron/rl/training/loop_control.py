@@ -2,7 +2,7 @@
 and the final save. Shared by the pretraining loop and the RL driver so both behave the same way.
 
 With ``--exit-signal-handler`` the chosen signal (``--exit-signal``, default SIGTERM: what Slurm sends before
-preemption or at the time limit, or SIGUSR1 with ``sbatch --signal=B:USR1@300``) no longer kills the
+preemption or at the time limit, or SIGUSR1 with ``sbatch --signal=B:USR1@300``) does not kill the
 process: the handler only records it, the loop finishes the iteration in progress, every rank agrees to
 stop (one all-reduce per iteration, so a signal seen by a single rank stops all of them together and no rank
 waits in a collective), a checkpoint is saved when ``--save`` is set, and the loop returns normally (exit 0).

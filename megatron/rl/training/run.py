@@ -7,8 +7,8 @@ model flags stored with checkpoints, and the metrics writer. :meth:`TrainingRun.
 starts from ``--pretrained-checkpoint``) and :meth:`TrainingRun.save` writes a checkpoint with the caller's
 run state (pretraining: consumed samples; RL: the agents' prompt positions).
 
-Pretraining and RL treat ``--load`` differently (:class:`ResumePolicy`, one instance each); the rules are
-unchanged from before the two builds were merged. ``train_rl.py --eval-only`` is a third policy,
+Pretraining and RL treat ``--load`` differently (:class:`ResumePolicy`, one instance each).
+``train_rl.py --eval-only`` is a third policy,
 :data:`EVAL_ONLY`: the same build without optimizer, scheduler, DDP wrapper or metrics writer, and weights
 only from ``--load`` (or ``--pretrained-checkpoint``).
 """

@@ -64,7 +64,7 @@ def render_builtin_chat_template(messages: Sequence[Dict[str, str]], add_generat
 
 
 class Tokenizer(ABC):
-    """Interface every tokenizer implements (see CONTRACTS.md).
+    """Interface every tokenizer implements.
 
     Attributes:
         vocab_size: number of token ids (unpadded; see :func:`padded_vocab_size` for the model's size).
