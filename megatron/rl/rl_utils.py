@@ -268,14 +268,15 @@ def replay_routes(sequences: list[TrainingSequence], rl: RLConfig) -> list[torch
 
 
 def replay_metrics(model: list) -> dict[str, float]:
-    """``router_replay_disagreement``: the share of replayed (token, MoE layer) routes whose experts the trainer's own
-    router would have chosen otherwise, since the last call (over all ranks; {} without replay). Collective."""
+    """Since the last call, over all ranks ({} without replay; collective): ``router_replay_routes``, the (token, MoE
+    layer) routes replayed, and ``router_replay_disagreement``, the share of them whose experts the trainer's own
+    router would have chosen otherwise."""
     replay = router_replay_of(model)
     if replay is None:
         return {}
     counts = torch.tensor(replay.take_disagreement(), dtype=torch.float64)
     parallel_utils.all_reduce_sum(counts)
-    return {"router_replay_disagreement": disagreement_share(counts.tolist())}
+    return {"router_replay_disagreement": disagreement_share(counts.tolist()), "router_replay_routes": float(counts[1])}
 
 
 # --------------------------------------------------------------------------- 4-5. scoring and training

@@ -153,3 +153,60 @@ def test_a_routing_perturbation_shows_the_gap_without_replay_and_not_with_it():
     assert differ / compared > 0.2, f"the perturbation moved only {differ} of {compared} routes"
     assert without > 100 * MAX_GAP, f"the trainer's own (perturbed) routing gave only a {without:.3g} gap"
     assert with_replay < MAX_GAP, f"max engine-trainer gap with replay {with_replay:.3g} (without {without:.3g})"
+
+
+def test_a_request_held_across_an_update_keeps_each_positions_routing_from_the_step_that_computed_it():
+    """Asynchronous partial rollouts: the expert bias changes while a request is paused. Positions computed before
+    the pause carry the old routing, later ones the new; replaying that mix reproduces every engine log-prob,
+    before and after the update, although the trainer's own routers (new bias) would route the early tokens
+    elsewhere."""
+    import asyncio
+    import threading
+    import time
+
+    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
+    from megatron.rl.routing.replay import install_router_replay
+
+    init_distributed(tp=1)
+    model, backend = _engine(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    biases = [m.expert_bias for name, m in model.named_modules() if name.endswith("router")]
+    backend.enter_inference_mode()
+    backend.set_policy_version(0)
+    box = {}
+    request = InferenceRequest(prompt="Once upon a time", generation_args=GenerationArgs(max_tokens=40, seed=3))
+    thread = threading.Thread(target=lambda: box.update(r=asyncio.run(backend.agenerate([request]))))
+    thread.start()
+    start, deadline = backend.engine_steps, time.time() + 120
+    while backend.engine_steps < start + 5 and time.time() < deadline:
+        time.sleep(0.005)
+    backend.pause_generation()
+    old = [b.clone() for b in biases]
+    g = torch.Generator().manual_seed(1)
+    for bias in biases:  # the "update": only which experts each token visits changes
+        bias.copy_(torch.randn(bias.shape, generator=g))
+    backend.resume_generation(1)
+    thread.join(timeout=300)
+    backend.exit_inference_mode()
+    [resp] = box["r"]
+    assert resp.finish_reason == "length", resp.error
+    k = resp.policy_versions.index(1)  # token k was sampled by the first step after the update
+    assert 0 < k < len(resp.policy_versions) - 5
+    split = resp.prompt_length + k - 1  # positions before it were computed before the update
+    recorded = resp.routes.tensor()[:, :-1].long().sort(-1).values
+    replay_set = install_router_replay(model)
+    new = [b.clone() for b in biases]
+    own = {}
+    for name, values in (("old", old), ("new", new)):  # each bias's own routing of the whole rollout
+        for bias, value in zip(biases, values):
+            bias.copy_(value)
+        replay_set.record()
+        teacher_forced_logprobs(model, resp.token_ids, resp.prompt_length, 1.0)
+        own[name] = torch.stack([t.reshape(-1, 2) for t in replay_set.recorded()])[:, :-1].sort(-1).values
+        replay_set.stop()
+    assert torch.equal(own["old"][:, :split], recorded[:, :split])  # computed before the update: the old routing
+    assert not torch.equal(own["new"][:, :split], recorded[:, :split])  # the new bias routes them otherwise
+    assert not torch.equal(own["old"][:, split:], recorded[:, split:])  # and after the update, not the old routing
+    # the trainer (new bias) replaying the mix reproduces the tokens of both versions
+    with_replay = _max_gap([resp], _trainer_logprobs(model, [resp, resp], replay=True)[:1])
+    without = _max_gap([resp], _trainer_logprobs(model, [resp, resp], replay=False)[:1])
+    assert with_replay < MAX_GAP and without > 100 * MAX_GAP, (with_replay, without)
