@@ -40,8 +40,7 @@ from megatron.rl.rollout.async_source import staleness_metrics
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
-from megatron.rl.routing.config import RouterReplayError
-from megatron.rl.routing.replay import disagreement_share, router_replay_of
+from megatron.rl.routing.replay import RouterReplayError, disagreement_share, router_replay_of
 from megatron.rl.observe.metrics import RolloutObservations, observe_rollouts
 from megatron.rl.rollout.sequences import CollectionStats, TrainingSequence, groups_to_sequences, split_evenly
 from megatron.rl.packing.microbatches import (

@@ -33,14 +33,14 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from megatron.rl.base.routes import NO_ROUTE
-
-from megatron.rl.routing.config import RouterReplayError
-
 __all__ = ["RolloutRouterReplay", "RouterReplaySet", "RouterReplayError", "install_router_replay",
            "router_replay_of", "moe_layer_numbers", "router_token_order", "replaying", "disagreement_share"]
 
 _ATTR = "_rl_router_replay"
+
+
+class RouterReplayError(RuntimeError):
+    """Routing replay cannot run on this data or model (rollouts without routes, routes of another model)."""
 
 
 def _replay_base() -> type:

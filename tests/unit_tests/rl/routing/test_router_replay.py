@@ -160,22 +160,19 @@ def test_a_request_held_across_an_update_keeps_each_positions_routing_from_the_s
     the pause carry the old routing, later ones the new; replaying that mix reproduces every engine log-prob,
     before and after the update, although the trainer's own routers (new bias) would route the early tokens
     elsewhere."""
-    import asyncio
-    import threading
     import time
 
     from megatron.rl.inference.api import GenerationArgs, InferenceRequest
     from megatron.rl.routing.replay import install_router_replay
+    from tests.unit_tests.rl.inference.test_megatron_pause import _generate_in_thread
 
     init_distributed(tp=1)
     model, backend = _engine(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     biases = [m.expert_bias for name, m in model.named_modules() if name.endswith("router")]
     backend.enter_inference_mode()
     backend.set_policy_version(0)
-    box = {}
     request = InferenceRequest(prompt="Once upon a time", generation_args=GenerationArgs(max_tokens=40, seed=3))
-    thread = threading.Thread(target=lambda: box.update(r=asyncio.run(backend.agenerate([request]))))
-    thread.start()
+    thread, box = _generate_in_thread(backend, [request])
     start, deadline = backend.engine_steps, time.time() + 120
     while backend.engine_steps < start + 5 and time.time() < deadline:
         time.sleep(0.005)
@@ -187,7 +184,7 @@ def test_a_request_held_across_an_update_keeps_each_positions_routing_from_the_s
     backend.resume_generation(1)
     thread.join(timeout=300)
     backend.exit_inference_mode()
-    [resp] = box["r"]
+    [resp] = box["responses"]
     assert resp.finish_reason == "length", resp.error
     k = resp.policy_versions.index(1)  # token k was sampled by the first step after the update
     assert 0 < k < len(resp.policy_versions) - 5

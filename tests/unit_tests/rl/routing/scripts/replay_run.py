@@ -1,10 +1,7 @@
 """torchrun --nproc-per-node 2: train_rl's loop with MoE routing replay; rank 0 writes the metrics history and, per
 iteration, how many training sequences lack a route at a token other than their last to ``$RESULT_DIR/result.json``.
 
-Flags are train_rl.py's. With ``SCORING_ONLY=1`` each iteration generates and scores (the old-policy log-probs
-with the routes replayed, the train-inference gap, the replay counts) but makes no update: for layouts whose
-MoE training step fails for reasons of their own (pipeline parallelism on CPU), the engine's recording and the
-trainer's replay are still checked there.
+Flags are train_rl.py's.
 """
 from __future__ import annotations
 
@@ -35,14 +32,6 @@ def main(argv: list[str]) -> None:
         return sequences, stats
 
     rl_utils.gather_sequences = checking_gather
-    if os.environ.get("SCORING_ONLY") == "1":
-        def scoring_only(ctx, rl, steps):
-            rl_utils.replay_metrics(ctx.model)
-            for step in steps:
-                rl_utils.score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
-            return {**rl_utils.logprob_gap(steps), **rl_utils.replay_metrics(ctx.model)}
-
-        rl_utils.update_policy = scoring_only
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])
     result = run_rl(cfg, rl_config_from_args(cfg))
     if dist.get_rank() == 0:
