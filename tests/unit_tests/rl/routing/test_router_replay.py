@@ -20,6 +20,19 @@ from tests.unit_tests.rl.inference.scripts.megatron_common import (init_distribu
 MAX_GAP = 1e-5  # the dense model's fp32 train-inference bound (tests/unit_tests/rl/inference)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _own_process_group():
+    """Tear down the one-process world these tests start (later tests read the rank from $RANK without one)."""
+    import torch.distributed as dist
+
+    fresh = not dist.is_initialized()
+    yield
+    if fresh:
+        from megatron.rl.training.initialize import destroy_megatron
+
+        destroy_megatron()
+
+
 def _requests(seed0: int = 0) -> list:
     """5 prompts x 4 rollouts (one prompt longer than an engine step: prefilled in chunks) + 2 lone prompts."""
     from megatron.rl.inference.api import GenerationArgs, InferenceRequest
