@@ -85,18 +85,13 @@ class Routes(BaseModel):
         """The routes as a ``[layers, tokens, k]`` torch tensor of the stored dtype (a copy)."""
         import torch
 
-        return torch.from_numpy(self.array().astype(self.array().dtype.newbyteorder("="), copy=True))
+        array = self.array()
+        return torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
 
     @property
     def nbytes(self) -> int:
         """Bytes of routing data held (``layers * tokens * k * itemsize``)."""
         return len(self.data)
-
-    def cropped(self, num_tokens: int) -> "Routes":
-        """The routes of the first ``num_tokens`` tokens."""
-        if not 0 <= num_tokens <= self.num_tokens:
-            raise ValueError(f"cannot crop routes of {self.num_tokens} tokens to {num_tokens}")
-        return Routes.from_tensor(self.array()[:, :num_tokens], _largest(self))
 
     @staticmethod
     def merged(previous: "Routes | None", current: "Routes | None", keep: int) -> "Routes | None":
@@ -118,5 +113,5 @@ class Routes(BaseModel):
 
 
 def _largest(routes: Routes) -> int:
-    """An expert count the stored dtype was chosen for (keeps int32 routes int32 when cut or merged)."""
+    """An expert count the stored dtype was chosen for (keeps int32 routes int32 when merged)."""
     return _INT16_EXPERTS + 1 if routes.dtype == "int32" else 0
