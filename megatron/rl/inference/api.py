@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from megatron.rl.algorithms.logprobs import logprob_temperature
 from megatron.rl.base.registry import Registry
 from megatron.rl.base.chat import ChatMessage  # re-exported: requests carry chat messages
+from megatron.rl.base.routes import Routes
 from megatron.rl.inference.validation import (SEED_MAX, MaxTokens, NumSamples, Seed, StopString,
                                               Temperature, Text, TopK, TopP, request_error, sample_count)
 
@@ -123,6 +124,8 @@ class InferenceResponse(BaseModel):
     error: human-readable reason when ``finish_reason == "error"`` (an addition to the contract).
     policy_versions: the policy version (trainer iteration) that generated each generated token, from backends
       whose weights change under in-flight requests (asynchronous partial rollouts); None otherwise.
+    routes: the MoE experts every token of ``token_ids`` was routed to, ``[layers, len(token_ids), k]``
+      (:class:`~megatron.rl.base.routes.Routes`), from the in-process engine when it records them; None otherwise.
     """
 
     text: str
@@ -133,6 +136,7 @@ class InferenceResponse(BaseModel):
     prompt_text: str | None = None
     error: str | None = None
     policy_versions: list[int] | None = None
+    routes: Routes | None = None
 
     @property
     def generated_token_ids(self) -> list[int]:
