@@ -161,6 +161,7 @@ BUILTIN_AGENT_MODULES = {
     "countdown": "megatron.rl.environments.countdown",
     "math": "megatron.rl.environments.math_task",
     "calculator": "megatron.rl.environments.calculator",
+    "reasoning_gym": "megatron.rl.environments.reasoning_gym_env",
 }
 
 
