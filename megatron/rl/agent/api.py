@@ -157,6 +157,7 @@ BUILTIN_AGENT_MODULES = {
     "huggingface_dataset": "megatron.rl.agent.huggingface_dataset_agent",
     "weighted_multi_task": "megatron.rl.agent.weighted_multi_task",
     "remote": "megatron.rl.agent.remote_agent",
+    "model_reward": "megatron.rl.agent.model_reward",
     "arithmetic": "megatron.rl.environments.arithmetic",
     "countdown": "megatron.rl.environments.countdown",
     "math": "megatron.rl.environments.math_task",
