@@ -163,6 +163,7 @@ BUILTIN_AGENT_MODULES = {
     "math": "megatron.rl.environments.math_task",
     "calculator": "megatron.rl.environments.calculator",
     "reasoning_gym": "megatron.rl.environments.reasoning_gym_env",
+    "openenv": "megatron.rl.environments.openenv_env",
 }
 
 
