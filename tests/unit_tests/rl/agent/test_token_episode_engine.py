@@ -8,25 +8,13 @@ import torch
 
 from megatron.rl.agent.api import GroupedRolloutRequest
 from megatron.rl.agent.env_config import build_agent_from_config
-from megatron.rl.inference.api import GenerationArgs, InferenceInterface
+from megatron.rl.inference.api import GenerationArgs
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("openenv.core.env_server.interfaces", reason="openenv-core is not installed")
 pytest.importorskip("transformers", reason="the BPE tokenizer needs transformers")
 
-from tests.unit_tests.rl.environments import openenv_fixture_envs  # noqa: E402,F401
-
-ENV = "tests.unit_tests.rl.environments.openenv_fixture_envs:GuessEnv"
-
-
-class Recording(InferenceInterface):
-    def __init__(self, inner):
-        self.inner, self.responses = inner, []
-
-    async def agenerate(self, requests):
-        out = await self.inner.agenerate(requests)
-        self.responses += out
-        return out
+from tests.unit_tests.rl.environments.test_openenv_env import ENV, Recording  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +46,12 @@ def test_multi_turn_trained_tokens_equal_the_engines(engine):
         generation_args=GenerationArgs(temperature=1.0, max_tokens=5, seed=3))))
     rollouts = [r for g in out.groups for r in g.rollouts]
     assert all(r.ok for r in rollouts) and all(r.metadata["num_turns"] == 3 for r in rollouts)
-    by_tokens = {tuple(resp.token_ids): resp for resp in rec.responses}
+    responses = [resp for _, resp in rec.calls]
+    by_tokens = {tuple(resp.token_ids): resp for resp in responses}
     changed_by_retokenizing = 0
     for r in rollouts:
         assert tuple(r.token_ids) in by_tokens  # the trained sequence is one the engine returned, unchanged
-        turns = [resp for resp in rec.responses
+        turns = [resp for resp in responses
                  if resp.token_ids == r.token_ids[:len(resp.token_ids)] and len(resp.token_ids) > r.prompt_length]
         assert len(turns) == 3
         engine_generated = [t for resp in turns for t in resp.token_ids[resp.prompt_length:]]

@@ -31,7 +31,7 @@ REASONING_GYM_ENV = """environments:
       max_tokens: 8
       validation_size: 200
 """
-RL_ITERS = 60
+RL_ITERS = 160
 
 
 def test_reward_model_score_rises_under_grpo(tmp_path):
