@@ -119,3 +119,15 @@ def test_judge_from_the_env_config_never_reads_an_unparsable_answer_as_zero():
 def test_configuration_errors(args, piece):
     with pytest.raises(EnvConfigError, match=re.escape(piece)):
         build_agent_from_config([{"type": "model_reward", "args": args}])
+
+
+def test_model_reward_round_trips_through_json():
+    """The environment server and the multi-task agent rebuild agents from JSON: the wrapped env comes back."""
+    from megatron.rl.agent.weighted_multi_task import WeightedMultiTaskAgent
+
+    agent = build_agent_from_config([{"type": "model_reward", "name": "m", "args": {
+        "env": {"type": "arithmetic", "args": {"max_digits": 1}}, "rule_weight": 0.3,
+        "judge": {"inference": {"backend": "fake"}, "score_range": [1, 5]}}}])
+    clone = WeightedMultiTaskAgent.model_validate_json(agent.model_dump_json()).entries[0].agent
+    assert type(clone) is ModelRewardAgent and type(clone.env).__name__ == "ArithmeticAgent"
+    assert clone.env.max_digits == 1 and clone.rule_weight == 0.3 and clone.judge.score_range == (1.0, 5.0)
