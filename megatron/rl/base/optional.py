@@ -21,5 +21,5 @@ def import_optional(module: str, extra: str, feature: str) -> ModuleType:
         if missing is not None and missing != module and not module.startswith(missing + "."):
             raise MissingExtraError(f"{feature} needs {module!r}, which is installed but cannot be imported "
                                     f"({type(e).__name__}: {e}); reinstall it: pip install 'megatron-rl[{extra}]'") from e
-        raise MissingExtraError(f"{feature} needs the {module!r} package, which is not installed: "
+        raise MissingExtraError(f"{feature} needs the {module.split('.')[0]!r} package, which is not installed: "
                                 f"pip install 'megatron-rl[{extra}]'") from e
