@@ -262,9 +262,10 @@ class MegatronInference(InferenceInterface):
                 prompt_text = render_chat(request.messages, self.tokenizer)
             else:
                 prompt_text = request.prompt
-            if not prompt_text:
+            if not prompt_text and not request.prefix_token_ids:
                 raise _RequestError("empty prompt: give at least one character of prompt text (or one chat message)")
-            ids = [int(t) for t in self.tokenizer.tokenize(prompt_text)]
+            # token in: a prefix is used as given, only the text after it is tokenized
+            ids = list(request.prefix_token_ids or []) + [int(t) for t in self.tokenizer.tokenize(prompt_text)]
         except ValidationError as e:
             raise _with_prompt(_RequestError(f"invalid generation_args: {e}"), prompt_text) from e
         except _RequestError as e:
