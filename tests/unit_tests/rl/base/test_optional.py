@@ -20,7 +20,11 @@ def test_import_optional(monkeypatch):
                                                         "reward_model": {"path": "/nowhere"}}}, "hf"),
 ])
 def test_missing_library_is_one_line_naming_the_extra(monkeypatch, module, entry, extra):
-    monkeypatch.setitem(__import__("sys").modules, module, None)
+    import sys
+
+    # the package and any submodule an earlier test imported (a cached submodule would import without it)
+    for name in [m for m in sys.modules if m == module or m.startswith(module + ".")] or [module]:
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(EnvConfigError) as e:
         build_agent_from_config([entry])
     message = str(e.value)
