@@ -47,14 +47,13 @@ def worker(a, env: Path, out: Path) -> None:
     """One rank of the torchrun job."""
     import torch.distributed as dist
 
-    from megatron.core import parallel_state as ps
-
     from megatron.rl.agent.env_config import build_agent_from_config
     from megatron.rl.inference.megatron import MegatronInference
     from megatron.rl.layout.groups import InferenceLayoutConfig
     from megatron.rl.layout.refit import build_layout_inference, model_bytes
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_utils import StepContext, rl_iteration
+    from megatron.rl.rollout.collection import generation_split
     from megatron.rl.rollout.source import SynchronousRollouts
     from megatron.rl.training.config import parse_args
     from megatron.rl.training.initialize import initialize_megatron
@@ -82,9 +81,7 @@ def worker(a, env: Path, out: Path) -> None:
     iteration = 0
     for _ in range(a.iters):
         for name, inference, rl in (("a", same_layout, rl_a), ("b", copy, rl_b)):
-            shard = getattr(inference, "rollout_shard", None)
-            agent.set_data_parallel(*((shard.rank, shard.size) if shard is not None
-                                      else (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())))
+            agent.set_data_parallel(*generation_split(inference)[1:])
             agent.bind_inference(inference)
             ctx.inference = inference
             ctx.rollouts = SynchronousRollouts(agent, inference, rl, t.seed)  # (b): one refit after each update

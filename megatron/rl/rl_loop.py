@@ -39,7 +39,8 @@ _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss
               ("response_length_mean", "resp len"), ("clip_fraction_low", "clip lo"),
               ("clip_fraction_high", "clip hi"), ("kl_mean", "kl"), ("entropy_mean", "entropy"),
               ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"),
-              ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
+              ("logprob_gap_max", "lp gap max"), ("router_replay_disagreement", "route diff"),
+              ("grad_norm", "grad norm"),
               ("packing_efficiency", "packing"), ("prompt_tokens_shared", "shared"),
               ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
@@ -127,6 +128,12 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     t, c = cfg.train, cfg.checkpoint
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
+    if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
+        from megatron.rl.routing.replay import install_router_replay  # heavy: megatron-core's RouterReplay
+
+        for chunks in (run.model, run.ref_model):
+            if chunks is not None:
+                install_router_replay(chunks)
     start = run.resume()
     _log_start(cfg, start)
     backend = build_run_inference(cfg, rl, run.model, run.tokenizer)

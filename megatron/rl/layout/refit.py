@@ -170,9 +170,10 @@ class LayoutInference(ForwardingInference):
 
 
 def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, train_model: list, tokenizer,
-                           vocab_size: int | None = None) -> LayoutInference:
-    """Groups, inference copy and backend for ``layout`` (collective over the world). No refit yet."""
-    from megatron.rl.inference.megatron import MegatronInference  # heavy: megatron-core's inference engine
+                           vocab_size: int | None = None, record_routes: bool = False) -> LayoutInference:
+    """Groups, inference copy and backend for ``layout`` (collective over the world). No refit yet.
+    ``record_routes``: the copy's engine records MoE routes (``--rl-router-replay rollout``)."""
+    from megatron.rl.inference.megatron import EngineSettings, MegatronInference  # heavy: megatron-core's engine
 
     runtime = setup_runtime()
     s = layout.sizes(cfg)
@@ -186,14 +187,17 @@ def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, t
     log.info("inference copy: TP=%d PP=%d EP=%d, %d replica(s) (this rank: replica %d); weights %.1f MB on this "
              "rank, %.1f MB over all ranks; refit via megatron-core %s", s.tp, s.pp, s.ep, groups.num_replicas,
              groups.replica_rank, model_bytes(copy_model) / 2**20, float(size[0]) / 2**20, method)
-    return LayoutInference(MegatronInference(copy_model[0], tokenizer, process_groups=groups), copy, groups)
+    settings = dataclasses.replace(EngineSettings.for_device(runtime.device), record_routes=record_routes)
+    backend = MegatronInference(copy_model[0], tokenizer, settings=settings, process_groups=groups)
+    return LayoutInference(backend, copy, groups)
 
 
 def build_run_inference(cfg: TrainingConfig, rl: Any, model: list, tokenizer) -> InferenceInterface:
     """The backend an RL run generates with: the inference copy at its own layout when ``--rl-inference-*``
     flags ask for one (not refit yet), else ``--inference-backend``'s ``build_for_training``."""
     if rl.inference_layout.enabled:
-        return build_layout_inference(cfg, rl.inference_layout, model, tokenizer)
+        return build_layout_inference(cfg, rl.inference_layout, model, tokenizer,
+                                      record_routes=rl.router_replay == "rollout")  # MoE routing replay
     return build_training_inference(cfg, rl, model, tokenizer)
 
 

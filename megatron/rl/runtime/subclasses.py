@@ -51,3 +51,12 @@ declare_subclass(
             "._get_num_epochs",
     why="JSONL and mock corpora as low-level datasets, their settings in the index-cache key, and a clear error "
         "instead of megatron-core's endless loop over a split without tokens")
+
+declare_subclass(
+    "MoE routing replay slot", where="megatron.rl.routing.replay:RolloutRouterReplay",
+    changes="megatron.core.transformer.moe.router_replay:RouterReplay.__init__, .get_replay_topk, "
+            ".set_target_indices; megatron.core.transformer.moe.router:TopKRouter (its router_replay, set per "
+            "router)",
+    why="megatron-core's replay instances register in one process-wide list (every model of the process), take "
+        "every row from the target and count nothing; ours is set on one model's routers, keeps the router's own "
+        "choice for rows without a recorded route, and counts how often the replay changed the experts")

@@ -30,6 +30,8 @@ HEAVY_OR_OPTIONAL = {
     "torch.utils.tensorboard": "loads tensorboard: only when a run writes TensorBoard logs",
     "psutil": "needed only by the CPU layer's memory statistics",
     "xxhash": "optional (the gpu extra: faster checksums)",
+    "reasoning_gym": "optional (the envs extra)",
+    "openenv": "optional (the openenv extra)",
 }
 # Package modules that stay light (no torch at import): flags, configs, the CLI's first steps.
 LIGHT = ("megatron.rl.base", "megatron.rl.logging", "megatron.rl.training.config",
@@ -177,11 +179,26 @@ def test_the_layers_keep_their_seams():
     assert not bad, "imports across the layers' seams:\n" + "\n".join(sorted(set(bad)))
 
 
+def _loads_at_import(module: str) -> bool:
+    """Whether ``module`` calls, at import time (a class base, a decorator, a module-level value), one of its own
+    functions that imports a heavy or optional dependency (``class X(_base())`` with ``_base`` importing
+    megatron-core)."""
+    tree = ast.parse(MODULES[module].read_text())
+    loaders = {f.name for f in tree.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+        isinstance(n, ast.ImportFrom) and (n.module or "").startswith(tuple(HEAVY_OR_OPTIONAL)) or
+        isinstance(n, ast.Import) and any(a.name.startswith(tuple(HEAVY_OR_OPTIONAL)) for a in n.names)
+        for n in ast.walk(f))}
+    at_import = [n for stmt in tree.body if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(stmt) if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in loaders for n in at_import)
+
+
 def _heavy_modules() -> set[str]:
     """Package modules whose import (module-level imports, followed) loads a heavy or optional dependency (not
     counting an optional dependency probed for inside ``try:``)."""
     module_level = imports(function_level=False, probes=False)
     heavy = {m for m, imported, _, _ in module_level if imported.startswith(tuple(HEAVY_OR_OPTIONAL))}
+    heavy |= {m for m in MODULES if _loads_at_import(m)}
     g = graph(module_level)
     changed = True
     while changed:
@@ -195,7 +212,7 @@ def _heavy_modules() -> set[str]:
 
 def test_function_level_imports_are_for_heavy_or_optional_dependencies_only():
     heavy = _heavy_modules()
-    assert "megatron.rl.inference.engine.build" in heavy and "megatron.rl.rl_utils" not in heavy
+    assert "megatron.rl.inference.engine.build" in heavy and "megatron.rl.rollout.sequences" not in heavy
     bad = []
     for importer, imported, line, _ in imports(function_level=True):
         if imported.startswith(tuple(HEAVY_OR_OPTIONAL)):
