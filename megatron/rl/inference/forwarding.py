@@ -19,6 +19,11 @@ from megatron.rl.inference.control import RolloutShard, TrainerControl, control_
 __all__ = ["ForwardingInference"]
 
 
+def _controls(name: str) -> property:
+    """A read-only property answering the wrapped backend's trainer-control data member ``name``."""
+    return property(lambda self: getattr(control_of(self.inner), name), doc=f"The wrapped backend's ``{name}``.")
+
+
 class ForwardingInference(InferenceInterface, TrainerControl):
     """A backend around another backend, ``inner``, forwarding every member to it (see the module docstring)."""
 
@@ -46,25 +51,11 @@ class ForwardingInference(InferenceInterface, TrainerControl):
 
     # ------------------------------------------------------------------ TrainerControl
 
-    @property
-    def supports_weight_updates(self) -> bool:  # type: ignore[override]
-        return control_of(self.inner).supports_weight_updates
-
-    @property
-    def rollout_shard(self) -> RolloutShard | None:  # type: ignore[override]
-        return control_of(self.inner).rollout_shard
-
-    @property
-    def lockstep_size(self) -> int:  # type: ignore[override]
-        return control_of(self.inner).lockstep_size
-
-    @property
-    def engine_steps(self) -> int | None:  # type: ignore[override]
-        return control_of(self.inner).engine_steps
-
-    @property
-    def active(self) -> bool:  # type: ignore[override]
-        return control_of(self.inner).active
+    supports_weight_updates = _controls("supports_weight_updates")  # type: ignore[assignment]
+    rollout_shard = _controls("rollout_shard")  # type: ignore[assignment]
+    lockstep_size = _controls("lockstep_size")  # type: ignore[assignment]
+    engine_steps = _controls("engine_steps")  # type: ignore[assignment]
+    active = _controls("active")  # type: ignore[assignment]
 
     def set_policy_version(self, version: int) -> None:
         control_of(self.inner).set_policy_version(version)

@@ -12,51 +12,44 @@ from megatron.rl.runtime.patches import declare_subclass
 _CONTROLLER = "megatron.core.inference.text_generation_controllers.text_generation_controller:TextGenerationController"
 _CONTEXT = "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext"
 
-declare_subclass(
-    "engine sampling and log-probs", where="megatron.rl.inference.engine.build:SamplingController",
-    changes=f"{_CONTROLLER}._dynamic_step_sample_bookkeeping, ._dynamic_step_sample_logits, "
-            f"._dynamic_step_calculate_log_probs",
-    why="the trainer recomputes log-probs under softmax(logits / T) before top-k / top-p, and each request has "
-        "its own temperature, top-k, top-p and seed; the stock controller samples per bucket of equal settings "
-        "and reports other log-probs, so each active row is sampled and scored here")
+# (name, where: our class or the function that builds it, changes: the megatron-core members, why)
+_ENTRIES = (
+    ("engine sampling and log-probs", "megatron.rl.inference.engine.build:SamplingController",
+     f"{_CONTROLLER}._dynamic_step_sample_bookkeeping, ._dynamic_step_sample_logits, "
+     f"._dynamic_step_calculate_log_probs",
+     "the trainer recomputes log-probs under softmax(logits / T) before top-k / top-p, and each request has "
+     "its own temperature, top-k, top-p and seed; the stock controller samples per bucket of equal settings "
+     "and reports other log-probs, so each active row is sampled and scored here"),
+    ("dynamic context: step padding", "megatron.rl.inference.engine.build:_context_class",
+     f"{_CONTEXT}.TOKEN_ROUNDER",
+     "megatron-core pads every forward step to a multiple of 64 tokens for CUDA graphs; without graphs a decode "
+     "step of a few requests computes mostly padding (EngineSettings.token_rounder)"),
+    ("dynamic context: shared prompt prefill", "megatron.rl.inference.engine.shared_prefill:SharedPromptPrefill",
+     f"{_CONTEXT}.add_request, .append_key_value_cache, .update_requests, .reset (and the per-token "
+     f"arrays add_request fills)",
+     "a GRPO group submits its prompt group-size times and the context prefills each copy; followers enter "
+     "with their last prompt token and get the leader's KV slots after each layer's append"),
+    ("dynamic context: reused CPU KV buffer", "megatron.rl.inference.engine.kv_reuse:ReusedCpuKvBuffer",
+     f"{_CONTEXT}.allocate_all_tensors, .deallocate_all_tensors (and the memory_buffer they make)",
+     "every rollout phase builds a context whose KV buffer is a fresh allocation that the kernel page-faults "
+     "on first write; on CPU a stopped engine's buffer serves the next one of the same shape"),
+    ("scalar sampling parameters", "megatron.rl.inference.engine.session:_scalar_sampling_params",
+     "megatron.core.inference.sampling_params:SamplingParams (a deep copy made shallow)",
+     "every request deep-copies its SamplingParams on creation, walking ~30 objects where a shallow copy of "
+     "its scalars is the same"),
+    ("pretraining dataset sources", "megatron.rl.training.data:PretrainingGPTDataset",
+     "megatron.core.datasets.gpt_dataset:GPTDataset.build_low_level_dataset, ._key_config_attributes, "
+     "._get_num_epochs",
+     "JSONL and mock corpora as low-level datasets, their settings in the index-cache key, and a clear error "
+     "instead of megatron-core's endless loop over a split without tokens"),
+    ("MoE routing replay slot", "megatron.rl.routing.replay:RolloutRouterReplay",
+     "megatron.core.transformer.moe.router_replay:RouterReplay.__init__, .get_replay_topk, "
+     ".set_target_indices; megatron.core.transformer.moe.router:TopKRouter (its router_replay, set per "
+     "router)",
+     "megatron-core's replay instances register in one process-wide list (every model of the process), take "
+     "every row from the target and count nothing; ours is set on one model's routers, keeps the router's own "
+     "choice for rows without a recorded route, and counts how often the replay changed the experts"),
+)
 
-declare_subclass(
-    "dynamic context: step padding", where="megatron.rl.inference.engine.build:_context_class",
-    changes=f"{_CONTEXT}.TOKEN_ROUNDER",
-    why="megatron-core pads every forward step to a multiple of 64 tokens for CUDA graphs; without graphs a decode "
-        "step of a few requests computes mostly padding (EngineSettings.token_rounder)")
-
-declare_subclass(
-    "dynamic context: shared prompt prefill", where="megatron.rl.inference.engine.shared_prefill:SharedPromptPrefill",
-    changes=f"{_CONTEXT}.add_request, .append_key_value_cache, .update_requests, .reset (and the per-token "
-            f"arrays add_request fills)",
-    why="a GRPO group submits its prompt group-size times and the context prefills each copy; followers enter "
-        "with their last prompt token and get the leader's KV slots after each layer's append")
-
-declare_subclass(
-    "dynamic context: reused CPU KV buffer", where="megatron.rl.inference.engine.kv_reuse:ReusedCpuKvBuffer",
-    changes=f"{_CONTEXT}.allocate_all_tensors, .deallocate_all_tensors (and the memory_buffer they make)",
-    why="every rollout phase builds a context whose KV buffer is a fresh allocation that the kernel page-faults "
-        "on first write; on CPU a stopped engine's buffer serves the next one of the same shape")
-
-declare_subclass(
-    "scalar sampling parameters", where="megatron.rl.inference.engine.session:_scalar_sampling_params",
-    changes="megatron.core.inference.sampling_params:SamplingParams (a deep copy made shallow)",
-    why="every request deep-copies its SamplingParams on creation, walking ~30 objects where a shallow copy of "
-        "its scalars is the same")
-
-declare_subclass(
-    "pretraining dataset sources", where="megatron.rl.training.data:PretrainingGPTDataset",
-    changes="megatron.core.datasets.gpt_dataset:GPTDataset.build_low_level_dataset, ._key_config_attributes, "
-            "._get_num_epochs",
-    why="JSONL and mock corpora as low-level datasets, their settings in the index-cache key, and a clear error "
-        "instead of megatron-core's endless loop over a split without tokens")
-
-declare_subclass(
-    "MoE routing replay slot", where="megatron.rl.routing.replay:RolloutRouterReplay",
-    changes="megatron.core.transformer.moe.router_replay:RouterReplay.__init__, .get_replay_topk, "
-            ".set_target_indices; megatron.core.transformer.moe.router:TopKRouter (its router_replay, set per "
-            "router)",
-    why="megatron-core's replay instances register in one process-wide list (every model of the process), take "
-        "every row from the target and count nothing; ours is set on one model's routers, keeps the router's own "
-        "choice for rows without a recorded route, and counts how often the replay changed the experts")
+for _name, _where, _changes, _why in _ENTRIES:
+    declare_subclass(_name, where=_where, changes=_changes, why=_why)

@@ -30,7 +30,8 @@ def control_members() -> dict[str, str]:
 
 
 class _Inner(InferenceInterface, TrainerControl):
-    """A backend whose every control data member is an object of its own, and which records every call."""
+    """A backend whose every control data member is an object of its own, and whose every control method (and
+    generation) records its call."""
 
     def __init__(self):
         self.calls: list[tuple] = []
@@ -48,18 +49,17 @@ class _Inner(InferenceInterface, TrainerControl):
         self.calls.append(("rollout_phase",))
         yield self
 
-    def set_policy_version(self, version):
-        self.calls.append(("set_policy_version", version))
 
-    def pause_generation(self):
-        self.calls.append(("pause_generation",))
+def _recording(name: str):
+    def method(self, *args):
+        self.calls.append((name, *args))
 
-    def resume_generation(self, version):
-        self.calls.append(("resume_generation", version))
+    return method
 
-    def refit_for_update(self):
-        self.calls.append(("refit_for_update",))
-        return 0.0
+
+for _name, _kind in control_members().items():
+    if _kind == "method":  # every method of the protocol, present and future, records its calls
+        setattr(_Inner, _name, _recording(_name))
 
 
 class _FreshCopy:
