@@ -32,7 +32,7 @@ class _Phased(InferenceInterface):
                 for _ in expand_requests(requests)]
 
 
-def test_inference_session_brackets_the_backends_rollout_phase():
+def test_rollout_phase_brackets_generation_even_when_it_fails():
     backend = _Phased()
     with backend.rollout_phase() as inference:
         assert inference is backend
