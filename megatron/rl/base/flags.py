@@ -54,9 +54,10 @@ from typing import Any, Callable, Iterator, Sequence
 from megatron.rl.base.errors import ConfigError
 
 __all__ = ["flag", "derived", "section", "registry_choices", "add_flags", "from_namespace", "flag_fields",
-           "FlagField", "dest_of", "option_of"]
+           "FlagField", "dest_of", "option_of", "refuse_removed_flags"]
 
 _FLAG, _DERIVED, _SECTION = "flag", "derived", "section"
+REMOVED_FLAGS = "megatron_rl_removed_flags"  # the parser attribute holding the configs' _removed_flags
 
 
 def flag(default: Any = dataclasses.MISSING, *, name: str | None = None, help: str | None = None,  # noqa: A002
@@ -167,20 +168,9 @@ def _argparse_kwargs(cls: type, f: dataclasses.Field) -> dict:
     return kw
 
 
-class _RemovedFlag(argparse.Action):
-    """A flag of ``_removed_flags``: not in ``--help``, and passing it is a ConfigError naming its replacement."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str, use: str, **kwargs: Any):
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        self.use = use
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        raise ConfigError(f"{option_string} is not a flag of this version: use {self.use}.")
-
-
 def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> argparse.ArgumentParser:
     """Add the flags of ``cls`` (and of its nested sections) to ``parser``, one argument group per section, and
-    its ``_removed_flags`` (see the module docstring)."""
+    note its ``_removed_flags`` (see the module docstring and :func:`refuse_removed_flags`)."""
     groups: dict[str, Any] = {}
 
     def group(name: str):
@@ -200,9 +190,19 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
             group(meta["group"] or default_title).add_argument(option_of(f), **_argparse_kwargs(c, f))
 
     walk(cls, title or cls.__name__)
-    for option, use in getattr(cls, "_removed_flags", {}).items():
-        parser.add_argument(option, action=_RemovedFlag, use=use)
+    removed = getattr(parser, REMOVED_FLAGS, {})
+    setattr(parser, REMOVED_FLAGS, {**removed, **getattr(cls, "_removed_flags", {})})
     return parser
+
+
+def refuse_removed_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """ConfigError naming the replacement of the first flag in ``argv`` that a config of ``parser`` lists in its
+    ``_removed_flags`` (they are not parser options: ``--help`` does not show them)."""
+    removed = getattr(parser, REMOVED_FLAGS, {})
+    for arg in argv:
+        option = arg.split("=", 1)[0]
+        if option in removed:
+            raise ConfigError(f"{option} is not a flag of this version: use {removed[option]}.")
 
 
 def from_namespace(cls: type, ns: argparse.Namespace, **derived_values: Any) -> Any:

@@ -23,7 +23,7 @@ from megatron.rl.training.config_sections import (CheckpointConfig, DataConfig, 
                                                   OptimConfig, ParallelConfig, TokenizerConfig, TrainConfig,
                                                   TrainingConfig)
 from megatron.rl.base.errors import ConfigError
-from megatron.rl.base.flags import add_flags, dests, from_namespace
+from megatron.rl.base.flags import add_flags, dests, from_namespace, refuse_removed_flags
 from megatron.rl.training.checkpoint.args import check_explicit_flags, merge_checkpoint_args
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "CheckpointConfig",
@@ -56,6 +56,7 @@ def parse_args(argv: Sequence[str] | None = None, extra_args_providers: Iterable
     """
     parser = build_parser(extra_args_providers)
     given = list(sys.argv[1:] if argv is None else argv)
+    refuse_removed_flags(parser, given)
     from_ckpt = None
     if "--use-checkpoint-args" in given:
         given, *from_ckpt = merge_checkpoint_args(given, parser)
