@@ -24,6 +24,7 @@ from megatron.rl.base.registry import Registry
 from megatron.rl.base.type_lookupable import TypeLookupable, TypeLookupError
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, build_inference_interface
 from megatron.rl.base.types import Rollout, RolloutGroup
+from megatron.rl.base.errors import RLError
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ __all__ = [
 ]
 
 
-class AgentError(RuntimeError):
+class AgentError(RLError, RuntimeError):
     """An agent could not serve a request (bad configuration, unreachable remote environment, ...)."""
 
 
@@ -157,10 +158,13 @@ BUILTIN_AGENT_MODULES = {
     "huggingface_dataset": "megatron.rl.agent.huggingface_dataset_agent",
     "weighted_multi_task": "megatron.rl.agent.weighted_multi_task",
     "remote": "megatron.rl.agent.remote_agent",
+    "model_reward": "megatron.rl.agent.model_reward",
     "arithmetic": "megatron.rl.environments.arithmetic",
     "countdown": "megatron.rl.environments.countdown",
     "math": "megatron.rl.environments.math_task",
     "calculator": "megatron.rl.environments.calculator",
+    "reasoning_gym": "megatron.rl.environments.reasoning_gym_env",
+    "openenv": "megatron.rl.environments.openenv_env",
 }
 
 

@@ -25,6 +25,7 @@ class TrainingSequence:
 
     loss_mask: 1 at tokens the policy generated (trained), 0 at prompt/observation tokens.
     inference_logprobs: the backend's log-prob at generated tokens (0.0 elsewhere), or None.
+    routes: the engine's MoE routes, token-major ``[L, layers, k]`` (``-1`` = none), or None (``--rl-router-replay``).
     """
 
     token_ids: list[int]
@@ -35,6 +36,7 @@ class TrainingSequence:
     group_index: int
     env_id: str
     policy_versions: list[int] | None = None  # per token (-1 where not generated); asynchronous rollouts only
+    routes: torch.Tensor | None = None
 
     @property
     def num_generated(self) -> int:
@@ -98,7 +100,8 @@ def groups_to_sequences(groups: Sequence[RolloutGroup], estimator: str = "grpo",
             sequences.append(TrainingSequence(token_ids=list(r.token_ids), loss_mask=list(r.generation_mask),
                                               inference_logprobs=None if r.logprobs is None else list(r.logprobs),
                                               advantage=float(adv), reward=float(r.reward), group_index=gi,
-                                              env_id=r.env_id, policy_versions=r.metadata.get(VERSIONS_KEY)))
+                                              env_id=r.env_id, policy_versions=r.metadata.get(VERSIONS_KEY),
+                                              routes=None if r.routes is None else r.routes.tensor().permute(1, 0, 2)))
     return sequences, stats
 
 
@@ -113,3 +116,28 @@ def split_evenly(n: int, parts: int) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+def staleness_metrics(versions: Sequence[Sequence[int] | None], iteration: int) -> dict[str, float]:
+    """Token staleness of the sequences trained at ``iteration`` (= the policy version being updated).
+
+    ``versions``: per sequence, the policy version of each token (-1 where not generated: prompt, observations),
+    or None when unknown (a synchronous source labels none: no metrics). Staleness of a generated token =
+    ``|iteration - version|``: ``iteration - version``, except for a group the durable rollout bank restored into
+    an older checkpoint, whose tokens can come from a later version whose weights were lost (just as far from
+    the trained policy). Returns ``staleness_mean``, ``staleness_max`` and ``off_policy_token_share``
+    (staleness > 0) over generated tokens with known versions.
+    """
+    total = count = worst = off = 0
+    for vs in versions:
+        for v in vs or ():
+            if v < 0:
+                continue
+            s = abs(iteration - v)
+            total += s
+            count += 1
+            worst = max(worst, s)
+            off += s > 0
+    if not count:
+        return {}
+    return {"staleness_mean": total / count, "staleness_max": float(worst), "off_policy_token_share": off / count}

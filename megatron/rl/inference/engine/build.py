@@ -3,12 +3,14 @@
 This is the ONLY module that calls the constructors of ``DynamicInferenceContext``,
 ``GPTInferenceWrapper``, ``TextGenerationController`` and ``DynamicInferenceEngine``: their
 signatures are those of megatron-core 0.16.1 and change in 0.17+ (``DynamicInferenceContext(model_config,
-inference_config)``, ``DynamicInferenceEngine(controller, context)``, no ``pp_group`` on the controller;
-see shared/CPU_RUNTIME.md). An upgrade only touches :func:`build_engine`.
+inference_config)``, ``DynamicInferenceEngine(controller, context)``, no ``pp_group`` on the controller).
+An upgrade touches :func:`build_engine` and the entries of :mod:`megatron.rl.runtime.patches`.
 
 The controller is subclassed so that *we* sample (per-request temperature, top-k, top-p and seed)
 and report log-probs under ``softmax(logits / T)``; see :mod:`megatron.rl.inference.sampling`
-for why the stock controller's numbers do not match what the RL trainer recomputes.
+for why the stock controller's numbers do not match what the RL trainer recomputes. The subclass overrides
+private steps of megatron-core's controller, and the context class overrides its step padding: both are
+registered changes to megatron-core (:mod:`megatron.rl.runtime.subclasses`).
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ from megatron.core.utils import get_model_config
 
 from megatron.rl.inference.engine.graphs import DecodeGraphs
 from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
+from megatron.rl.inference.engine.route_recorder import RouteRecorder
+from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
 from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS, set_decode_lengths
-from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,8 @@ class EngineSettings:
     keep_cpu_kv_buffer: on CPU, a stopped engine's KV buffer is kept for the next engine of the same shape
         (:mod:`megatron.rl.inference.engine.kv_reuse`: a fresh buffer page-faults every cache page it writes);
         False = freed at exit. GPU buffers are always freed.
+    record_routes: record every processed token's MoE routes into ``InferenceResponse.routes``
+        (:mod:`megatron.rl.inference.engine.route_recorder`; ``--rl-router-replay rollout``). MoE models only.
 
     decode_buckets: fixed shapes for decode steps: the active request count is padded up to the smallest of these
         sizes (padding rows compute and are dropped), and the decode attention's key slots to a multiple of
@@ -85,6 +90,7 @@ class EngineSettings:
     cpu_fast_steps: bool = True
     share_prompt_prefill: bool = True
     keep_cpu_kv_buffer: bool = True
+    record_routes: bool = False
     decode_buckets: tuple[int, ...] | None = None
     decode_cuda_graphs: bool = False
 
@@ -170,6 +176,7 @@ class SamplingController(TextGenerationController):
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
         self._step_log_probs: torch.Tensor | None = None
+        self.route_recorder: RouteRecorder | None = None  # set by build_engine with EngineSettings.record_routes
         self._step_sampling: _StepSampling | None = None
         self.key_multiple = 1  # decode attention's key slots are rounded up to this (EngineSettings.decode_buckets)
         self.graphs: DecodeGraphs | None = None  # EngineSettings.decode_cuda_graphs on a GPU
@@ -180,7 +187,12 @@ class SamplingController(TextGenerationController):
         g.manual_seed(int(seed))
         return NoiseStream(g)
 
-    # --- overrides of megatron-core 0.16.1 TextGenerationController private steps ---
+    # --- overrides of TextGenerationController's private steps (registry entry "engine sampling and log-probs")
+
+    def _dynamic_step_context_bookkeeping(self):
+        if self.route_recorder is not None:  # before update_requests moves requests between slots
+            self.route_recorder.harvest(self.inference_wrapped_model.inference_context)
+        return super()._dynamic_step_context_bookkeeping()
 
     def _dynamic_step_sample_bookkeeping(self):
         # The stock bucketing by (temperature, top_k, top_p) is not used: we sample per row.
@@ -190,6 +202,8 @@ class SamplingController(TextGenerationController):
         # Everything the step's forward and sampling need from the host is worked out here, before the forward:
         # the decode attention's key lengths and this step's sampling settings. The forward and the sampler then
         # read nothing back from the device (what a GPU needs to capture them in a graph).
+        if self.route_recorder is not None:  # the routers record this step's forward
+            self.route_recorder.before_forward()
         result = super()._dynamic_step_context_init(*args, **kwargs)
         context = self.inference_wrapped_model.inference_context
         if context.is_decode_only():
@@ -366,6 +380,8 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     wrapped = GPTInferenceWrapper(model, wrapper_config, context, pg_collection=pg_collection)
     controller = SamplingController(wrapped, tokenizer, seed=settings.seed,
                                     pp_group=None if pg_collection is None else pg_collection.pp)
+    if settings.record_routes:
+        controller.route_recorder = route_recorder(model, config, pg_collection)
     if buckets:
         controller.key_multiple = MIN_KEY_SLOTS
     if settings.decode_cuda_graphs and context.memory_buffer.device.type in GRAPH_DEVICES:
@@ -376,3 +392,21 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
               context.block_allocator.total_count, context.block_size_tokens, context.max_requests,
               context.max_tokens)
     return engine, context, controller
+
+
+def route_recorder(model: torch.nn.Module, config: Any, pg_collection: Any = None) -> RouteRecorder:
+    """A :class:`RouteRecorder` over ``model``'s routers, combining over its model-parallel group when its pipeline
+    stages or sequence-parallel ranks each see part of a step's routes."""
+    from megatron.core import parallel_state as ps
+
+    from megatron.rl.routing.replay import install_router_replay
+
+    if pg_collection is None:
+        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        tp_rank, group = ps.get_tensor_model_parallel_rank(), ps.get_model_parallel_group()
+    else:
+        tp, pp = pg_collection.tp.size(), pg_collection.pp.size()
+        tp_rank, group = pg_collection.tp.rank(), pg_collection.mp
+    sp = tp > 1 and bool(config.sequence_parallel)
+    return RouteRecorder(install_router_replay(model), group if (pp > 1 or sp) else None,
+                         tp_rank if sp else 0, tp if sp else 1)
