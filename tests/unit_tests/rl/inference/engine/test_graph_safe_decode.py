@@ -244,8 +244,26 @@ def test_engine_routes_decode_steps_through_the_graphs_and_keeps_every_token(mod
     eager = _generate(_backend(model, decode_cuda_graphs=True), _requests(seed=2))
     monkeypatch.setattr(build, "GRAPH_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(build, "DecodeGraphs", lambda forward: DecodeGraphs(forward, capture=_emulated_capture(calls)))
+    _generate(_backend(model, decode_buckets=(8, 16, 32, 64)), _requests(seed=2)[:8])
+    assert calls == []  # where graphs could be captured, nothing is without the flag (buckets alone do not)
     graphed = _generate(_backend(model, decode_cuda_graphs=True), _requests(seed=2))
     assert calls.count("capture") >= 3 and calls.count("replay") > 10, calls  # several buckets, replayed after
     for a, b in zip(eager, graphed):
         assert a.finish_reason in ("stop", "length"), a.error
         assert a.generated_token_ids == b.generated_token_ids and a.logprobs == b.logprobs
+
+
+def test_only_the_engine_build_reaches_the_graph_capture():
+    """The capture is reached from ``build_engine`` behind ``EngineSettings.decode_cuda_graphs`` (previous test), and
+    from nowhere else in the package."""
+    import ast
+
+    from tests.conftest import REPO_ROOT
+
+    users = set()
+    for path in (REPO_ROOT / "megatron" / "rl").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "megatron.rl.inference.engine.graphs" or (
+                    isinstance(node, ast.Import) and any(a.name.endswith("engine.graphs") for a in node.names)):
+                users.add(path.relative_to(REPO_ROOT).as_posix())
+    assert users == {"megatron/rl/inference/engine/build.py"}, users
