@@ -292,7 +292,6 @@ def set_decode_lengths(cache_seqlens: torch.Tensor, key_multiple: int = 1) -> No
     _STEP_PLAN.host_lengths = (cache_seqlens, cache_seqlens._version, cache_seqlens.tolist(), max(1, key_multiple))
 
 
-
 def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q_shape: torch.Size,
                        cache_shape: torch.Size) -> list[_DecodeGroup]:
     """The step's :class:`_DecodeGroup` list, built by the first layer and reused by the others.
