@@ -154,7 +154,8 @@ def _attend_padded(q, k, v, out, batch: _PrefillBatch, scale):
 # give the many-row product's bits). At 2 rows the mixed-request test's gap was 3e-5 on that machine.
 MIN_QUERY_ROWS = 4
 # Keys (masked past a request's length) every product runs over at least: the softmax and the product with V
-# round differently below 16 keys than from 16 on (from 16 on, more masked keys change no bit), and the trainer
+# may round differently below 16 keys than from 16 on (they do on AVX-512 CPUs, not on AVX2 ones; from 16 on,
+# more masked keys change no bit), and the trainer
 # attends over its micro-batch's row length, nearly always >= 16. Without it a decode step of a 13-token request
 # put its log-probs up to 1.3e-5 from the trainer's on the quickstart (tests/unit_tests/rl/runtime).
 MIN_KEY_SLOTS = 16
