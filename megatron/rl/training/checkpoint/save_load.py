@@ -382,7 +382,8 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
     state["model_args"] = model_args
     state["checkpoint_info"] = {"format_version": FORMAT_VERSION, "contents": contents,
                                 "layout": parallel_layout(), "dist_opt_format": dist_opt_format,
-                                "release": iteration == paths.RELEASE}
+                                "release": iteration == paths.RELEASE,
+                                integrity.MANIFEST_INFO_KEY: integrity.MANIFEST_FILENAME}
     if optimizer is not None:
         state["checkpoint_info"]["distributed_optimizer"] = uses_distributed_optimizer(optimizer)
     try:
@@ -462,12 +463,13 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     _require_distributed()
     t0 = time.perf_counter()
     ckpt = paths.resolve_checkpoint_dir(load_dir)
-    if verify_checksums:
-        integrity.verify_manifest(ckpt)
+    verified = verify_checksums and integrity.verify_manifest(ckpt)
     common = _load_common(ckpt)
+    info = common.get("checkpoint_info") or {}
+    if verify_checksums and not verified:
+        integrity.check_missing_manifest(ckpt, info)
     integrity.check_iteration_matches_dir(ckpt, common.get("iteration"))
     saved_args = common.get("model_args") or {}
-    info = common.get("checkpoint_info") or {}
     if model_args:
         current_args = _json_roundtrip(model_args, "model_args")
         check_model_args(saved_args, current_args, ckpt)
