@@ -57,4 +57,14 @@ def flush_denormals():
         torch.set_flush_denormal(False)
 
 
-__all__ = ["RuntimeInfo", "setup_runtime", "flush_denormals", "choose_device", "choose_backend", "cuda_usable"]
+def keep_denormals() -> None:
+    """Undo :func:`flush_denormals` for the calling thread (a thread started inside its scope inherits the flag):
+    for a thread that validates clients' numbers, such as the policy server's, where ``5e-324`` must not read
+    as 0."""
+    import torch
+
+    torch.set_flush_denormal(False)
+
+
+__all__ = ["RuntimeInfo", "setup_runtime", "flush_denormals", "keep_denormals", "choose_device", "choose_backend",
+           "cuda_usable"]

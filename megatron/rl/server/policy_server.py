@@ -187,7 +187,13 @@ class _ServerThread:
         self.url = f"http://{host}:{port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                      timeout_graceful_shutdown=5))
-        self._thread = threading.Thread(target=self._server.run, name="policy-server", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="policy-server", daemon=True)
+
+    def _run(self) -> None:
+        from megatron.rl.runtime import keep_denormals
+
+        keep_denormals()  # started inside the run's flush-to-zero scope: a client's 5e-324 must not validate as 0
+        self._server.run()
 
     def start(self, timeout_s: float = 30.0) -> None:
         self._thread.start()
