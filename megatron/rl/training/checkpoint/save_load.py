@@ -19,8 +19,9 @@ leaves the previous checkpoint as the one ``--load`` picks. Integrity (see
 before loading; loaded values are scanned for NaN/Inf; the stored iteration must match the directory name.
 
 Every rank must call :func:`save_checkpoint` / :func:`load_checkpoint` (collective), after
-``torch.distributed`` and megatron's ``parallel_state`` are initialised. Entry scripts need an
-``if __name__ == "__main__":`` guard because the torch_dist writer starts a subprocess.
+``torch.distributed`` and megatron's ``parallel_state`` are initialised. The torch_dist writer forks short-lived
+write workers per save (joined before the save returns) and starts no long-lived process
+(:mod:`megatron.rl.runtime.checkpoint_writer`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megatron.rl.runtime.checkpoint_writer import use_in_process_write_results
 from megatron.rl.training.checkpoint import integrity
 from megatron.rl.training.checkpoint import paths
 from megatron.rl.training.checkpoint.paths import CheckpointError, latest_checkpoint
@@ -386,6 +388,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
                                 integrity.MANIFEST_INFO_KEY: integrity.MANIFEST_FILENAME}
     if optimizer is not None:
         state["checkpoint_info"]["distributed_optimizer"] = uses_distributed_optimizer(optimizer)
+    use_in_process_write_results()  # no Manager process that a SIGKILL would orphan
     try:
         dist_checkpointing.save(state, str(tmp_dir), content_metadata=opt_meta)
         ok = True
