@@ -15,11 +15,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from typing import Any, Callable, ClassVar, Iterator, Literal, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 # One rule for every backend and the trainer: greedy (T = 0) log-probs are reported under T = 1.
 from megatron.rl.algorithms.logprobs import logprob_temperature
@@ -37,6 +38,7 @@ __all__ = [
     "InferenceResponse",
     "InferenceInterface",
     "InferenceError",
+    "CANCELLED",
     "build_inference_interface",
     "build_training_inference",
     "backend_class",
@@ -85,16 +87,38 @@ class GenerationArgs(BaseModel):
 
 
 
+@dataclasses.dataclass
+class _CancelFlag:
+    cancelled: bool = False
+
+
+#: the ``error`` of a cancelled request's responses
+CANCELLED = "cancelled: the caller no longer wanted this request's responses"
+
+
 class InferenceRequest(BaseModel):
     """Either a plain text ``prompt`` or chat ``messages`` (exactly one), plus generation args.
 
     Chat messages are rendered to text by the backend with the tokenizer's chat template (see
     :mod:`megatron.rl.inference.chat_template`); an agent never handles tokenizers itself.
+
+    :meth:`cancel` (e.g. the inference server, when the client disconnected) asks the backend to stop generating
+    for the request at its next step, even in the middle of a batch; its responses then fail with
+    :data:`CANCELLED`. The samples of ``n > 1`` (:func:`expand_requests`) share the request's flag.
     """
 
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
+    _cancel: _CancelFlag = PrivateAttr(default_factory=_CancelFlag)
+
+    def cancel(self) -> None:
+        """Nobody waits for this request's responses any more (thread-safe; see the class docstring)."""
+        self._cancel.cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.cancelled
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> "InferenceRequest":
@@ -380,13 +404,15 @@ def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceReque
 def expand_checked(requests: Sequence[InferenceRequest]) -> list[InferenceRequest | InferenceResponse]:
     """:func:`expand_requests` after checking each request with :func:`validation.request_error`.
 
-    An invalid request becomes its failed responses (one per sample it owes) in place of its samples, so a
-    backend can batch the rest: one bad request never fails the others.
+    An invalid (or already cancelled) request becomes its failed responses (one per sample it owes) in place of its
+    samples, so a backend can batch the rest: one bad request never fails the others.
     """
     out: list[InferenceRequest | InferenceResponse] = []
     for req in requests:
         problem = request_error(req)
-        if problem is None:
+        if getattr(req, "cancelled", False):
+            out.extend(InferenceResponse.failed(CANCELLED) for _ in range(sample_count(req)))
+        elif problem is None:
             out.extend(expand_requests([req]))
         else:
             out.extend(InferenceResponse.failed(f"invalid request: {problem}") for _ in range(sample_count(req)))

@@ -243,7 +243,7 @@ class MegatronInference(InferenceInterface):
             except _RequestError as e:
                 responses[i] = InferenceResponse.failed(str(e), getattr(e, "prompt_text", None))
                 continue
-            pending.append((i, self._scheduler.submit(job, loop)))
+            pending.append((i, self._scheduler.submit(job, loop, cancelled=lambda r=request: r.cancelled)))
         if pending:
             done = await asyncio.gather(*(f for _, f in pending))
             for (i, _), response in zip(pending, done):

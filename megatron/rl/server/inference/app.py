@@ -16,8 +16,9 @@ an empty prompt or an unsupported option 400; a per-request backend error (``fin
 a prompt longer than the model) answers that HTTP request 400. If the backend raises on a batch, the batch
 is retried in halves until the requests that make it raise are alone: only those get a 500 (with a short
 message; the exception is in the server log), the others their answers. A client that disconnects
-mid-request is dropped from the queue if its batch has not started; otherwise its results are discarded
-when they arrive, so the backend is never left waiting on a dead connection.
+mid-request is dropped from the queue if its batch has not started; otherwise its requests are cancelled
+(:meth:`~megatron.rl.inference.api.InferenceRequest.cancel`): the backend stops generating for them at its
+next step, so an abandoned request does not hold the batch, and everyone queued behind it, to its end.
 
 Authorization (when ``api_key`` is set): every route but ``/health`` (``/docs`` and ``/openapi.json``
 included) needs ``Authorization: Bearer <key>``, see :mod:`megatron.rl.server.guard`.
@@ -83,7 +84,8 @@ class BatchStats:
     requests: int = 0
     samples: int = 0
     max_batch_samples: int = 0
-    dropped_disconnected: int = 0
+    dropped_disconnected: int = 0  # requests whose client left before their batch started
+    cancelled_disconnected: int = 0  # requests whose client left while the backend worked on them
     backend_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -117,7 +119,11 @@ class RequestBatcher:
         self.stats.requests += 1
         if self.backend.continuous_batching:
             self._count_batch(n)
-            return await self._call_backend(requests)
+            try:
+                return await self._call_backend(requests)
+            except asyncio.CancelledError:  # the client left while the backend worked on it
+                self.stats.cancelled_disconnected += 1
+                raise
         fut = asyncio.get_running_loop().create_future()
         await self._queue.put(_Pending(requests, fut, n))
         return await fut
@@ -181,7 +187,9 @@ class RequestBatcher:
             return
         start = 0
         for p in live:
-            if not p.future.done():
+            if p.future.done():  # the client left while the backend worked on it
+                self.stats.cancelled_disconnected += 1
+            else:
                 p.future.set_result(out[start:start + p.num_samples])
             start += p.num_samples
 
@@ -288,6 +296,8 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
         except BackendFailure as e:
             return _error(500, str(e), kind="server_error")
         if out is None:  # client gone; the status is never seen
+            for r in requests:  # its share of a running batch ends at the backend's next step
+                r.cancel()
             return _error(499, "client disconnected")
         errors = [r.error or "request failed" for r in out if r.finish_reason == "error"]
         if errors:

@@ -343,3 +343,53 @@ def test_an_idle_engine_takes_submissions_arriving_back_to_back_into_one_first_s
     engine.join(5)
     assert all(r.finish_reason == "length" for r in responses)
     assert len(stepper.batches[0]) == 128, [len(b) for b in stepper.batches]
+
+
+class CancellableStepper(FakeStepper):
+    async def step(self) -> None:
+        await super().step()
+        await asyncio.sleep(0.001)  # a step takes a moment, as an engine's does
+
+    def cancel(self, seq: int) -> None:
+        job, _ = self.running.pop(seq)
+        self.scheduler.deliver(job, InferenceResponse.failed("cancelled", job.prompt_text))
+
+
+def test_a_cancelled_request_is_ended_on_every_rank_at_the_same_step_and_the_others_run_on():
+    """The source's caller gives up on one request (its flag, or its future cancelled): the next plan carries it,
+    every rank ends it before that step, and the other requests are untouched."""
+    group = SimulatedGroup(2)
+    steppers = [CancellableStepper(s) for s in group.schedulers]
+    threads = group.start(steppers)
+    flag = {"gone": False}
+    results: dict[int, list[InferenceResponse]] = {}
+
+    def caller(rank: int) -> None:
+        async def go():
+            loop = asyncio.get_running_loop()
+            long = group.schedulers[rank].submit(_job([1], max_new_tokens=10_000), loop, cancelled=lambda: flag["gone"])
+            short = group.schedulers[rank].submit(_job([2], max_new_tokens=5), loop)
+            dropped = group.schedulers[rank].submit(_job([3], max_new_tokens=10_000), loop)
+            if rank == 0:
+                while len(steppers[0].batches) < 3:
+                    await asyncio.sleep(0.001)
+                flag["gone"] = True
+                dropped.cancel()  # a caller's task cancelled: its future is
+                return [await long, await short]
+            return [await long, await short, await dropped]
+
+        results[rank] = asyncio.run(go())
+
+    callers = [threading.Thread(target=caller, args=(r,)) for r in range(2)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=60)
+    group.stop(threads)
+    assert steppers[0].batches == steppers[1].batches and len(steppers[0].batches) < 10_000  # ended early
+    cancels = [p.cancel for p in group.shared[0] if p.cancel]
+    assert cancels == [[0, 2]] and [p.cancel for p in group.shared[1] if p.cancel] == cancels
+    for r in range(2):
+        long, short = results[r][:2]
+        assert long.error == "cancelled" and short.finish_reason == "length" and len(short.generated_token_ids) == 5
+    assert results[1][2].error == "cancelled"  # the other rank's caller of the dropped request is answered too

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import numpy as np
@@ -135,6 +137,54 @@ def test_client_disconnect_does_not_wedge(fake_server):
             httpx.post(url, json={"prompt": "Hi", "max_tokens": 4}, headers=h, timeout=0.01)
     r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 4}, headers=h, timeout=30)
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+
+
+@contextlib.contextmanager
+def _serving(app):
+    """``app`` under uvicorn on a thread of this process (real HTTP: disconnects are seen), yielding its URL."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+class _CountingFake(FakeInference):
+    """The fake backend, counting the tokens it generates (one ``logits`` call each)."""
+
+    tokens = 0
+
+    def logits(self, prev_token):
+        self.tokens += 1
+        return super().logits(prev_token)
+
+
+def test_a_disconnected_clients_share_of_a_running_batch_is_cancelled():
+    """A client that gives up while its request is generated: the backend stops generating it at its next token,
+    so the batch, and everyone queued behind it, does not wait for its max_tokens x n."""
+    from megatron.rl.inference.validation import RequestLimits
+
+    backend = _CountingFake(max_seq_len=1 << 20, eos_bias=-1e9)  # never ends before max_tokens
+    cfg = ServerConfig(batch_window_s=0.0, limits=RequestLimits(max_tokens=100_000))
+    with _serving(create_app(backend, cfg)) as url:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 100_000, "n": 2}, timeout=0.3)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=600)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+        stats = httpx.get(url + "/health").json()["stats"]
+    assert stats["cancelled_disconnected"] == 1 and stats["batches"] == 2
+    assert backend.tokens < 100_000, backend.tokens  # of the 200,000 asked for, only what ran before the cancel
 
 
 def test_unreachable_server_is_a_clear_error():
