@@ -97,6 +97,9 @@ class MegatronInference(InferenceInterface):
     """
 
     supports_weight_updates = True  # generates with the trainer's parameters in place
+    # the engine admits requests at every step, whoever sends them: the inference server forwards each HTTP request
+    # at once instead of holding it until the running batch ends
+    continuous_batching = True
 
     def __init__(self, model: Any, tokenizer: Any, settings: EngineSettings | None = None,
                  max_sequence_length: int | None = None, process_groups: Any = None):

@@ -68,16 +68,20 @@ class RequestLimits:
     their length. max_prompt_chars: characters of a prompt or of one chat message. max_prompts: prompts
     of one completion request. max_messages: messages of one chat request. max_logprobs /
     max_top_logprobs: OpenAI's ``logprobs`` (completions) and ``top_logprobs`` (chat).
+
+    The defaults bound one request's work to ``max_samples`` x ``max_tokens`` (256 x 4096 tokens: a GRPO group of
+    64 for each of 4 prompts), so that no client holds a server for long: a static-batching backend
+    (Hugging Face, the fake) serves one batch at a time, and a request arriving meanwhile waits for it.
     """
 
     max_body_bytes: int = 8 * 2**20
-    max_n: int = 128
-    max_samples: int = 1024
-    max_tokens: int = 32768
+    max_n: int = 64
+    max_samples: int = 256
+    max_tokens: int = 4096
     max_stop: int = 16
     max_stop_chars: int = 256
     max_prompt_chars: int = 1_000_000
-    max_prompts: int = 256
+    max_prompts: int = 4
     max_messages: int = 256
     max_logprobs: int = 5
     max_top_logprobs: int = 20

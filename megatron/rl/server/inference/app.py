@@ -10,10 +10,11 @@ static-batching backend (Hugging Face, the fake) sees big batches under load, an
 requests becomes a handful of calls. A backend that batches concurrent calls itself
 (``continuous_batching = True``, e.g. a dynamic engine) gets each request forwarded immediately.
 
-Failure isolation: a body that breaks the schema (wrong type, out of range, over a limit of
+Failure isolation: a body that breaks the schema (wrong type, out of range, empty, over a limit of
 :class:`RequestLimits`) is answered 422 and a body over ``max_body_bytes`` 413, before it reaches the batcher;
-an empty prompt or an unsupported option 400; a per-request backend error (``finish_reason="error"``, e.g.
-a prompt longer than the model) answers that HTTP request 400. If the backend raises on a batch, the batch
+a body that is not JSON, or an unsupported option, 400; a per-request backend error (``finish_reason="error"``,
+e.g. a prompt longer than the model) answers that HTTP request 400. Every error, FastAPI's own (404, 405, an
+unparseable body) included, is OpenAI's error object (:class:`ErrorBody`). If the backend raises on a batch, the batch
 is retried in halves until the requests that make it raise are alone: only those get a 500 (with a short
 message; the exception is in the server log), the others their answers. A client that disconnects
 mid-request is dropped from the queue if its batch has not started; otherwise its requests are cancelled
@@ -36,11 +37,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.inference.validation import RequestLimits, describe_validation_error
 from megatron.rl.server.guard import BodySizeLimit, authorized, install_docs, safe_message
-from megatron.rl.server.inference.schemas import ErrorBody, body_models, chat_request, completion_requests
+from megatron.rl.server.inference.schemas import (UNSUPPORTED_ERROR_TYPES, ErrorBody, body_models, chat_request,
+                                                  completion_requests)
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +197,26 @@ class RequestBatcher:
             start += p.num_samples
 
 
+_HTTP_MESSAGES = {400: "the body could not be parsed as JSON (invalid UTF-8, or nested too deeply)",
+                  404: "no such route: see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
+                  405: "method not allowed on this route"}
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    """400 for a body that is not JSON or names an unsupported option (the option named), else 422."""
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return _error(400, describe_validation_error(exc)[0])
+    unsupported = [e for e in errors if e.get("type") in UNSUPPORTED_ERROR_TYPES]
+    if unsupported:
+        names = [".".join(str(x) for x in e["loc"] if x != "body") for e in unsupported]
+        hints = [str(e["msg"]) if e["type"] == "unsupported_option" else "not supported by this server (leave it "
+                 "out)" for e in unsupported]
+        return _error(400, "; ".join(f"{n}: {h}" for n, h in zip(names, hints)), param=names[0])
+    msg, param = describe_validation_error(exc)
+    return _error(422, msg, param=param)
+
+
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(status_code=status,
                         content={"error": {"message": safe_message(message), "type": kind,
@@ -239,7 +262,8 @@ def _usage(responses: list[InferenceResponse]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-_STATUS_TEXT = {400: "invalid value or unsupported option", 401: "missing or wrong API key",
+_STATUS_TEXT = {400: "body not JSON, an unsupported option (named), or a prompt the model cannot serve (e.g. longer "
+                     "than its context)", 401: "missing or wrong API key",
                 404: "model not served here", 413: "request body too large",
                 422: "body does not match the schema (type, range or limit)", 500: "inference backend failure"}
 _RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody, "description": text}
@@ -279,8 +303,14 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = describe_validation_error(exc)
-        return _error(422, msg, param=param)
+        return _validation_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own answers: 404/405, and 400 for a body JSON cannot parse (bad UTF-8, nesting too deep)
+        message = _HTTP_MESSAGES.get(exc.status_code, str(exc.detail))
+        return _error(exc.status_code, message, kind="not_found_error" if exc.status_code == 404 else
+                      "invalid_request_error")
 
     install_docs(app, check_auth, app.title)
 
@@ -317,11 +347,6 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
     async def completions(body: CompletionBody, request: Request):
         if (bad := check_model(body.model)) is not None:
             return bad
-        if body.stream:
-            return _error(400, "stream=true is not supported by this server; send stream=false", param="stream")
-        if body.echo:
-            return _error(400, "echo=true is not supported; the prompt is returned in prompt_text / prompt_token_ids",
-                          param="echo")
         try:
             reqs = completion_requests(body, cfg.default_max_tokens)
         except (ValidationError, ValueError) as e:
@@ -341,8 +366,6 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
     async def chat_completions(body: ChatCompletionBody, request: Request):
         if (bad := check_model(body.model)) is not None:
             return bad
-        if body.stream:
-            return _error(400, "stream=true is not supported by this server; send stream=false", param="stream")
         try:
             req = chat_request(body, cfg.default_max_tokens)
         except (ValidationError, ValueError) as e:
