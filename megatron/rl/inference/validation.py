@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, create_model
 
 # The chat vocabulary lives in the base package (rollouts use it too); re-exported here with the other rules.
 from megatron.rl.base.chat import CHAT_ROLES, ChatRole, Text, check_unicode
@@ -47,12 +47,18 @@ def _check_temperature(value: float) -> float:
     return value
 
 
-Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
-                                     description=f"0 = greedy, else {MIN_TEMPERATURE}..{MAX_TEMPERATURE}"),
-                        AfterValidator(_check_temperature)]
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False),
+                        AfterValidator(_check_temperature),
+                        WithJsonSchema({"anyOf": [{"type": "number", "const": 0},
+                                                  {"type": "number", "minimum": MIN_TEMPERATURE,
+                                                   "maximum": MAX_TEMPERATURE}],
+                                        "description": f"0 = greedy, else {MIN_TEMPERATURE}..{MAX_TEMPERATURE}"})]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
-Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+# The schema states the largest seed a JSON number (a double, as the OpenAPI schema is written) holds exactly:
+# 2**63 - 1 is written as 9.223372036854776e18, which admits seeds above it.
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX),
+                 WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**63 - 1024})]
 NumSamples = Annotated[int, Field(ge=1, le=MAX_N)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 StopString = Annotated[str, Field(min_length=1), AfterValidator(check_unicode)]

@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megatron.rl.agent.api import (Agent, AgentRequest, EvaluationRequest, GroupedRolloutRequest, InferenceSpec,
                                    RolloutRequest)
-from megatron.rl.inference.api import InferenceInterface, backend_class
+from megatron.rl.inference.api import GenerationArgs, InferenceInterface, backend_class
 from megatron.rl.inference.validation import RequestLimits, describe_validation_error, generation_limits_model
 from megatron.rl.server.guard import BodySizeLimit, LRUCache, authorized, install_docs, safe_message
 from megatron.rl.server.agent.schema import request_body_schema
@@ -82,6 +82,10 @@ class EnvServerConfig:
         for name in ("max_rollouts", "max_ks", "max_dp_world_size", "max_agents"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EnvServerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        default_tokens = GenerationArgs().max_tokens  # what a request without generation_args.max_tokens asks for
+        if self.limits.max_tokens < default_tokens:
+            raise ValueError(f"--limit max_tokens={self.limits.max_tokens} is below {default_tokens}, the max_tokens of "
+                             f"a request that gives none: every such request would be refused")
 
 
 class ClientError(Exception):
@@ -208,7 +212,9 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), "NotFound" if exc.status_code == 404 else "BadRequest")
+        response = _error(exc.status_code, str(exc.detail), "NotFound" if exc.status_code == 404 else "BadRequest")
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:

@@ -309,8 +309,10 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # FastAPI's own answers: 404/405, and 400 for a body JSON cannot parse (bad UTF-8, nesting too deep)
         message = _HTTP_MESSAGES.get(exc.status_code, str(exc.detail))
-        return _error(exc.status_code, message, kind="not_found_error" if exc.status_code == 404 else
-                      "invalid_request_error")
+        response = _error(exc.status_code, message, kind="not_found_error" if exc.status_code == 404 else
+                          "invalid_request_error")
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     install_docs(app, check_auth, app.title)
 

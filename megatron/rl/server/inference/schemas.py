@@ -28,7 +28,8 @@ Log-probs (``logprobs`` for completions, ``logprobs: true`` for chat) are those 
 # no `from __future__ import annotations`: body_models() builds classes whose annotations use its locals
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, create_model, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from megatron.rl.inference.api import ChatMessage, GenerationArgs, InferenceRequest
@@ -53,11 +54,20 @@ class ErrorBody(BaseModel):
     error: _ErrorDetail
 
 
+def _integral_float(value: Any) -> Any:
+    # JSON Schema's integers include 1.0; the strict body models take them as 1 (and refuse 1.5, "1" and true)
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _json_int(t: Any) -> Any:
+    return Annotated[t, BeforeValidator(_integral_float)]
+
+
 #: pydantic error types that mean "an option this server does not support" (answered 400, not 422)
 UNSUPPORTED_ERROR_TYPES = ("extra_forbidden", "unsupported_option")
 
 
-def _neutral_only(name: str, neutral: Any, hint: str) -> Any:
+def _neutral_only(neutral: Any, hint: str) -> Any:
     """An OpenAI option this server cannot honour: accepted only with its neutral value (or null), which is all
     its schema admits; anything else is an ``unsupported_option`` error naming it."""
 
@@ -74,34 +84,36 @@ def _neutral_only(name: str, neutral: Any, hint: str) -> Any:
 
 def _unsupported_options(chat: bool) -> dict[str, Any]:
     common = {
-        "logit_bias": _neutral_only("logit_bias", {}, "leave it out"),
-        "frequency_penalty": _neutral_only("frequency_penalty", 0, "send 0 or leave it out"),
-        "presence_penalty": _neutral_only("presence_penalty", 0, "send 0 or leave it out"),
-        "stream": _neutral_only("stream", False, "send stream=false"),
-        "stream_options": _neutral_only("stream_options", {}, "leave it out (no streaming)"),
+        "logit_bias": _neutral_only({}, "leave it out"),
+        "frequency_penalty": _neutral_only(0, "send 0 or leave it out"),
+        "presence_penalty": _neutral_only(0, "send 0 or leave it out"),
+        "stream": _neutral_only(False, "send stream=false"),
+        "stream_options": _neutral_only({}, "leave it out (no streaming)"),
     }
     if chat:
-        return {**common, "tools": _neutral_only("tools", [], "leave it out (no tool calling)"),
-                "tool_choice": _neutral_only("tool_choice", "none", 'send "none" or leave it out'),
-                "functions": _neutral_only("functions", [], "leave it out (no function calling)"),
-                "function_call": _neutral_only("function_call", "none", 'send "none" or leave it out'),
-                "response_format": _neutral_only("response_format", {"type": "text"},
+        return {**common, "tools": _neutral_only([], "leave it out (no tool calling)"),
+                "tool_choice": _neutral_only("none", 'send "none" or leave it out'),
+                "functions": _neutral_only([], "leave it out (no function calling)"),
+                "function_call": _neutral_only("none", 'send "none" or leave it out'),
+                "response_format": _neutral_only({"type": "text"},
                                                     'send {"type": "text"} or leave it out')}
-    return {**common, "best_of": _neutral_only("best_of", 1, "use n for several samples"),
-            "suffix": _neutral_only("suffix", "", "leave it out (no insertion)"),
-            "echo": _neutral_only("echo", False, "send echo=false; the prompt comes back in prompt_text and "
+    return {**common, "best_of": _neutral_only(1, "use n for several samples"),
+            "suffix": _neutral_only("", "leave it out (no insertion)"),
+            "echo": _neutral_only(False, "send echo=false; the prompt comes back in prompt_text and "
                                                        "prompt_token_ids")}
 
 
 class _Body(BaseModel):
     # Everything this server reads is declared (with its limits) in body_models(), and so are the OpenAI options
-    # it cannot honour (neutral values only): any other key is refused, never silently ignored.
-    model_config = ConfigDict(extra="forbid")
+    # it cannot honour (neutral values only): any other key is refused, never silently ignored. Strict: "5" is
+    # not an integer nor "true" a boolean here, as the schema says.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Annotated[str, Field(max_length=64)]
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # only text parts are meaningful for a text model: other types (image_url, ...) are unsupported options
+    type: _neutral_only("text", 'only "text" content parts (no images or audio)')
 
 
 def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
@@ -118,13 +130,13 @@ def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
 
     class CommonBody(_Body):
         model: ModelName | None = None
-        max_tokens: lim["max_tokens"] | None = None
+        max_tokens: _json_int(lim["max_tokens"]) | None = None
         temperature: Temperature | None = None
         top_p: TopP | None = None
-        top_k: TopK | None = None
-        n: N | None = None
+        top_k: _json_int(TopK) | None = None
+        n: _json_int(N) | None = None
         stop: Stop | Stops | None = None
-        seed: Seed | None = None
+        seed: _json_int(Seed) | None = None
         return_token_ids: bool | None = None
         user: Annotated[str, Field(max_length=256)] | None = None  # accepted, unused
 
@@ -135,7 +147,7 @@ def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
 
     class CompletionBody(CompletionBase):
         prompt: Prompt | Prompts
-        logprobs: lim["logprobs"] | None = None
+        logprobs: _json_int(lim["logprobs"]) | None = None
 
         @model_validator(mode="after")
         def _total_samples(self) -> "CompletionBody":
@@ -158,12 +170,7 @@ def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
             if isinstance(self.content, str):
                 return self.content
             # OpenAI "content parts": only text parts are meaningful for a text model
-            parts = []
-            for p in self.content:
-                if p.type != "text":
-                    raise ValueError(f"messages: content part of type {p.type[:64]!r} is not supported "
-                                     "(text parts only)")
-                parts.append(p.text or "")
+            parts = [p.text or "" for p in self.content]
             text = "".join(parts)
             if len(text) > limits.max_prompt_chars:
                 raise ValueError(f"messages: a message's text parts add up to more than {limits.max_prompt_chars} "
@@ -173,8 +180,8 @@ def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
     class ChatCompletionBody(ChatBase):
         messages: Annotated[list[MessageBody], Field(min_length=1, max_length=lim["messages_max"])]
         logprobs: bool | None = False
-        top_logprobs: lim["top_logprobs"] | None = None
-        max_completion_tokens: lim["max_tokens"] | None = None
+        top_logprobs: _json_int(lim["top_logprobs"]) | None = None
+        max_completion_tokens: _json_int(lim["max_tokens"]) | None = None
 
     return CompletionBody, ChatCompletionBody
 
