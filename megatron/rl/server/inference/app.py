@@ -207,6 +207,9 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return _error(400, describe_validation_error(exc)[0])
+    wrong_model = [e for e in errors if e.get("type") == "model_not_found"]
+    if wrong_model:
+        return _error(404, str(wrong_model[0]["msg"]), param="model", kind="not_found_error")
     unsupported = [e for e in errors if e.get("type") in UNSUPPORTED_ERROR_TYPES]
     if unsupported:
         names = [".".join(str(x) for x in e["loc"] if x != "body") for e in unsupported]
@@ -274,7 +277,7 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
     """Build the FastAPI app serving ``backend``. Run it with uvicorn (see ``python -m megatron.rl.server.inference``)."""
     cfg = config or ServerConfig()
     batcher = RequestBatcher(backend, cfg.batch_window_s, cfg.max_batch_requests)
-    CompletionBody, ChatCompletionBody = body_models(cfg.limits)
+    CompletionBody, ChatCompletionBody = body_models(cfg.limits, cfg.model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -316,12 +319,6 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
 
     install_docs(app, check_auth, app.title)
 
-    def check_model(model: str | None) -> JSONResponse | None:
-        if model is not None and model != cfg.model_name:
-            return _error(404, f"model {model[:64]!r} is not served here; this server serves {cfg.model_name!r} "
-                               "(see GET /v1/models)", param="model", kind="not_found_error")
-        return None
-
     async def run(request: Request, requests: list[InferenceRequest]) -> list[InferenceResponse] | JSONResponse:
         try:
             out = await _wait_unless_disconnected(request, batcher.submit(requests))
@@ -347,8 +344,6 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)], responses=_RESPONSES)
     async def completions(body: CompletionBody, request: Request):
-        if (bad := check_model(body.model)) is not None:
-            return bad
         try:
             reqs = completion_requests(body, cfg.default_max_tokens)
         except (ValidationError, ValueError) as e:
@@ -366,8 +361,6 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)], responses=_RESPONSES)
     async def chat_completions(body: ChatCompletionBody, request: Request):
-        if (bad := check_model(body.model)) is not None:
-            return bad
         try:
             req = chat_request(body, cfg.default_max_tokens)
         except (ValidationError, ValueError) as e:

@@ -42,6 +42,18 @@ __all__ = ["CompletionBody", "ChatCompletionBody", "ErrorBody", "body_models", "
 ModelName = Annotated[Text, Field(max_length=256)]
 
 
+def _served_model(name: str) -> Any:
+    """``model``: the served model's name only (the schema's enum); another is a ``model_not_found`` error (404)."""
+
+    def check(value: str) -> str:
+        if value != name:
+            raise PydanticCustomError("model_not_found", "model {model} is not served here; this server serves {name} "
+                                      "(see GET /v1/models)", {"model": repr(value[:64]), "name": repr(name)})
+        return value
+
+    return Annotated[str, AfterValidator(check), WithJsonSchema({"type": "string", "enum": [name]})]
+
+
 class _ErrorDetail(BaseModel):
     message: str
     type: str
@@ -67,13 +79,16 @@ def _json_int(t: Any) -> Any:
 UNSUPPORTED_ERROR_TYPES = ("extra_forbidden", "unsupported_option")
 
 
+def _json_kind(value: Any) -> str:
+    return "boolean" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else type(value).__name__
+
+
 def _neutral_only(neutral: Any, hint: str) -> Any:
     """An OpenAI option this server cannot honour: accepted only with its neutral value (or null), which is all
     its schema admits; anything else is an ``unsupported_option`` error naming it."""
 
     def check(value: Any) -> Any:
-        is_neutral = value is neutral or (value == neutral and not isinstance(value, bool))  # false is not 0
-        if value is not None and not is_neutral:
+        if value is not None and not (_json_kind(value) == _json_kind(neutral) and value == neutral):  # 0.0 != false
             raise PydanticCustomError("unsupported_option", "not supported by this server: {hint}", {"hint": hint})
         return value
 
@@ -116,8 +131,9 @@ class _Part(BaseModel):
     type: _neutral_only("text", 'only "text" content parts (no images or audio)')
 
 
-def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
-    """``(CompletionBody, ChatCompletionBody)`` carrying ``limits`` (see the module docstring)."""
+def body_models(limits: RequestLimits, model_name: str | None = None) -> tuple[type[_Body], type[_Body]]:
+    """``(CompletionBody, ChatCompletionBody)`` carrying ``limits`` (see the module docstring); with ``model_name``,
+    ``model`` must name it (any other is answered 404)."""
     lim = limited_types(limits)
     Stop = lim["stop"]
     Stops = Annotated[list[Stop], Field(max_length=lim["stops_max"])]
@@ -129,7 +145,7 @@ def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
                                                                                  limits.max_samples // max_n)))]
 
     class CommonBody(_Body):
-        model: ModelName | None = None
+        model: (ModelName if model_name is None else _served_model(model_name)) | None = None
         max_tokens: _json_int(lim["max_tokens"]) | None = None
         temperature: Temperature | None = None
         top_p: TopP | None = None
