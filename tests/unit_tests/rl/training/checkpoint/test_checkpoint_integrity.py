@@ -50,6 +50,16 @@ def test_manifest_lists_every_file_and_loads_clean(saved):
     assert all(a.equal(b) for a, b in zip(chunks[0].parameters(), c2[0].parameters()))
 
 
+def _refused_before_reading(root, match):
+    """A fresh run whose load_checkpoint(root) raised CheckpointError matching ``match`` before reading a weight."""
+    c2, o2, s2 = _fresh()
+    before = [p.detach().clone() for p in c2[0].parameters()]
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(root, c2, o2, s2)
+    assert all(a.equal(b) for a, b in zip(before, c2[0].parameters()))  # nothing was read
+    return c2, o2, s2
+
+
 def _tensor_data(ckpt, prefix):
     """(file, offset, nbytes) of the raw bytes of the first stored tensor whose name starts with ``prefix``.
 
@@ -81,12 +91,8 @@ def test_overwritten_weight_bytes_are_refused_before_loading(saved):
     assert nbytes >= 4096
     original = path.read_bytes()
     _overwrite(path, offset, b"\xff" * 4096)  # 1,024 float32 NaNs
-    c2, o2, s2 = _fresh()
-    before = [p.detach().clone() for p in c2[0].parameters()]
-    with pytest.raises(CheckpointError, match=rf"{path.name} does not match its checksum.*"
-                                              rf"--no-verify-checkpoint-checksums"):
-        load_checkpoint(root, c2, o2, s2)
-    assert all(a.equal(b) for a, b in zip(before, c2[0].parameters()))  # nothing was read
+    c2, o2, s2 = _refused_before_reading(root, rf"{path.name} does not match its checksum.*"
+                                               rf"--no-verify-checkpoint-checksums")
     # without the manifest check, the value scan names the NaNs instead of training on them
     with pytest.raises(CheckpointError, match=r"embedding\.word_embeddings\.weight has 1024 non-finite"):
         load_checkpoint(root, *_fresh(), verify_checksums=False)
@@ -167,12 +173,8 @@ def test_a_deleted_manifest_of_a_checkpoint_saved_with_one_is_refused(saved):
     path, offset, _ = _tensor_data(ckpt, "embedding.word_embeddings.weight")
     _overwrite(path, offset, bytes([path.read_bytes()[offset] ^ 0x01]))  # a flipped bit: still finite
     (ckpt / integrity.MANIFEST_FILENAME).unlink()
-    c2, o2, s2 = _fresh()
-    before = [p.detach().clone() for p in c2[0].parameters()]
-    with pytest.raises(CheckpointError, match=r"has no checksums\.json, but it was saved with one.*"
-                                              r"--no-verify-checkpoint-checksums to load it unverified"):
-        load_checkpoint(root, c2, o2, s2)
-    assert all(a.equal(b) for a, b in zip(before, c2[0].parameters()))  # nothing was read
+    c2, o2, s2 = _refused_before_reading(root, r"has no checksums\.json, but it was saved with one.*"
+                                               r"--no-verify-checkpoint-checksums to load it unverified")
     assert load_checkpoint(root, c2, o2, s2, verify_checksums=False).iteration == 1  # the documented way out
 
 
