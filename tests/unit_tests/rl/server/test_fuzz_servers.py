@@ -111,7 +111,7 @@ def env_client():
     from tests.unit_tests.rl.agent.user_agents_fixture import ReverseWordAgent
 
     cfg = EnvServerConfig(allowed_inference=[{"backend": "fake", "kwargs": {"max_seq_len": 48}}], max_rollouts=6,
-                          max_dp_world_size=4, max_agents=3, limits=RequestLimits(max_tokens=6, max_n=3))
+                          max_dp_world_size=4, max_agents=3, limits=RequestLimits(max_tokens=256, max_n=3))
     app = create_app(ReverseWordAgent(), inference=FakeInference(max_seq_len=48), config=cfg)
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client, app.openapi()
