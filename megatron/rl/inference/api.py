@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, ClassVar, Iterator, Literal, Sequence, TypeVar
+from typing import Annotated, Any, Callable, ClassVar, Iterator, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from megatron.rl.algorithms.logprobs import logprob_temperature
 from megatron.rl.base.registry import Registry
 from megatron.rl.base.chat import ChatMessage  # re-exported: requests carry chat messages
+from megatron.rl.base.routes import Routes
 from megatron.rl.inference.validation import (SEED_MAX, MaxTokens, NumSamples, Seed, StopString,
                                               Temperature, Text, TopK, TopP, request_error, sample_count)
 
@@ -102,6 +103,12 @@ class InferenceRequest(BaseModel):
     Chat messages are rendered to text by the backend with the tokenizer's chat template (see
     :mod:`megatron.rl.inference.chat_template`); an agent never handles tokenizers itself.
 
+    prefix_token_ids (token in): token ids placed before the prompt exactly as given, never re-tokenized; the
+    text ``prompt`` is then tokenized on its own (no special tokens) and appended, and may be empty. A
+    multi-turn episode passes the engine's own tokens so far plus the environment's next observation as the
+    prompt, so the tokens it trains on are exactly the tokens the policy saw and generated. Text prompts only;
+    a backend that cannot take token prompts (an OpenAI-compatible server) fails such a request alone.
+
     :meth:`cancel` (e.g. the inference server, when the client disconnected) asks the backend to stop generating
     for the request at its next step, even in the middle of a batch; its responses then fail with
     :data:`CANCELLED`. The samples of ``n > 1`` (:func:`expand_requests`) share the request's flag.
@@ -109,6 +116,7 @@ class InferenceRequest(BaseModel):
 
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    prefix_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
     _cancel: _CancelFlag = PrivateAttr(default_factory=_CancelFlag)
 
@@ -126,6 +134,13 @@ class InferenceRequest(BaseModel):
             raise ValueError("InferenceRequest needs exactly one of `prompt` or `messages` "
                              f"(got prompt={'set' if self.prompt is not None else 'None'}, "
                              f"messages={'set' if self.messages is not None else 'None'})")
+        if self.prefix_token_ids is not None:
+            if self.messages is not None:
+                raise ValueError("InferenceRequest.prefix_token_ids goes with a text `prompt` (the text after the "
+                                 "prefix), not with chat `messages`")
+            if not self.prefix_token_ids:
+                raise ValueError("InferenceRequest.prefix_token_ids is empty: leave it None for a text-only prompt")
+            return self
         if self.prompt is not None and self.prompt == "":
             raise ValueError("InferenceRequest.prompt is empty: give at least one character of prompt text")
         if self.messages is not None and len(self.messages) == 0:
@@ -147,6 +162,8 @@ class InferenceResponse(BaseModel):
     error: human-readable reason when ``finish_reason == "error"`` (an addition to the contract).
     policy_versions: the policy version (trainer iteration) that generated each generated token, from backends
       whose weights change under in-flight requests (asynchronous partial rollouts); None otherwise.
+    routes: the MoE experts every token of ``token_ids`` was routed to, ``[layers, len(token_ids), k]``
+      (:class:`~megatron.rl.base.routes.Routes`), from the in-process engine when it records them; None otherwise.
     """
 
     text: str
@@ -157,6 +174,7 @@ class InferenceResponse(BaseModel):
     prompt_text: str | None = None
     error: str | None = None
     policy_versions: list[int] | None = None
+    routes: Routes | None = None
 
     @property
     def generated_token_ids(self) -> list[int]:
