@@ -14,17 +14,24 @@ carries the results and no long-lived child is started. An asynchronous save (me
 from __future__ import annotations
 
 import queue
-import threading
 
-__all__ = ["use_in_process_write_results"]
+from megatron.rl.runtime.patches import register
 
-_lock = threading.Lock()
+__all__ = ["WRITER_PATCH", "use_in_process_write_results"]
+
+WRITER_PATCH = "torch_dist writer: in-process results queue"
 
 
+@register(WRITER_PATCH, when="on use",
+          changes="megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue (set)",
+          why="FileSystemWriterAsync's results queue is a spawn-context Manager's, made on the first save and kept "
+              "for the process's life: a server process (~275 MB) and a resource tracker that a SIGKILLed trainer "
+              "leaves behind; synchronous saves (all of megatron-rl's) run the write in this process, so an "
+              "in-process queue carries the results and no long-lived child is started")
 def use_in_process_write_results() -> None:
-    """Give megatron-core's torch_dist writer an in-process results queue (idempotent; see the module docstring)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    """Give megatron-core's torch_dist writer an in-process results queue (apply with
+    ``patches.apply(WRITER_PATCH)``: once; see the module docstring)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async  # heavy: megatron-core
 
-    with _lock:
-        if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
-            filesystem_async._results_queue = queue.Queue()  # read by _get_write_results_queue() on every save
+    if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
+        filesystem_async._results_queue = queue.Queue()  # read by _get_write_results_queue() on every save
