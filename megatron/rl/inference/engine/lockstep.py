@@ -105,11 +105,12 @@ class LockstepScheduler:
     """
 
     def __init__(self, is_source: bool, share: SharePlan, heartbeat_s: float = IDLE_HEARTBEAT_S,
-                 settle_s: float = SETTLE_S):
+                 settle_s: float = SETTLE_S, settle_max_s: float = SETTLE_MAX_S):
         self.is_source = is_source
         self._share = share
         self._heartbeat_s = heartbeat_s
         self._settle_s = settle_s
+        self._settle_max_s = settle_max_s
         self._lock = threading.Condition()
         self._next_seq = 0
         self._queue: list[Job] = []  # source only: submitted, not yet in a plan
@@ -257,8 +258,9 @@ class LockstepScheduler:
         return cancel
 
     def _settle(self) -> None:
-        """Wait (lock held, released while waiting) until the queue stops growing; see :data:`SETTLE_S`."""
-        deadline = time.monotonic() + SETTLE_MAX_S
+        """Wait (lock held, released while waiting) until the queue stops growing (at most ``settle_max_s``); see
+        :data:`SETTLE_S`."""
+        deadline = time.monotonic() + self._settle_max_s
         while not self._stop_requested and not self._pause_requested:
             seen, left = len(self._queue), deadline - time.monotonic()
             if left <= 0:
