@@ -30,8 +30,10 @@ __all__ = [
     "check_unicode", "RequestLimits", "limited_types", "generation_limits_model", "request_error", "sample_count", "describe_validation_error",
 ]
 
-#: seeds are signed 64-bit integers without the sign: what numpy, torch and megatron-core all accept
-SEED_MAX = 2**63 - 1
+#: seeds are signed 64-bit integers without the sign (what numpy, torch and megatron-core accept), up to the largest
+#: double below 2**63: a client or schema tool that reads JSON numbers as doubles reads 2**63 - 1 as 2**63, which
+#: no backend takes, so the bound the servers enforce is the one their OpenAPI schemas state exactly
+SEED_MAX = 2**63 - 1024
 #: below this, ``logits / T`` overflows float32 (1e-38 gave NaN probabilities); 0 still means greedy
 MIN_TEMPERATURE = 1e-3
 #: above this the distribution is uniform to float precision anyway
@@ -55,10 +57,7 @@ Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=F
                                         "description": f"0 = greedy, else {MIN_TEMPERATURE}..{MAX_TEMPERATURE}"})]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
-# The schema states the largest seed a JSON number (a double, as the OpenAPI schema is written) holds exactly:
-# 2**63 - 1 is written as 9.223372036854776e18, which admits seeds above it.
-Seed = Annotated[int, Field(ge=0, le=SEED_MAX),
-                 WithJsonSchema({"type": "integer", "minimum": 0, "maximum": 2**63 - 1024})]
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
 NumSamples = Annotated[int, Field(ge=1, le=MAX_N)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
 StopString = Annotated[str, Field(min_length=1), AfterValidator(check_unicode)]

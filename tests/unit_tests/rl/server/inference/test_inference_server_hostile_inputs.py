@@ -158,7 +158,7 @@ def test_openapi_declares_error_responses_and_limits():
     text = json.dumps(spec)
     assert '"maximum": 7' in text and '"maxLength": 1234' in text and '"maxItems": 3' in text
     seed = [s["properties"]["seed"] for s in spec["components"]["schemas"].values() if "seed" in s["properties"]]
-    assert seed and seed[0]["anyOf"][0]["maximum"] == pytest.approx(2**63 - 1)  # FastAPI writes it as a float
+    assert seed and seed[0]["anyOf"][0]["maximum"] == 2**63 - 1024  # exact as a JSON integer and as a double
     roles = [s for s in spec["components"]["schemas"].values() if "role" in s.get("properties", {})]
     assert '"maximum": 100.0' in text and '"exclusiveMinimum": 0.0' in text  # temperature, top_p
     assert roles and roles[0]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
@@ -191,6 +191,18 @@ def test_one_authorization_rule(header, ok):
             r = client.get(path, headers={"Authorization": header})
             assert (r.status_code == 200) == ok, (path, header, r.status_code)
             assert r.status_code in (200, 401)
+
+
+def test_the_seed_bound_the_schema_states_is_the_one_the_server_enforces():
+    """Seeds between the schema's maximum and 2**63 - 1 were served: a schema-violating request accepted."""
+    app = _app(api_key=None)
+    bodies = [s["properties"]["seed"] for s in app.openapi()["components"]["schemas"].values()
+              if "seed" in s.get("properties", {})]
+    maximum = int(bodies[0]["anyOf"][0]["maximum"])  # a float in FastAPI's schema, exact (a double)
+    out = asyncio.run(_post_all(app, [{"prompt": "x", "max_tokens": 2, "seed": seed}
+                                      for seed in (maximum, maximum + 1, 2**63 - 1)]))
+    assert [r.status_code for r in out] == [200, 422, 422], [r.text for r in out]
+    assert "seed" in out[1].json()["error"]["message"]
 
 
 def test_invalid_backend_results_for_direct_python_callers():
