@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 
-from megatron.rl.runtime.patches import register
+from megatron.rl.runtime.patches import record, register
 
 __all__ = ["WRITER_PATCH", "use_in_process_write_results"]
 
@@ -29,9 +29,10 @@ WRITER_PATCH = "torch_dist writer: in-process results queue"
               "leaves behind; synchronous saves (all of megatron-rl's) run the write in this process, so an "
               "in-process queue carries the results and no long-lived child is started")
 def use_in_process_write_results() -> None:
-    """Give megatron-core's torch_dist writer an in-process results queue (apply with
-    ``patches.apply(WRITER_PATCH)``: once; see the module docstring)."""
+    """Give megatron-core's torch_dist writer an in-process results queue (see the module docstring). Idempotent
+    and cheap: called before every save, so a queue reset since (by anything) is set again."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # heavy: megatron-core
 
     if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
         filesystem_async._results_queue = queue.Queue()  # read by _get_write_results_queue() on every save
+    record(WRITER_PATCH)

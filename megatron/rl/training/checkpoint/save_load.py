@@ -37,8 +37,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.rl import runtime
-from megatron.rl.runtime import patches
-from megatron.rl.runtime.checkpoint_writer import WRITER_PATCH
+from megatron.rl.runtime.checkpoint_writer import use_in_process_write_results
 from megatron.rl.training.checkpoint import integrity, paths
 from megatron.rl.training.checkpoint.model_checks import check_model_args, check_padded_vocab
 from megatron.rl.training.checkpoint.paths import CheckpointError, latest_checkpoint
@@ -291,7 +290,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
                                 integrity.MANIFEST_INFO_KEY: integrity.MANIFEST_FILENAME}
     if optimizer is not None:
         state["checkpoint_info"]["distributed_optimizer"] = uses_distributed_optimizer(optimizer)
-    patches.apply(WRITER_PATCH)  # no Manager process that a SIGKILL would orphan
+    use_in_process_write_results()  # no Manager process that a SIGKILL would orphan
     try:
         dist_checkpointing.save(state, str(tmp_dir), content_metadata=opt_meta)
         ok = True
