@@ -62,7 +62,7 @@ class GenerationArgs(BaseModel):
     temperature: 0 means greedy (argmax), else in [1e-3, 100] (finite). top_p: in (0, 1]. top_k: 0 disables
     top-k. max_tokens: maximum number of generated tokens (>= 1). stop: generation ends *before* the first
     occurrence of any of these strings in the generated text (the stop string is not returned).
-    seed: in [0, SEED_MAX = 2**63 - 1024]; makes sampling reproducible per request (backends derive per-sample seeds for
+    seed: in [0, SEED_MAX = 2**53 - 1]; makes sampling reproducible per request (backends derive per-sample seeds for
     ``n > 1``). n: number of independent samples for this request (each becomes its own response).
     The rules live in :mod:`megatron.rl.inference.validation`.
     """

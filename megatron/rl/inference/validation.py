@@ -30,10 +30,10 @@ __all__ = [
     "check_unicode", "RequestLimits", "limited_types", "generation_limits_model", "request_error", "sample_count", "describe_validation_error",
 ]
 
-#: seeds are signed 64-bit integers without the sign (what numpy, torch and megatron-core accept), up to the largest
-#: double below 2**63: a client or schema tool that reads JSON numbers as doubles reads 2**63 - 1 as 2**63, which
-#: no backend takes, so the bound the servers enforce is the one their OpenAPI schemas state exactly
-SEED_MAX = 2**63 - 1024
+#: seeds are non-negative integers that a JSON number holds exactly (2**53 - 1, JavaScript's largest safe integer;
+#: numpy, torch and megatron-core take up to 2**63 - 1): a client or schema tool that reads JSON numbers as doubles
+#: rounds integers near 2**63 to another value, so a bound there means different seeds to it than to the server
+SEED_MAX = 2**53 - 1
 #: below this, ``logits / T`` overflows float32 (1e-38 gave NaN probabilities); 0 still means greedy
 MIN_TEMPERATURE = 1e-3
 #: above this the distribution is uniform to float precision anyway

@@ -158,7 +158,7 @@ def test_openapi_declares_error_responses_and_limits():
     text = json.dumps(spec)
     assert '"maximum": 7' in text and '"maxLength": 1234' in text and '"maxItems": 3' in text
     seed = [s["properties"]["seed"] for s in spec["components"]["schemas"].values() if "seed" in s["properties"]]
-    assert seed and seed[0]["anyOf"][0]["maximum"] == 2**63 - 1024  # exact as a JSON integer and as a double
+    assert seed and seed[0]["anyOf"][0]["maximum"] == 2**53 - 1  # exact as a JSON integer and as a double
     roles = [s for s in spec["components"]["schemas"].values() if "role" in s.get("properties", {})]
     assert '"maximum": 100.0' in text and '"exclusiveMinimum": 0.0' in text  # temperature, top_p
     assert roles and roles[0]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
@@ -194,14 +194,16 @@ def test_one_authorization_rule(header, ok):
 
 
 def test_the_seed_bound_the_schema_states_is_the_one_the_server_enforces():
-    """Seeds between the schema's maximum and 2**63 - 1 were served: a schema-violating request accepted."""
+    """Seeds between the schema's maximum and 2**63 - 1 were served (a schema-violating request accepted), and a
+    bound near 2**63 reads as another number to a client that parses JSON numbers as doubles."""
     app = _app(api_key=None)
     bodies = [s["properties"]["seed"] for s in app.openapi()["components"]["schemas"].values()
               if "seed" in s.get("properties", {})]
     maximum = int(bodies[0]["anyOf"][0]["maximum"])  # a float in FastAPI's schema, exact (a double)
     out = asyncio.run(_post_all(app, [{"prompt": "x", "max_tokens": 2, "seed": seed}
-                                      for seed in (maximum, maximum + 1, 2**63 - 1)]))
-    assert [r.status_code for r in out] == [200, 422, 422], [r.text for r in out]
+                                      for seed in (maximum, maximum + 1, 2**63 - 1024, 2**63 - 1)]))
+    assert float(maximum) == maximum and float(maximum + 1) > maximum  # the same bound when read as a double
+    assert [r.status_code for r in out] == [200, 422, 422, 422], [r.text for r in out]
     assert "seed" in out[1].json()["error"]["message"]
 
 
