@@ -11,7 +11,8 @@ tokens, T = 1, ``--new-tokens`` each) and records every decode step that had all
   ``generate``'s own bookkeeping).
 
 It prints the median per step, in wall seconds and in CPU seconds of the process (all threads; steadier on a
-shared machine), and the ratio. Sides alternate within every round.
+shared machine), and the ratio. Sides alternate within every round, after one untimed round of each (first-touch
+page faults of the KV cache, HF's first allocations).
 
     python benchmarks/decode_step.py [--rows 128] [--new-tokens 24] [--rounds 3] [--threads 2]
 """
@@ -153,6 +154,10 @@ def main() -> None:
     hf = build_hf()
     prompts = workload(args.rows)
     times: dict[str, list[tuple[float, float]]] = {"megatron": [], "huggingface": []}
+    # An untimed round of each side first: the engine's first rollout writes KV-cache pages the process never
+    # touched (a page fault each), HF's first generate allocates its cache; neither is a decode step's cost.
+    run_megatron(backend, tokenizer, steps, prompts, args.new_tokens, args.rows)
+    run_hf(hf, prompts, args.new_tokens)
     for r in range(args.rounds):
         order = ["megatron", "huggingface"] if r % 2 == 0 else ["huggingface", "megatron"]
         for side in order:

@@ -1,4 +1,4 @@
-"""GRPO step time: ``train_rl.py`` next to TRL's ``GRPOTrainer`` on the same model shape and workload, in one run.
+"""GRPO step time: ``train_rl.py`` next to TRL's ``GRPOTrainer`` on the same model shape and the same work, in one run.
 
 Both sides train a Qwen2-shaped decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention, tied embeddings,
 fp32, random weights) built locally, with the same byte-level vocabulary (nothing is downloaded), on the
@@ -9,21 +9,38 @@ with the same number of torch threads; the sides alternate within every round (o
 so a shared machine's load hits them alike. The first step of every run is a warm-up and left out; the
 table shows the median over the measured steps of all rounds.
 
+Identical work on both sides:
+
+- **the same prompts**: TRL's dataset is the arithmetic agent's problems 0, 1, 2, ... in the order our agent draws
+  them (``shuffle_dataset=False``), scored by the agent's own reward function;
+- **the same number of generated tokens per rollout, forced on both sides**: every rollout generates exactly
+  the shape's ``new_tokens``. TRL: ``min_new_tokens = max_completion_length`` (the end-of-sequence logit is
+  masked until then). Ours: the environment's own budget and stop string are off (``max_tokens: null`` follows
+  ``--rl-max-new-tokens``, ``stop: []``) and the end-of-document id does not end a rollout;
+- **TRL at its fastest fair setting**: ``gradient_checkpointing=False`` (TRL's GRPOConfig defaults to True,
+  which recomputes every forward during backward; ours recomputes nothing), fp32 on both sides, the same
+  threads.
+
+The benchmark counts generated tokens (completion tokens returned) and trained tokens (completion tokens in the
+loss) per step on every side, and prints no TRL ratio for a side whose counts differ from TRL's by more than
+2% (:func:`equal_work`).
+
 Sides:
 
 - ``trl``: ``GRPOTrainer`` on ``transformers``' ``Qwen2ForCausalLM`` (plain HF ``generate``). Phases:
   generate (``model.generate``), score (the rest of TRL's ``_generate_and_score_completions``: rewards,
   advantages, old log-probs when it needs them), train (forward + backward + optimizer).
 - ``ours``: ``train_rl.py``'s driver (:func:`megatron.rl.rl_loop.run_rl`) with the in-process megatron-core
-  engine, at its defaults: old-policy log-probs from the training forward, micro-batches cropped to their
-  rows. Phases: generate (rollouts + rewards), log-probs (the scoring pass; ~0 when skipped), train.
+  engine, at its defaults: old-policy log-probs from the training forward, one micro-batch of all rollouts
+  cropped to its rows. Phases: generate (rollouts + rewards), log-probs (the scoring pass; ~0 when skipped),
+  train.
 - ``ours-packed``: the same with ``--rl-use-sequence-packing`` and rows long enough for a whole group
   (:func:`group_row_length`; one micro-batch of one row per prompt), so each group's prompt is computed once
   for all its rollouts (``--rl-share-prompt-prefix auto``, :mod:`megatron.rl.packing.prefix_sharing`; the column
   "prompt tokens shared" is the share of rollout tokens not computed). The recommended GRPO layout.
-- ``ours-fixed``: the same as ``ours`` with ``--rl-fixed-microbatch-shapes --rl-recompute-old-logprobs`` (every micro-batch
-  at ``[micro-batch, seq-length]`` and a separate scoring pass: how the step ran before), for the packing
-  efficiency and the cost of those two choices.
+- ``ours-fixed`` (only when named in ``--sides``): the same as ``ours`` with ``--rl-fixed-microbatch-shapes
+  --rl-recompute-old-logprobs`` (every micro-batch at ``[micro-batch, seq-length]`` and a separate scoring pass:
+  how the step ran before), for the packing efficiency and the cost of those two choices.
 
 CPU s/step is the process's CPU time (all threads) per step: steadier than wall time on a shared machine
 (time spent descheduled is not counted), so its ratio is the fairer one under load.
@@ -49,6 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 SIDES = ("ours", "ours-packed", "trl", "ours-fixed")
+DEFAULT_SIDES = ("ours", "ours-packed", "trl")
+EQUAL_WORK_TOLERANCE = 0.02  # generated / trained tokens per step may differ by this share, no more
 BOS, EOD, PAD = 258, 256, 257  # megatron's ByteLevelTokenizer: bytes are ids 0..255
 VOCAB = 384  # its 259 ids padded to a multiple of 128 (--make-vocab-size-divisible-by), on both sides
 
@@ -90,7 +109,21 @@ def group_row_length(shape: Shape, prompt_tokens: int = 16) -> int:
     return -(-(prompt_tokens + shape.group_size * (shape.new_tokens + 2)) // 32) * 32
 
 
-def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False) -> list[str]:
+def equal_work_env_config(directory: str | Path) -> Path:
+    """The arithmetic environment (as ``examples/rl/environment_configs/arithmetic.yaml``) with its own token
+    budget and stop string off, so every rollout runs to ``--rl-max-new-tokens`` as TRL's do."""
+    import yaml
+
+    config = yaml.safe_load(C.ARITHMETIC_ENV.read_text())
+    for entry in config["environments"]:
+        entry.setdefault("args", {}).update(max_tokens=None, stop=[])
+    path = Path(directory) / "arithmetic_equal_work.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False, env_config: Path | None = None
+             ) -> list[str]:
     rollouts = shape.prompts * shape.group_size
     seq_length = group_row_length(shape) if packed else shape.seq_length
     micro_batch = shape.prompts if packed else rollouts  # packed: one row per group, every row in one micro-batch
@@ -98,9 +131,10 @@ def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False) -> lis
             + C.optim_flags(micro_batch, rollouts, train_iters=steps)
             + ["--group-query-attention", "--num-query-groups", str(shape.kv_groups),
                "--ffn-hidden-size", str(shape.ffn),
-               "--langrl-env-config", str(C.ARITHMETIC_ENV), "--grpo-prompts-per-step", str(shape.prompts),
-               "--grpo-group-size", str(shape.group_size), "--rl-max-new-tokens", str(shape.new_tokens),
-               "--rl-default-temperature", "1.0", "--rl-prompts-per-eval", "0", "--inference-backend", "megatron"])
+               "--langrl-env-config", str(env_config or C.ARITHMETIC_ENV), "--grpo-prompts-per-step",
+               str(shape.prompts), "--grpo-group-size", str(shape.group_size), "--rl-max-new-tokens",
+               str(shape.new_tokens), "--rl-default-temperature", "1.0", "--rl-prompts-per-eval", "0",
+               "--inference-backend", "megatron"])
     if fixed:
         argv += ["--rl-fixed-microbatch-shapes", "--rl-recompute-old-logprobs"]
     if packed:
@@ -108,13 +142,22 @@ def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False) -> lis
     return argv
 
 
-def run_ours(shape: Shape, steps: int, fixed: bool, packed: bool = False) -> list[dict]:
+def ignore_end_of_document() -> None:
+    """The end-of-document id no longer ends a rollout of the in-process engine (TRL's ``min_new_tokens``)."""
+    from megatron.rl.inference.engine.session import EosIds
+
+    EosIds.of = classmethod(lambda cls, tokenizer: cls(-1, frozenset(), frozenset()))
+
+
+def run_ours(shape: Shape, steps: int, fixed: bool, packed: bool, workdir: str) -> list[dict]:
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_loop import run_rl
     from megatron.rl.training.config import parse_args
 
     C.quiet()
-    cfg = parse_args(our_argv(shape, steps, fixed, packed), extra_args_providers=[add_rl_args], world_size=1)
+    ignore_end_of_document()
+    argv = our_argv(shape, steps, fixed, packed, env_config=equal_work_env_config(workdir))
+    cfg = parse_args(argv, extra_args_providers=[add_rl_args], world_size=1)
     try:
         result = run_rl(cfg, rl_config_from_args(cfg))
     finally:
@@ -122,8 +165,8 @@ def run_ours(shape: Shape, steps: int, fixed: bool, packed: bool = False) -> lis
     # time_cpu_s: CPU seconds of the process (all threads) per iteration, from rl_iteration itself
     return [{"total": h["time_total_s"], "cpu": h["time_cpu_s"], "generate": h["time_generate_s"],
              "logprobs": h["time_logprobs_s"], "train": h["time_train_s"], "packing_efficiency": h["packing_efficiency"],
-             "shared": h["prompt_tokens_shared"],
-             "completion_tokens": h["response_length_mean"]} for h in result.history]
+             "shared": h["prompt_tokens_shared"], "generated_tokens": h["generated_tokens"],
+             "trained_tokens": h["loss_tokens"]} for h in result.history]
 
 
 # --------------------------------------------------------------------------- TRL
@@ -156,22 +199,30 @@ def hf_model(shape: Shape):
     return Qwen2ForCausalLM(config).float()
 
 
-def run_trl(shape: Shape, steps: int, workdir: str) -> list[dict]:
-    import random
+def agent_problems(count: int) -> tuple[list[dict], object]:
+    """The arithmetic agent's first ``count`` training problems, in the order our side draws them (a generated
+    task draws problems 0, 1, 2, ...), with the prompt each is asked as, and the agent (its reward function)."""
+    from megatron.rl.agent.env_config import build_agent_from_config
 
+    agent = build_agent_from_config(C.ARITHMETIC_ENV).training_entries[0].agent
+    problems = []
+    for index in range(count):
+        problem = agent.get_problem(index, validation=False)
+        problems.append({**problem, "prompt": agent.make_prompt(problem)})
+    return problems, agent
+
+
+def run_trl(shape: Shape, steps: int, workdir: str) -> list[dict]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from megatron.rl.environments.arithmetic import arithmetic_reward, make_problem
-
     C.quiet()
-    rng = random.Random(1)
-    problems = [make_problem(rng) for _ in range(shape.prompts * (steps + 1))]
-    dataset = Dataset.from_list([{"prompt": p["prompt"], "answer": p["answer"]} for p in problems])
+    problems, agent = agent_problems(shape.prompts * (steps + 1))
+    dataset = Dataset.from_list([{"prompt": p["prompt"], "problem": json.dumps(p)} for p in problems])
 
-    def reward(prompts, completions, answer, **_):
-        return [arithmetic_reward(c, a) for c, a in zip(completions, answer)]
+    def reward(prompts, completions, problem, **_):
+        return [agent.compute_reward(json.loads(p), c) for c, p in zip(completions, problem)]
 
     rollouts = shape.prompts * shape.group_size
     args = GRPOConfig(output_dir=workdir, per_device_train_batch_size=rollouts, gradient_accumulation_steps=1,
@@ -179,11 +230,15 @@ def run_trl(shape: Shape, steps: int, workdir: str) -> list[dict]:
                       max_completion_length=shape.new_tokens, temperature=1.0, learning_rate=1e-5, max_steps=steps,
                       lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=10 ** 6, save_strategy="no",
                       report_to="none", use_cpu=True, bf16=False, disable_tqdm=True, seed=1,
-                      dataloader_num_workers=0)
+                      dataloader_num_workers=0, shuffle_dataset=False,
+                      # TRL's default (True) recomputes every forward in backward; ours recomputes nothing
+                      gradient_checkpointing=False,
+                      # every rollout generates exactly max_completion_length tokens (EOS masked until then)
+                      generation_kwargs={"min_new_tokens": shape.new_tokens})
     model = hf_model(shape)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=byte_tokenizer())
-    clock = {"generate": 0.0, "prepare": 0.0}
+    clock = {"generate": 0.0, "prepare": 0.0, "generated_tokens": 0, "trained_tokens": 0}
 
     def timed(fn, key):
         def wrapper(*a, **k):
@@ -194,22 +249,49 @@ def run_trl(shape: Shape, steps: int, workdir: str) -> list[dict]:
                 clock[key] += time.perf_counter() - t0
         return wrapper
 
+    def counted(fn):
+        def wrapper(*a, **k):
+            out = fn(*a, **k)
+            # completion_mask: the completion tokens up to and including EOS, those the loss reads
+            mask = out["completion_mask"]
+            clock["generated_tokens"] += int(out["completion_ids"].ne(trainer.processing_class.pad_token_id).sum())
+            clock["trained_tokens"] += int(mask.sum())
+            return out
+        return wrapper
+
     model.generate = timed(model.generate, "generate")
-    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "prepare")
+    trainer._generate_and_score_completions = timed(counted(trainer._generate_and_score_completions), "prepare")
     records: list[dict] = []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
-            clock.update(generate=0.0, prepare=0.0, start=time.perf_counter(), cpu=time.process_time())
+            clock.update(generate=0.0, prepare=0.0, generated_tokens=0, trained_tokens=0, start=time.perf_counter(),
+                         cpu=time.process_time())
 
         def on_step_end(self, *_a, **_k):
             total = time.perf_counter() - clock["start"]
             records.append({"total": total, "cpu": time.process_time() - clock["cpu"], "generate": clock["generate"],
-                            "logprobs": clock["prepare"] - clock["generate"], "train": total - clock["prepare"]})
+                            "logprobs": clock["prepare"] - clock["generate"], "train": total - clock["prepare"],
+                            "generated_tokens": clock["generated_tokens"], "trained_tokens": clock["trained_tokens"]})
 
     trainer.add_callback(StepTimer())
     trainer.train()
     return records
+
+
+def equal_work(side: dict, reference: dict, tolerance: float = EQUAL_WORK_TOLERANCE) -> str | None:
+    """None when ``side`` did the same work per step as ``reference`` (generated and trained tokens within
+    ``tolerance`` of the reference's), else why not (pure)."""
+    problems = []
+    for key in ("generated_tokens", "trained_tokens"):
+        a, b = side.get(key), reference.get(key)
+        if a is None or b is None:
+            problems.append(f"{key} not measured")
+        elif abs(a - b) > tolerance * max(abs(b), 1e-9):
+            problems.append(f"{key} {a:.0f} vs {b:.0f}")
+        elif b == 0:
+            problems.append(f"{key} is 0")
+    return "; ".join(problems) or None
 
 
 # --------------------------------------------------------------------------- driver
@@ -225,7 +307,9 @@ def child(a) -> int:
         with tempfile.TemporaryDirectory() as work:
             records = run_trl(shape, a.steps, work)
     else:
-        records = run_ours(shape, a.steps, fixed=a.side == "ours-fixed", packed=a.side == "ours-packed")
+        with tempfile.TemporaryDirectory() as work:
+            records = run_ours(shape, a.steps, fixed=a.side == "ours-fixed", packed=a.side == "ours-packed",
+                               workdir=work)
     Path(a.out).write_text(json.dumps(records))
     return 0
 
@@ -250,7 +334,7 @@ def run_side(side: str, shape: str, steps: int, threads: int) -> list[dict]:
 
 def summarize(name: str, records: list[dict]) -> dict:
     out = {k: C.median([r[k] for r in records]) for k in ("total", "cpu", "generate", "logprobs", "train")}
-    for key in ("packing_efficiency", "shared"):
+    for key in ("packing_efficiency", "shared", "generated_tokens", "trained_tokens"):
         if records and key in records[0]:
             out[key] = C.median([r[key] for r in records])
     out["steps"] = len(records)
@@ -276,26 +360,36 @@ def run(a) -> dict:
         print(f"\nshape {shape}: {SHAPES[shape].describe()}; {a.threads} threads; median of {a.rounds} rounds x "
               f"{a.steps - 1} measured steps")
         print(C.machine_line())
-        rows = []
+        rows, unequal = [], []
         for s in sides:
             m = summary[s]
             eff = f"{m['packing_efficiency']:.3f}" if "packing_efficiency" in m else "-"
             shared = f"{m['shared']:.2f}" if "shared" in m else "-"
-            ratio = f"{summary['trl']['total'] / m['total']:.2f}x" if "trl" in summary else "-"
-            cpu_ratio = f"{summary['trl']['cpu'] / m['cpu']:.2f}x" if "trl" in summary else "-"
+            why = equal_work(m, summary["trl"]) if "trl" in summary else None
+            if why:
+                unequal.append(f"{s}: {why}")
+            if "trl" not in summary or why:
+                ratio = cpu_ratio = "-" if "trl" not in summary else "unequal work"
+            else:
+                ratio = f"{summary['trl']['total'] / m['total']:.2f}x"
+                cpu_ratio = f"{summary['trl']['cpu'] / m['cpu']:.2f}x"
+            tokens = [f"{m[k]:.0f}" if k in m else "-" for k in ("generated_tokens", "trained_tokens")]
+            train_rate = f"{m['trained_tokens'] / m['train']:.0f}" if "trained_tokens" in m and m["train"] > 0 else "-"
             rows.append([s, f"{m['total']:.3f}", f"{m['generate']:.3f}", f"{m['logprobs']:.3f}", f"{m['train']:.3f}",
-                         eff, shared, ratio, f"{m['cpu']:.3f}", cpu_ratio])
+                         *tokens, train_rate, eff, shared, ratio, f"{m['cpu']:.3f}", cpu_ratio])
         print(C.format_table(["side", "s/step (median)", "generate", "log-probs / score", "train (fwd+bwd+opt)",
-                              "packing eff.", "prompt tokens shared", "TRL s/step / this", "CPU s/step",
-                              "TRL CPU s / this"], rows,
+                              "generated tokens", "trained tokens", "train tokens/s", "packing eff.",
+                              "prompt tokens shared", "TRL s/step / this", "CPU s/step", "TRL CPU s / this"], rows,
                              title=f"GRPO step, {shape} shape"))
+        for line in unequal:
+            print(f"no ratio to TRL for {line} per step (more than {EQUAL_WORK_TOLERANCE:.0%} apart)")
     return results
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["small", "large"], choices=sorted(SHAPES))
-    p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    p.add_argument("--sides", nargs="+", default=list(DEFAULT_SIDES), choices=SIDES)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is a warm-up)")
     p.add_argument("--threads", type=int, default=2)

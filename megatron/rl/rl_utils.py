@@ -399,6 +399,7 @@ def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch]) -> dic
         grad_norm=statistics.fmean(grad_norms) if grad_norms else float("nan"), optimizer_steps=float(len(reports)),
         skipped_steps=float(skipped), packing_efficiency=real_tokens / max(sum(s.num_token_slots for s in steps), 1),
         train_tokens_per_s=real_tokens * rl.grpo_iterations / max(t_train, 1e-9),
+        loss_tokens=sum(s.normalizers.num_tokens for s in steps),  # tokens whose log-prob enters the loss
         prompt_tokens_shared=sum(s.num_shared_tokens for s in steps) / max(
             real_tokens + sum(s.num_shared_tokens for s in steps), 1),
         time_logprobs_s=t_lp, time_train_s=t_train)
@@ -414,6 +415,7 @@ def _collection_metrics(stats: CollectionStats, t_gen: float) -> dict[str, float
         "response_length_mean": statistics.fmean(lengths) if lengths else 0.0,
         "failed_rollouts": float(stats.failed_rollouts),
         "filtered_groups": float(stats.filtered_same_reward_groups + stats.dropped_groups_too_few_ok),
+        "generated_tokens": float(sum(lengths)),
         "generation_tokens_per_s": sum(lengths) / max(t_gen, 1e-9),
     }
 

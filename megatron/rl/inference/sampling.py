@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["tempered_log_probs", "truncation_mask", "NoiseStream", "sample_tokens", "sample_next"]
+__all__ = ["tempered_log_probs", "truncation_mask", "NoiseStream", "sample_tokens", "sample_next", "host_sampling"]
 
 
 class NoiseStream:
@@ -86,7 +86,8 @@ def truncation_mask(log_probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
 
 
 def sample_tokens(log_probs: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  generators: Sequence[torch.Generator | None], shared: torch.Generator | None) -> torch.Tensor:
+                  generators: Sequence[torch.Generator | None], shared: torch.Generator | None,
+                  sampled_rows: Sequence[int] | None = None, truncate: bool | None = None) -> torch.Tensor:
     """Sample one token per row.
 
     Greedy rows (T == 0) take the argmax. Other rows sample from the truncated, renormalised
@@ -97,9 +98,14 @@ def sample_tokens(log_probs: torch.Tensor, temperature: torch.Tensor, top_k: tor
     log_probs: [B, V] from :func:`tempered_log_probs`; temperature/top_k/top_p: [B];
     generators: B entries (None = use ``shared``), generators or :class:`NoiseStream` s (the same draws), all on
     ``log_probs.device``; ``shared`` None = torch's default generator. Returns token ids [B] (int64).
+    ``sampled_rows`` (the rows with T > 0, in order) and ``truncate`` (whether any row has top-k or top-p on): what
+    the caller knows on the host from its requests' settings; given, the function reads nothing back from the
+    tensors (no device-to-host copy: a GPU can capture it in a graph); None = read from the tensors.
     """
     batch = log_probs.shape[0]
-    sampled_rows = (temperature > 0).nonzero(as_tuple=True)[0].tolist()
+    if sampled_rows is None:
+        sampled_rows = (temperature > 0).nonzero(as_tuple=True)[0].tolist()
+    sampled_rows = list(sampled_rows)
     if not sampled_rows:
         return log_probs.argmax(dim=-1)
     every_row = len(sampled_rows) == batch  # the common case: skip the row gathers and the greedy argmax
@@ -107,7 +113,9 @@ def sample_tokens(log_probs: torch.Tensor, temperature: torch.Tensor, top_k: tor
     lp = log_probs if every_row else log_probs[rows]
     probs = lp.exp()
     k, p = (top_k, top_p) if every_row else (top_k[rows], top_p[rows])
-    if bool(((k > 0) | (p < 1.0)).any()):  # the sort in truncation_mask is the costly part: skip when unused
+    if truncate is None:
+        truncate = bool(((k > 0) | (p < 1.0)).any())
+    if truncate:  # the sort in truncation_mask is the costly part: skip when unused
         probs = probs.masked_fill(~truncation_mask(lp, k, p), 0.0)
     # Exp(1) noise as -log(U): U in [0, 1) makes E in (0, inf], so a zeroed (truncated) token scores 0 / E = 0,
     # never NaN. (``Tensor.exponential_`` draws the same distribution ~8x slower on CPU.)
@@ -157,5 +165,11 @@ def sample_next(logits: torch.Tensor, settings: Sequence[SamplingSettings],
     top_k = torch.tensor([s.top_k for s in settings], dtype=torch.long, device=device)
     top_p = torch.tensor([s.top_p for s in settings], dtype=torch.float32, device=device)
     log_probs = tempered_log_probs(logits, temperature)
-    tokens = sample_tokens(log_probs, temperature, top_k, top_p, generators, shared)
+    tokens = sample_tokens(log_probs, temperature, top_k, top_p, generators, shared, *host_sampling(settings))
     return tokens, log_probs.gather(-1, tokens[:, None])[:, 0]
+
+
+def host_sampling(settings: Sequence[SamplingSettings]) -> tuple[list[int], bool]:
+    """(rows with T > 0, whether any row truncates): :func:`sample_tokens`'s host-side knowledge of a batch."""
+    return ([i for i, s in enumerate(settings) if s.temperature > 0],
+            any(s.top_k > 0 or s.top_p < 1.0 for s in settings))

@@ -16,10 +16,23 @@ _CONTEXT = "megatron.core.inference.contexts.dynamic_context:DynamicInferenceCon
 _ENTRIES = (
     ("engine sampling and log-probs", "megatron.rl.inference.engine.build:SamplingController",
      f"{_CONTROLLER}._dynamic_step_sample_bookkeeping, ._dynamic_step_sample_logits, "
-     f"._dynamic_step_calculate_log_probs",
+     f"._dynamic_step_calculate_log_probs, ._dynamic_step_context_init, ._dynamic_step_context_bookkeeping, "
+     f"._dynamic_step_forward_logits",
      "the trainer recomputes log-probs under softmax(logits / T) before top-k / top-p, and each request has "
      "its own temperature, top-k, top-p and seed; the stock controller samples per bucket of equal settings "
-     "and reports other log-probs, so each active row is sampled and scored here"),
+     "and reports other log-probs, so each active row is sampled and scored here. The step's context init also "
+     "works out on the host, before the forward, what the forward and the sampler would otherwise read back from "
+     "the device (the decode attention's cache lengths, the greedy rows, whether any row truncates), so neither "
+     "synchronises and a GPU can capture the decode forward; with EngineSettings.decode_cuda_graphs the forward "
+     "of a decode bucket replays a CUDA graph (engine/graphs.py; eager where capture fails). With "
+     "EngineSettings.record_routes the routers record each step's forward, harvested before the context's "
+     "bookkeeping moves requests between slots"),
+    ("dynamic context: decode buckets", "megatron.rl.inference.engine.build:_DecodeBuckets",
+     f"{_CONTEXT}.round_up_tokens, .last_token_logits",
+     "a decode step's shape follows its active request count, so a captured graph or a compiled step would see "
+     "a new shape almost every step; with EngineSettings.decode_buckets a decode step pads its request count to "
+     "the smallest of a few sizes, and with decode CUDA graphs it keeps every padded row's logits so the "
+     "forward's output has the bucket's shape (megatron-core's own padding is a multiple of TOKEN_ROUNDER)"),
     ("dynamic context: step padding", "megatron.rl.inference.engine.build:_context_class",
      f"{_CONTEXT}.TOKEN_ROUNDER",
      "megatron-core pads every forward step to a multiple of 64 tokens for CUDA graphs; without graphs a decode "

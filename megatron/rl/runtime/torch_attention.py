@@ -283,6 +283,16 @@ class _DecodeGroup:
 _STEP_PLAN = threading.local()
 
 
+def set_decode_lengths(cache_seqlens: torch.Tensor, key_multiple: int = 1) -> None:
+    """Give this thread's next decode attention the host-side values of ``cache_seqlens`` (the tensor every layer of
+    the step will receive), read once before the forward, so the forward reads nothing back from the device.
+
+    ``key_multiple``: key slots attended are rounded up to a multiple of it (fixed shapes for few lengths; the extra
+    slots are masked). The values are taken for as long as the tensor is unchanged (its version counter).
+    """
+    _STEP_PLAN.host_lengths = (cache_seqlens, cache_seqlens._version, cache_seqlens.tolist(), max(1, key_multiple))
+
+
 def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q_shape: torch.Size,
                        cache_shape: torch.Size) -> list[_DecodeGroup]:
     """The step's :class:`_DecodeGroup` list, built by the first layer and reused by the others.
@@ -297,17 +307,24 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
     cached = getattr(_STEP_PLAN, "decode", None)
     if cached is not None and cached[0] is cache_seqlens and cached[1] is block_table and cached[2] == key:
         return cached[3]
+    host = getattr(_STEP_PLAN, "host_lengths", None)
+    if host is not None and host[0] is cache_seqlens and host[1] == cache_seqlens._version:
+        host_lens, key_multiple = host[2], host[3]
+    else:  # a caller that did not give the lengths (tests, other engines): read them back
+        host_lens, key_multiple = cache_seqlens.tolist(), 1
     lens = cache_seqlens.long()
-    groups = [None]
+    groups = [list(range(batch))]
     if batch > 1:
-        split = length_groups(lens.tolist(), overhead)
+        split = length_groups(host_lens, overhead)
         if len(split) > 1:  # lengths too far apart for one padded batch
-            groups = [torch.tensor(rows, dtype=torch.long, device=cache_seqlens.device) for rows in split]
+            groups = split
     kv_heads = cache_shape[-2]
     plan = []
-    for rows in groups:
+    for group in groups:
+        rows = None if len(groups) == 1 else torch.tensor(group, dtype=torch.long, device=cache_seqlens.device)
         part_lens, part_table = (lens, block_table) if rows is None else (lens[rows], block_table[rows])
-        max_len = max(int(part_lens.max()), 1, MIN_KEY_SLOTS)
+        max_len = max(max(host_lens[i] for i in group), 1, MIN_KEY_SLOTS)
+        max_len = -(-max_len // key_multiple) * key_multiple
         key_valid = torch.arange(max_len, device=lens.device)[None, :] < part_lens[:, None]  # [b, k]
         gather_rows = _paged_rows(part_table, key_valid, cache_shape[1], kv_heads,
                                   kv_heads if q_len == 1 else heads)  # one query: K/V per KV head (_attend_decode)

@@ -30,10 +30,12 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 from megatron.core.utils import get_model_config
 
+from megatron.rl.inference.engine.graphs import DecodeGraphs
 from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
 from megatron.rl.inference.engine.route_recorder import RouteRecorder
-from megatron.rl.inference.sampling import NoiseStream, sample_tokens, tempered_log_probs
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
+from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
+from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS, set_decode_lengths
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,15 @@ class EngineSettings:
     record_routes: record every processed token's MoE routes into ``InferenceResponse.routes``
         (:mod:`megatron.rl.inference.engine.route_recorder`; ``--rl-router-replay rollout``). MoE models only.
 
+    decode_buckets: fixed shapes for decode steps: the active request count is padded up to the smallest of these
+        sizes (padding rows compute and are dropped), and the decode attention's key slots to a multiple of
+        ``MIN_KEY_SLOTS``, so a decode step takes one of a few shapes (what a captured graph or a compiled step
+        needs). None = pad to ``token_rounder`` only (fastest without graphs). Counts above the largest size keep
+        ``token_rounder``'s padding.
+    decode_cuda_graphs: on a GPU, capture each decode bucket's forward in a CUDA graph and replay it
+        (:mod:`megatron.rl.inference.engine.graphs`; needs ``decode_buckets``, which it defaults to powers of two);
+        a bucket whose capture fails runs eagerly. Ignored on CPU.
+
     Defaults: :meth:`for_device`. On CPU, small blocks and a buffer sized for the batch matter most
     (the stock 256-token blocks and 16 384-token steps gather far more cache than a short request uses).
     """
@@ -80,6 +91,8 @@ class EngineSettings:
     share_prompt_prefill: bool = True
     keep_cpu_kv_buffer: bool = True
     record_routes: bool = False
+    decode_buckets: tuple[int, ...] | None = None
+    decode_cuda_graphs: bool = False
 
     @classmethod
     def for_device(cls, device: str | torch.device) -> "EngineSettings":
@@ -87,6 +100,9 @@ class EngineSettings:
             return cls()
         # GPU: megatron-core's own block size, step size and token padding, a larger buffer and batch.
         return cls(buffer_size_gb=4.0, block_size_tokens=256, max_requests=512, max_tokens=16384, token_rounder=None)
+
+
+GRAPH_DEVICES = ("cuda",)  # where EngineSettings.decode_cuda_graphs captures (CPU has no graphs to capture)
 
 
 @dataclasses.dataclass
@@ -133,6 +149,18 @@ class EngineTokenizer:
         return self._stop_triggers[key]
 
 
+@dataclasses.dataclass
+class _StepSampling:
+    """One step's sampling inputs, prepared on the host before the forward (:meth:`SamplingController._prepare_sampling`)."""
+
+    count: int
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    generators: list
+    host: tuple[list[int], bool]  # sample_tokens' sampled_rows and truncate
+
+
 class SamplingController(TextGenerationController):
     """TextGenerationController whose sampling and log-probs follow our per-request :class:`SampleSpec`.
 
@@ -149,6 +177,10 @@ class SamplingController(TextGenerationController):
         self.shared_generator.manual_seed(seed)
         self._step_log_probs: torch.Tensor | None = None
         self.route_recorder: RouteRecorder | None = None  # set by build_engine with EngineSettings.record_routes
+        self._step_sampling: _StepSampling | None = None
+        self.key_multiple = 1  # decode attention's key slots are rounded up to this (EngineSettings.decode_buckets)
+        self.graphs: DecodeGraphs | None = None  # EngineSettings.decode_cuda_graphs on a GPU
+        self.graph_buckets: frozenset[int] = frozenset()
 
     def make_generator(self, seed: int) -> NoiseStream:
         g = torch.Generator(device=self._sampled_tokens_cuda.device)
@@ -156,11 +188,6 @@ class SamplingController(TextGenerationController):
         return NoiseStream(g)
 
     # --- overrides of TextGenerationController's private steps (registry entry "engine sampling and log-probs")
-
-    def _dynamic_step_context_init(self, *args: Any, **kwargs: Any):
-        if self.route_recorder is not None:  # the routers record this step's forward
-            self.route_recorder.before_forward()
-        return super()._dynamic_step_context_init(*args, **kwargs)
 
     def _dynamic_step_context_bookkeeping(self):
         if self.route_recorder is not None:  # before update_requests moves requests between slots
@@ -171,24 +198,52 @@ class SamplingController(TextGenerationController):
         # The stock bucketing by (temperature, top_k, top_p) is not used: we sample per row.
         pass
 
+    def _dynamic_step_context_init(self, *args: Any, **kwargs: Any):
+        # Everything the step's forward and sampling need from the host is worked out here, before the forward:
+        # the decode attention's key lengths and this step's sampling settings. The forward and the sampler then
+        # read nothing back from the device (what a GPU needs to capture them in a graph).
+        if self.route_recorder is not None:  # the routers record this step's forward
+            self.route_recorder.before_forward()
+        result = super()._dynamic_step_context_init(*args, **kwargs)
+        context = self.inference_wrapped_model.inference_context
+        if context.is_decode_only():
+            lengths = context.active_attn_metadata["mha_metadata"].state_data["kv_seq_lengths"]
+            if lengths.device.type == "cpu":  # our attention stand-in (no flash-attn): a read of host memory
+                set_decode_lengths(lengths, key_multiple=self.key_multiple)
+        self._step_sampling = self._prepare_sampling(context)
+        return result
+
+    def _dynamic_step_forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        context = self.inference_wrapped_model.inference_context
+        rows = context.padded_active_request_count
+        if self.graphs is not None and context.is_decode_only() and rows in self.graph_buckets:
+            return self.graphs(rows, input_ids, position_ids)
+        return super()._dynamic_step_forward_logits(input_ids, position_ids)
+
+    def _prepare_sampling(self, context: Any) -> "_StepSampling":
+        """The active requests' sampling settings as tensors, their generators and the host-side facts."""
+        request_ids = context.request_ids[context.paused_request_count:context.total_request_count].tolist()
+        specs = [self.specs[i] for i in request_ids]
+        device = self._sampled_tokens_cuda.device
+        # A request being prefilled in chunks samples a throw-away token: keep its own generator untouched.
+        chunked = context.chunked_prefill_request_id
+        return _StepSampling(
+            count=len(specs),
+            temperature=torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
+            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.long, device=device),
+            top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device),
+            generators=[None if rid == chunked else s.generator for rid, s in zip(request_ids, specs)],
+            host=host_sampling(specs))
+
     def _dynamic_step_sample_logits(self, logits: torch.Tensor):
         context = self.inference_wrapped_model.inference_context
         assert context.materialize_only_last_token_logits, "build the context with materialize_only_last_token_logits"
-        active = slice(context.paused_request_count, context.total_request_count)
-        count = context.total_request_count - context.paused_request_count
-        last_token_logits = logits.squeeze(0)[:count]
-        request_ids = context.request_ids[active].tolist()
-        specs = [self.specs[i] for i in request_ids]
-        device = last_token_logits.device
-        temperature = torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device)
-        top_k = torch.tensor([s.top_k for s in specs], dtype=torch.long, device=device)
-        top_p = torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device)
-        # A request being prefilled in chunks samples a throw-away token: keep its own generator untouched.
-        chunked = context.chunked_prefill_request_id
-        generators = [None if rid == chunked else s.generator for rid, s in zip(request_ids, specs)]
-        log_probs = tempered_log_probs(last_token_logits, temperature)
-        tokens = sample_tokens(log_probs, temperature, top_k, top_p, generators, self.shared_generator)
-        self._sampled_tokens_cuda[:count] = tokens
+        step = self._step_sampling
+        last_token_logits = logits.squeeze(0)[:step.count]
+        log_probs = tempered_log_probs(last_token_logits, step.temperature)
+        tokens = sample_tokens(log_probs, step.temperature, step.top_k, step.top_p, step.generators,
+                               self.shared_generator, *step.host)
+        self._sampled_tokens_cuda[:step.count] = tokens
         self._step_log_probs = log_probs.gather(-1, tokens[:, None])[:, 0]
 
     def _dynamic_step_calculate_log_probs(self, logits: torch.Tensor):
@@ -197,22 +252,72 @@ class SamplingController(TextGenerationController):
         return [[lp] for lp in self._step_log_probs.tolist()], None
 
 
+def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """``smallest, 2 * smallest, ...`` up to the first size >= ``largest`` (decode buckets; pure)."""
+    if smallest < 1 or largest < 1:
+        raise ValueError(f"bucket sizes must be >= 1, got smallest={smallest}, largest={largest}")
+    sizes = [smallest]
+    while sizes[-1] < largest:
+        sizes.append(2 * sizes[-1])
+    return tuple(sizes)
+
+
+def bucket_size(count: int, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket >= ``count``, or None when every bucket is smaller (pure)."""
+    fitting = [b for b in buckets if b >= count]
+    return min(fitting) if fitting else None
+
+
+class _DecodeBuckets:
+    """Context mixin: decode steps pad their request count to the smallest of ``DECODE_BUCKETS`` that holds it.
+
+    megatron-core 0.16.1's ``initialize_attention_state`` pads a decode step to ``round_up_tokens(active)`` (a
+    multiple of ``TOKEN_ROUNDER``) and calls it on the instance only, so the override sees whether the step decodes.
+    """
+
+    DECODE_BUCKETS: tuple[int, ...] = ()
+    FULL_DECODE_LOGITS = False  # decode logits for every padded row (a fixed output shape for graphs)
+
+    def round_up_tokens(self, value, tp_size=None):
+        rounded = super().round_up_tokens(value, tp_size)
+        if not self.is_decode_only():
+            return rounded
+        bucket = bucket_size(rounded, self.DECODE_BUCKETS)
+        return rounded if bucket is None else bucket
+
+    def last_token_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        # Decode: every request has one query token, so its last-token row is its own row; all padded rows are kept
+        # (the sampler takes the active ones) so the forward's output has the bucket's shape, not the request count's.
+        # The output layer then also runs on the padded rows: MKL may round a product of another row count
+        # differently in the last bits, so only graphs (which need the fixed shape) take it.
+        if self.FULL_DECODE_LOGITS and self.is_decode_only():
+            return logits.squeeze(0)
+        return super().last_token_logits(logits)
+
+
 @functools.lru_cache(maxsize=None)
 def _context_class(token_rounder: int | None, share_prompt_prefill: bool = False,
-                   keep_cpu_kv_buffer: bool = False) -> type[DynamicInferenceContext]:
+                   keep_cpu_kv_buffer: bool = False, decode_buckets: tuple[int, ...] | None = None,
+                   full_decode_logits: bool = False) -> type[DynamicInferenceContext]:
     """DynamicInferenceContext with its class-level token padding (``TOKEN_ROUNDER``) replaced and the mixins
-    of :mod:`~megatron.rl.inference.engine.shared_prefill` and :mod:`~megatron.rl.inference.engine.kv_reuse`."""
+    of :mod:`~megatron.rl.inference.engine.shared_prefill`, :mod:`~megatron.rl.inference.engine.kv_reuse` and
+    decode buckets (:class:`_DecodeBuckets`)."""
     if token_rounder is not None and token_rounder < 1:
         raise ValueError(f"EngineSettings.token_rounder must be >= 1 or None, got {token_rounder}")
+    if decode_buckets is not None and (not decode_buckets or min(decode_buckets) < 1):
+        raise ValueError(f"EngineSettings.decode_buckets must be positive sizes, got {decode_buckets}")
     mixins = ((SharedPromptPrefill,) if share_prompt_prefill else ()) + (
-        (ReusedCpuKvBuffer,) if keep_cpu_kv_buffer else ())
+        (ReusedCpuKvBuffer,) if keep_cpu_kv_buffer else ()) + ((_DecodeBuckets,) if decode_buckets else ())
     if token_rounder is None and not mixins:
         return DynamicInferenceContext
     attrs = {"__doc__": DynamicInferenceContext.__doc__}
     if token_rounder is not None:
         attrs["TOKEN_ROUNDER"] = token_rounder
+    if decode_buckets:
+        attrs["DECODE_BUCKETS"] = tuple(sorted(decode_buckets))
+        attrs["FULL_DECODE_LOGITS"] = full_decode_logits
     name = "DynamicInferenceContext" + (f"Round{token_rounder}" if token_rounder else "") + "".join(
-        m.__name__ for m in mixins)
+        m.__name__.strip("_") for m in mixins)
     return type(name, mixins + (DynamicInferenceContext,), attrs)
 
 
@@ -244,7 +349,11 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     config = get_model_config(gpt)
     num_local_layers = len(gpt.decoder.layers)
     padded_vocab_size = gpt.vocab_size  # the model's (padded) vocabulary: logits have this width
-    context = _context_class(settings.token_rounder, settings.share_prompt_prefill, settings.keep_cpu_kv_buffer)(
+    buckets = settings.decode_buckets
+    if buckets is None and settings.decode_cuda_graphs:
+        buckets = power_of_two_buckets(settings.token_rounder or 8, settings.max_requests)
+    context = _context_class(settings.token_rounder, settings.share_prompt_prefill, settings.keep_cpu_kv_buffer,
+                             tuple(buckets) if buckets else None, settings.decode_cuda_graphs)(
         params_dtype=config.params_dtype,
         num_layers=num_local_layers,
         kv_channels=config.kv_channels,
@@ -273,6 +382,11 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
                                     pp_group=None if pg_collection is None else pg_collection.pp)
     if settings.record_routes:
         controller.route_recorder = route_recorder(model, config, pg_collection)
+    if buckets:
+        controller.key_multiple = MIN_KEY_SLOTS
+    if settings.decode_cuda_graphs and context.memory_buffer.device.type in GRAPH_DEVICES:
+        forward = super(SamplingController, controller)._dynamic_step_forward_logits
+        controller.graphs, controller.graph_buckets = DecodeGraphs(forward), frozenset(buckets)
     engine = DynamicInferenceEngine(controller, context, random_seed=settings.seed, pg_collection=pg_collection)
     log.debug("dynamic inference engine: %d KV blocks of %d tokens, max_requests=%d, max_tokens=%d",
               context.block_allocator.total_count, context.block_size_tokens, context.max_requests,

@@ -123,25 +123,73 @@ def test_grpo_vs_trl_without_trl_skips_its_column(monkeypatch, capsys):
     results = grpo_vs_trl.run(grpo_vs_trl.parse(["--shapes", "tiny", "--rounds", "1", "--steps", "2"]))
     out = capsys.readouterr().out
     assert "TRL not installed" in out
-    assert set(ran) == {"ours", "ours-packed", "ours-fixed"} and set(results["tiny"]) == set(ran)
+    assert set(ran) == {"ours", "ours-packed"} and set(results["tiny"]) == set(ran)
     assert "| trl" not in out
+
+
+def test_equal_work_accepts_token_counts_within_2_percent_only():
+    from grpo_vs_trl import equal_work
+
+    trl = {"generated_tokens": 2048.0, "trained_tokens": 2048.0}
+    assert equal_work({"generated_tokens": 2048.0, "trained_tokens": 2048.0}, trl) is None
+    assert equal_work({"generated_tokens": 2008.0, "trained_tokens": 2088.0}, trl) is None  # 1.95% both ways
+    assert "generated_tokens 2000 vs 2048" in equal_work({"generated_tokens": 2000.0, "trained_tokens": 2048.0}, trl)
+    assert "trained_tokens 512 vs 2048" in equal_work({"generated_tokens": 2048.0, "trained_tokens": 512.0}, trl)
+    assert "not measured" in equal_work({"generated_tokens": 2048.0}, trl)
+
+
+def test_grpo_vs_trl_prints_no_ratio_for_unequal_work(monkeypatch, capsys):
+    import grpo_vs_trl
+
+    monkeypatch.setattr(grpo_vs_trl, "trl_available", lambda: True)
+    tokens = {"ours": 2048.0, "ours-packed": 512.0, "trl": 2048.0}  # ours-packed: a 16-token budget vs 64
+    monkeypatch.setattr(grpo_vs_trl, "run_side", lambda side, *a: [
+        {"total": 1.0, "cpu": 1.5, "generate": 0.5, "logprobs": 0.0, "train": 0.5,
+         "generated_tokens": tokens[side], "trained_tokens": tokens[side]}])
+    grpo_vs_trl.run(grpo_vs_trl.parse(["--shapes", "tiny", "--rounds", "1", "--steps", "2"]))
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert rows["ours"][9] == "1.00x" and rows["ours"][4] == "2048", rows
+    assert rows["ours-packed"][9] == "unequal work" and rows["ours-packed"][11] == "unequal work", rows
+    assert "no ratio to TRL for ours-packed: generated_tokens 512 vs 2048" in out
+
+
+def test_grpo_vs_trl_forces_the_token_budget_of_both_sides():
+    import yaml
+    from grpo_vs_trl import equal_work_env_config
+
+    from megatron.rl.agent.env_config import build_agent_from_config
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = equal_work_env_config(tmp)
+        args = yaml.safe_load(path.read_text())["environments"][0]["args"]
+        agent = build_agent_from_config(path).training_entries[0].agent
+    assert args["max_tokens"] is None and args["stop"] == []
+    assert agent.max_tokens is None and agent.stop == []  # the budget follows --rl-max-new-tokens, no stop string
 
 
 @pytest.mark.slow
 def test_grpo_vs_trl_table():
     import grpo_vs_trl
 
-    out = run_bench("grpo_vs_trl.py", "--shapes", "tiny", "--rounds", "1", "--steps", "2")
+    out = run_bench("grpo_vs_trl.py", "--shapes", "tiny", "--rounds", "1", "--steps", "2",
+                    "--sides", "ours", "ours-packed", "trl", "ours-fixed")
     rows = table_rows(out)
     assert {"ours", "ours-packed", "ours-fixed"} <= set(rows), out
+    rollout_tokens = str(grpo_vs_trl.SHAPES["tiny"].prompts * grpo_vs_trl.SHAPES["tiny"].group_size
+                         * grpo_vs_trl.SHAPES["tiny"].new_tokens)
+    for side in ("ours", "ours-packed", "ours-fixed"):  # every rollout ran to the budget
+        assert rows[side][4] == rows[side][5] == rollout_tokens, rows
     if grpo_vs_trl.trl_available():
-        assert re.fullmatch(r"[0-9.]+x", rows["ours"][6]), rows
+        assert rows["trl"][4] == rows["trl"][5] == rollout_tokens, rows
+        assert re.fullmatch(r"[0-9.]+x", rows["ours"][9]), rows
     else:
         assert "TRL not installed" in out
     # cropped micro-batches compute fewer positions than [micro-batch, seq-length] ones
-    assert float(rows["ours"][4]) > float(rows["ours-fixed"][4])
+    assert float(rows["ours"][7]) > float(rows["ours-fixed"][7])
     assert float(rows["ours"][2]) < 0.05 * float(rows["ours-fixed"][2]) + 1e-3  # no scoring pass
-    assert float(rows["ours-packed"][5]) > 0.1 and rows["ours"][5] in ("0.00", "-")  # prompts computed once per row
+    assert float(rows["ours-packed"][8]) > 0.1 and rows["ours"][8] in ("0.00", "-")  # prompts computed once per row
 
 
 def test_async_rollouts_every_batch_has_the_same_long_tail_lengths():
