@@ -35,7 +35,7 @@ import torch
 
 from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent, GroupedRolloutRequest
-from megatron.rl.algorithms import LossNormalizers
+from megatron.rl.algorithms import LossNormalizers, mismatch_sums
 from megatron.rl.rollout.async_source import staleness_metrics
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
 from megatron.rl.rl_config import RLConfig
@@ -210,9 +210,10 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
     """Split the sequences into ``num_steps`` optimizer steps and lay out this rank's rows of each."""
     _, dp_rank, dp_size = _dp()
     has_inference_lp = all(s.inference_logprobs is not None for s in sequences)
-    if rl.loss.is_correction and not has_inference_lp:
-        raise RLDataError("--rl-inference-logprobs-is-correction needs log-probs from the inference backend, "
-                          "but some rollouts have none (does the server return logprobs?)")
+    if rl.loss.needs_inference_logprobs and not has_inference_lp:
+        raise RLDataError("--rl-inference-logprobs-is-correction / --rl-importance-sampling-mode / --rl-reject-"
+                          "sequence-*-log-ratio need log-probs from the inference backend, but some rollouts have none "
+                          "(does the server return logprobs?)")
     max_per_bin = rl.max_sequences_per_bin if rl.use_sequence_packing else 1
     dynamic, multiple, shared = microbatch_shapes(ctx, rl)
     share = sharing_applies(rl.share_prompt_prefix, rl.use_sequence_packing, ctx.use_thd, _pipeline_size())
@@ -276,24 +277,27 @@ def score(model: list, step: StepBatch, value_name: str, temperature: float, ctx
 
 
 def logprob_gap(steps: list[StepBatch]) -> dict[str, float]:
-    """Train-inference gap |old_logprobs - inference_logprobs| over generated tokens: mean and max."""
+    """Train-inference mismatch over generated tokens (:func:`~megatron.rl.algorithms.mismatch_sums`): mean and
+    max |old_logprobs - inference_logprobs| and the k3 estimate of KL(inference || old)."""
     from megatron.core import parallel_state as ps
 
     if not steps or any("inference_logprobs" not in s.batch.values for s in steps):
         return {}  # the backend returned no log-probs (same answer on every rank: no collective skipped)
     stats = None
     if ps.is_pipeline_last_stage(ignore_virtual=True):
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(3, dtype=torch.float64)  # sum |gap|, sum k3, tokens
         worst = torch.zeros(1, dtype=torch.float64)
         for s in steps:
             v = s.batch.values
-            gap = (v["old_logprobs"].double() - v["inference_logprobs"].double()).abs() * s.batch.loss_mask.double()
-            total += torch.stack([gap.sum(), s.batch.loss_mask.double().sum()])
-            worst = torch.maximum(worst, gap.max().view(1))
+            sums = mismatch_sums(v["old_logprobs"], v["inference_logprobs"], s.batch.loss_mask)
+            total += torch.stack([sums["abs_sum"], sums["k3_sum"], sums["num_tokens"]])
+            worst = torch.maximum(worst, sums["abs_max"].view(1))
         dp_group = ps.get_data_parallel_group()
         parallel_utils.all_reduce_sum(total, dp_group)
         parallel_utils.all_reduce_max(worst, dp_group)
-        stats = {"logprob_gap_mean": float(total[0] / total[1].clamp(min=1)), "logprob_gap_max": float(worst)}
+        n = total[2].clamp(min=1)
+        stats = {"logprob_gap_mean": float(total[0] / n), "logprob_gap_max": float(worst),
+                 "mismatch_kl_k3": float(total[1] / n)}
     return parallel_utils.broadcast_object_from_last_pipeline_stage(stats)
 
 

@@ -38,8 +38,9 @@ def needs_whole_batches(fn: Any) -> bool:
 
 
 def async_loss_config(loss: PolicyLossConfig, ac: AsyncRolloutConfig) -> PolicyLossConfig:
-    """Truncated IS against the behaviour log-probs is on whenever trained tokens can be off-policy."""
-    if ac.off_policy and not loss.is_correction:
+    """An IS correction against the behaviour log-probs (truncated unless --rl-importance-sampling-mode picks
+    another) is on whenever trained tokens can be off-policy."""
+    if ac.off_policy and loss.correction is None:
         return dataclasses.replace(loss, is_correction=True)
     return loss
 
