@@ -139,7 +139,10 @@ def compute_rl_loss(logits: torch.Tensor, mb: PackedBatch, loss_cfg: PolicyLossC
     if old_logprobs_from_forward:
         _store(mb.values["old_logprobs"], logprobs.detach() * mask)
     values = {k: v.to(device).reshape(-1) for k, v in mb.values.items()}
-    entropy = vocab_parallel_entropy(logits, temperature).reshape(-1) if loss_cfg.needs_entropy else None
+    entropy = None
+    if loss_cfg.needs_entropy:  # without a bonus it is only reported: no graph
+        with torch.set_grad_enabled(torch.is_grad_enabled() and loss_cfg.entropy_weight != 0):
+            entropy = vocab_parallel_entropy(logits, temperature).reshape(-1)
     seq_ids = mb.seq_ids.to(device).reshape(-1)
     token_loss, stats = compute_token_loss(
         loss_cfg, logprobs, values["old_logprobs"], values["advantages"], mask,

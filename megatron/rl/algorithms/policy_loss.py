@@ -33,7 +33,7 @@ from megatron.rl.algorithms.importance_sampling import (IS_CORRECTIONS, Correcti
 from megatron.rl.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from megatron.rl.algorithms.segments import segments_of
 from megatron.rl.base.registry import Registry
-from megatron.rl.base.flags import flag, registry_choices
+from megatron.rl.base.flags import derived, flag, registry_choices
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -209,6 +209,10 @@ class PolicyLossConfig:
         None, name="--rl-reject-sequence-mean-log-ratio",
         help="Drop (weight 0) a rollout whose mean |trainer - inference| log-prob over its tokens exceeds this.")
 
+    # the policy's entropy is measured (and reported as entropy_mean) even without an entropy bonus: set for
+    # asynchronous rollouts, whose warnings watch it for a collapse
+    report_entropy: bool = derived(False)
+
     @property
     def clip_range(self) -> tuple[float, float]:
         """(eps_lower, eps_upper): the flags where given, else the registered loss's published defaults."""
@@ -240,7 +244,8 @@ class PolicyLossConfig:
 
     @property
     def needs_entropy(self) -> bool:
-        return self.entropy_weight != 0
+        """Whether the training forward computes per-token entropy (a bonus, or reported for the warnings)."""
+        return self.entropy_weight != 0 or self.report_entropy
 
 
 def validate_policy_loss(cfg: PolicyLossConfig) -> None:

@@ -39,10 +39,11 @@ def needs_whole_batches(fn: Any) -> bool:
 
 def async_loss_config(loss: PolicyLossConfig, ac: AsyncRolloutConfig) -> PolicyLossConfig:
     """An IS correction against the behaviour log-probs (truncated unless --rl-importance-sampling-mode picks
-    another) is on whenever trained tokens can be off-policy."""
-    if ac.off_policy and loss.correction is None:
-        return dataclasses.replace(loss, is_correction=True)
-    return loss
+    another) is on whenever trained tokens can be off-policy; so is the entropy report the off-policy warnings
+    read (:mod:`megatron.rl.observe.warnings`)."""
+    if not ac.off_policy:
+        return loss
+    return dataclasses.replace(loss, is_correction=loss.is_correction or loss.correction is None, report_entropy=True)
 
 
 def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
