@@ -130,7 +130,9 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     writer = run.writer
     jsonl = MetricsJsonl(rl.metrics_jsonl, iteration) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
     o = rl.observe
-    checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share, o.warn_logprob_gap),
+    checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share, o.warn_logprob_gap,
+                                           off_policy_kl=o.warn_off_policy_kl, reward_drop=o.warn_reward_drop,
+                                           entropy_drop=o.warn_entropy_drop, trend_window=o.warn_trend_window),
                          o.warn_interval, rl.max_new_tokens, report=parallel_utils.is_rank0())
 
     def emit(record: dict) -> None:

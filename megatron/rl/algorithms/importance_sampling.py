@@ -13,6 +13,12 @@ per-token policy loss (detached: a weight is a constant of the update; 0 on unma
 * ``masked``    (token-level masked IS):      ``w_t = r_t`` if ``lo <= r_t <= hi`` else ``0``
 * ``sequence``  (sequence-level IS, truncated geometric mean): for the tokens ``t`` of sequence ``s``,
   ``w_t = min(exp(mean_{u in s} log r_u), C)``
+* ``trust_region`` (truncated IS inside a trust region around the behaviour policy): ``w_t = min(r_t, C)``,
+  except 0 where the policy already moved past the band in the direction the advantage pushes,
+  ``(A_t > 0 and r_t > hi) or (A_t < 0 and r_t < lo)``. PPO's clip, taken from the policy that sampled the
+  token instead of the one being updated: a stale token whose probability the updates since sampling already
+  raised (lowered) by more than the band is not pushed further on old evidence; one pulled back toward the
+  band keeps its gradient. Needs the advantages.
 
 ``C`` is ``--rl-importance-sampling-truncation-coef``, ``[lo, hi]`` ``--rl-importance-sampling-mask-low/high``.
 
@@ -32,7 +38,7 @@ from megatron.rl.algorithms.segments import segments_of
 from megatron.rl.base.registry import Registry
 
 __all__ = ["CorrectionParams", "IS_CORRECTIONS", "logprob_gap_stats", "truncated_is_weights", "masked_is_weights",
-           "sequence_is_weights", "reject_sequences", "mismatch_sums", "is_correction_weights"]
+           "sequence_is_weights", "trust_region_is_weights", "reject_sequences", "mismatch_sums", "is_correction_weights"]
 
 CorrectionFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 IS_CORRECTIONS: Registry[CorrectionFn] = Registry("importance-sampling correction", "--rl-importance-sampling-mode")
@@ -45,8 +51,8 @@ class CorrectionParams:
     """The knobs of the registered corrections (see the module docstring for their formulas)."""
 
     truncation_coef: float = 2.0  # C
-    mask_low: float = 0.5  # lo
-    mask_high: float = 2.0  # hi
+    mask_low: float = 0.8  # lo
+    mask_high: float = 1.25  # hi
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -92,7 +98,8 @@ def _weight_stats(weights: torch.Tensor, mask: torch.Tensor, **shares: torch.Ten
 @IS_CORRECTIONS.register("truncated")
 def truncated_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor,
                          truncation_coef: float | None = None, seq_ids: Optional[torch.Tensor] = None,
-                         params: CorrectionParams | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                         params: CorrectionParams | None = None, advantages: Optional[torch.Tensor] = None,
+                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level truncated IS: ``w_t = min(exp(old_t - inference_t), C)``, detached, 0 where mask is 0.
 
     Args:
@@ -100,12 +107,12 @@ def truncated_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.T
         inference_logprobs: [N] the inference engine's (behaviour) log-probs of the same tokens.
         mask: [N] 1 for tokens that enter the loss.
         truncation_coef: ``C`` (``--rl-importance-sampling-truncation-coef``), > 0; default ``params``'.
-        seq_ids: unused (the registered signature).
+        seq_ids, advantages: unused (the registered signature).
     Returns:
         (weights [N] in old_logprobs' dtype, stats): logprob_gap_stats(...) plus ``is_weight_mean`` and
         ``is_truncated_fraction`` (share of masked tokens with ``r_t > C``).
     """
-    del seq_ids
+    del seq_ids, advantages
     coef = truncation_coef if truncation_coef is not None else (params or CorrectionParams()).truncation_coef
     if not coef > 0:
         raise ValueError(f"--rl-importance-sampling-truncation-coef must be > 0, got {coef}")
@@ -120,14 +127,14 @@ def truncated_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.T
 @IS_CORRECTIONS.register("masked")
 def masked_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor,
                       seq_ids: Optional[torch.Tensor] = None, params: CorrectionParams | None = None,
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      advantages: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level masked IS: ``w_t = r_t`` where ``lo <= r_t <= hi``, else 0 (the token leaves the loss).
 
     ``r_t = exp(old_t - inference_t)``; ``lo, hi`` = ``params.mask_low, params.mask_high`` (``0 <= lo <= hi``).
     Shapes [N]. Returns (weights [N], stats): logprob_gap_stats(...) plus ``is_weight_mean`` and
     ``is_masked_fraction`` (share of masked tokens whose ratio left the band).
     """
-    del seq_ids
+    del seq_ids, advantages
     p = params or CorrectionParams()
     if not 0 <= p.mask_low <= p.mask_high:
         raise ValueError(f"masked IS needs 0 <= --rl-importance-sampling-mask-low <= --rl-importance-sampling-mask-high,"
@@ -143,7 +150,7 @@ def masked_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Tens
 @IS_CORRECTIONS.register("sequence")
 def sequence_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor,
                         seq_ids: Optional[torch.Tensor] = None, params: CorrectionParams | None = None,
-                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                        advantages: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sequence-level IS, truncated: every token of sequence ``s`` gets ``min(exp(mean_{u in s} log r_u), C)``.
 
     The geometric mean of the sequence's token ratios (a length-normalised sequence ratio, so long answers do not
@@ -151,6 +158,7 @@ def sequence_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Te
     packing's sequence ids). Returns (weights [N], stats): logprob_gap_stats(...) plus ``is_weight_mean`` and
     ``is_truncated_fraction`` (share of masked tokens whose sequence ratio exceeds ``C``).
     """
+    del advantages
     coef = (params or CorrectionParams()).truncation_coef
     if not coef > 0:
         raise ValueError(f"--rl-importance-sampling-truncation-coef must be > 0, got {coef}")
@@ -164,11 +172,41 @@ def sequence_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Te
     return weights.to(old_logprobs.dtype).detach(), stats
 
 
+@IS_CORRECTIONS.register("trust_region")
+def trust_region_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor,
+                            seq_ids: Optional[torch.Tensor] = None, params: CorrectionParams | None = None,
+                            advantages: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated IS inside a trust region around the behaviour policy (see the module docstring).
+
+    ``w_t = min(r_t, C)``, 0 where ``(A_t > 0 and r_t > hi) or (A_t < 0 and r_t < lo)``; ``advantages`` [N]
+    (required), ``lo, hi`` = ``params.mask_low, params.mask_high``. Returns (weights [N], stats):
+    logprob_gap_stats(...) plus ``is_weight_mean``, ``is_truncated_fraction`` (``r_t > C``) and
+    ``is_masked_fraction`` (share of masked tokens outside the trust region).
+    """
+    del seq_ids
+    if advantages is None:
+        raise ValueError("--rl-importance-sampling-mode trust_region needs the advantages (advantages=None)")
+    p = params or CorrectionParams()
+    if not 0 <= p.mask_low <= 1 <= p.mask_high:
+        raise ValueError(f"the trust region needs --rl-importance-sampling-mask-low <= 1 <= "
+                         f"--rl-importance-sampling-mask-high, got [{p.mask_low}, {p.mask_high}]")
+    if not p.truncation_coef > 0:
+        raise ValueError(f"--rl-importance-sampling-truncation-coef must be > 0, got {p.truncation_coef}")
+    raw = torch.exp(_log_ratio(old_logprobs, inference_logprobs, mask))
+    adv = advantages.detach().reshape(raw.shape)
+    outside = ((adv > 0) & (raw > p.mask_high)) | ((adv < 0) & (raw < p.mask_low))
+    weights = torch.where(outside, torch.zeros_like(raw), raw.clamp(max=p.truncation_coef)) * mask.reshape(raw.shape)
+    stats = logprob_gap_stats(old_logprobs, inference_logprobs, mask)
+    stats.update(_weight_stats(weights, mask, is_truncated_fraction=raw > p.truncation_coef, is_masked_fraction=outside))
+    return weights.to(old_logprobs.dtype).detach(), stats
+
+
 def is_correction_weights(mode: str, old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor,
                           mask: torch.Tensor, seq_ids: Optional[torch.Tensor], params: CorrectionParams,
-                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                          advantages: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The registered correction ``mode``'s weights and stats (see the module docstring)."""
-    return IS_CORRECTIONS.get(mode)(old_logprobs, inference_logprobs, mask, seq_ids=seq_ids, params=params)
+    return IS_CORRECTIONS.get(mode)(old_logprobs, inference_logprobs, mask, seq_ids=seq_ids, params=params,
+                                    advantages=advantages)
 
 
 def reject_sequences(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor,

@@ -195,13 +195,17 @@ class PolicyLossConfig:
     is_mode: str | None = flag(None, name="--rl-importance-sampling-mode", choices=registry_choices(IS_CORRECTIONS),
                                help="Which importance-sampling correction (turns the correction on): truncated = "
                                     "min(r, C) per token; masked = r per token inside [--rl-importance-sampling-mask-"
-                                    "low, -high], 0 outside; sequence = min(geometric mean of the sequence's r, C).")
+                                    "low, -high], 0 outside; sequence = min(geometric mean of the sequence's r, C); "
+                                    "trust_region = min(r, C), 0 where r left that band in the direction the advantage "
+                                    "pushes (PPO's clip from the sampling policy).")
     is_truncation_coef: float = flag(2.0, name="--rl-importance-sampling-truncation-coef",
                                      help="C of the truncated and sequence corrections.")
-    is_mask_low: float = flag(0.5, name="--rl-importance-sampling-mask-low",
-                              help="Masked IS: tokens whose ratio is below this get weight 0.")
-    is_mask_high: float = flag(2.0, name="--rl-importance-sampling-mask-high",
-                               help="Masked IS: tokens whose ratio is above this get weight 0.")
+    is_mask_low: float = flag(0.8, name="--rl-importance-sampling-mask-low",
+                              help="masked: tokens whose ratio is below this get weight 0; trust_region: the band's "
+                                   "lower edge.")
+    is_mask_high: float = flag(1.25, name="--rl-importance-sampling-mask-high",
+                               help="masked: tokens whose ratio is above this get weight 0; trust_region: the band's "
+                                    "upper edge.")
     reject_max_log_ratio: float | None = flag(
         None, name="--rl-reject-sequence-max-log-ratio",
         help="Drop (weight 0) a rollout whose largest |trainer - inference| log-prob over its tokens exceeds this.")
@@ -273,9 +277,10 @@ def validate_policy_loss(cfg: PolicyLossConfig) -> None:
     need(cfg.is_mask_low <= cfg.is_mask_high,
          f"--rl-importance-sampling-mask-low={cfg.is_mask_low} > --rl-importance-sampling-mask-high="
          f"{cfg.is_mask_high}: the band [lo, hi] of kept ratios is empty; give lo <= hi (e.g. 0.5 and 2).")
-    need(cfg.is_mask_low <= 1 <= cfg.is_mask_high or cfg.correction != "masked",
-         f"--rl-importance-sampling-mask-low/-high = [{cfg.is_mask_low}, {cfg.is_mask_high}] excludes ratio 1: masked "
-         f"IS would drop every token on which trainer and engine agree; give lo <= 1 <= hi.")
+    need(cfg.is_mask_low <= 1 <= cfg.is_mask_high or cfg.correction not in ("masked", "trust_region"),
+         f"--rl-importance-sampling-mask-low/-high = [{cfg.is_mask_low}, {cfg.is_mask_high}] excludes ratio 1: "
+         f"--rl-importance-sampling-mode {cfg.correction} would drop tokens on which trainer and engine agree; give "
+         f"lo <= 1 <= hi.")
     for name, value in (("--rl-reject-sequence-max-log-ratio", cfg.reject_max_log_ratio),
                         ("--rl-reject-sequence-mean-log-ratio", cfg.reject_mean_log_ratio)):
         need(value is None or value > 0, f"{name}={value}: must be > 0 (a |log-ratio| threshold).")
@@ -309,7 +314,7 @@ def compute_token_loss(cfg: PolicyLossConfig, logprobs: torch.Tensor, old_logpro
                          "inference_logprobs is None")
     if cfg.correction is not None:
         weights, is_stats = is_correction_weights(cfg.correction, old_logprobs, inference_logprobs, mask, seq_ids,
-                                                  cfg.correction_params)
+                                                  cfg.correction_params, advantages=advantages)
         loss = loss * weights
         stats.update({k: v for k, v in is_stats.items() if k != "num_tokens"})
     elif inference_logprobs is not None:

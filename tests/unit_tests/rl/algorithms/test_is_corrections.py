@@ -8,6 +8,7 @@ import torch
 
 from megatron.rl.algorithms import (IS_CORRECTIONS, CorrectionParams, masked_is_weights, mismatch_sums,
                                     reject_sequences, sequence_is_weights, truncated_is_weights)
+from megatron.rl.algorithms.importance_sampling import trust_region_is_weights
 from megatron.rl.algorithms.segments import segments_of
 
 
@@ -59,6 +60,22 @@ def ref_sequence(old, inf, mask, seq_ids, c):
     return [min(geo[s], c) if m else 0.0 for m, s in zip(mask, seq_ids)]
 
 
+def ref_trust_region(old, inf, mask, adv, c, lo, hi):
+    out = []
+    for o, i, m, a in zip(old, inf, mask, adv):
+        if not m:
+            out.append(0.0)
+            continue
+        r = math.exp(o - i)
+        if a > 0 and r > hi:  # already raised past the band: old evidence does not push it further
+            out.append(0.0)
+        elif a < 0 and r < lo:
+            out.append(0.0)
+        else:
+            out.append(min(r, c))
+    return out
+
+
 def ref_rejected(old, inf, mask, seq_ids, max_abs, mean_abs):
     gaps = _by_sequence([abs(o - i) for o, i in zip(old, inf)], mask, seq_ids)
     bad = set()
@@ -69,7 +86,7 @@ def ref_rejected(old, inf, mask, seq_ids, max_abs, mean_abs):
 
 
 def test_registered_corrections():
-    assert IS_CORRECTIONS.names() == ["masked", "sequence", "truncated"]
+    assert IS_CORRECTIONS.names() == ["masked", "sequence", "truncated", "trust_region"]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -90,6 +107,13 @@ def test_truncated_masked_sequence_match_references(seed):
     torch.testing.assert_close(w, _t(ref_sequence(old, inf, mask, seq_ids, 1.4)), rtol=1e-12, atol=0)
     assert float(st["is_weight_mean"]) == pytest.approx(
         sum(x for x, m in zip(ref_sequence(old, inf, mask, seq_ids, 1.4), mask) if m) / len(sel))
+    adv = [random.Random(seed).gauss(0, 1) * (k % 3 != 0) for k in range(len(old))]  # some exactly 0
+    w, st = trust_region_is_weights(O, I, M, params=params, advantages=_t(adv))
+    ref = ref_trust_region(old, inf, mask, adv, 1.4, 0.6, 1.5)
+    torch.testing.assert_close(w, _t(ref), rtol=1e-12, atol=0)
+    dropped = sum(1 for o, i, m, a in zip(old, inf, mask, adv) if m and (
+        (a > 0 and math.exp(o - i) > 1.5) or (a < 0 and math.exp(o - i) < 0.6))) / len(sel)
+    assert float(st["is_masked_fraction"]) == pytest.approx(dropped) and 0 < dropped < 1
 
 
 def test_sequence_weight_is_constant_per_sequence_and_differs_from_token_mean():
@@ -111,21 +135,23 @@ def test_packed_rows_equal_flat_layout():
     torch.testing.assert_close(rows.reshape(-1), flat)
 
 
-@pytest.mark.parametrize("fn", ["truncated", "masked", "sequence"])
+@pytest.mark.parametrize("fn", ["truncated", "masked", "sequence", "trust_region"])
 def test_all_tokens_masked_gives_zero_weights_and_zero_stats(fn):
     old, inf = _t([-1.0, float("nan"), -3.0]), _t([-2.0, 0.0, -1.0])
-    w, st = IS_CORRECTIONS.get(fn)(old, inf, torch.zeros(3), seq_ids=torch.tensor([0, 0, 1]), params=CorrectionParams())
+    w, st = IS_CORRECTIONS.get(fn)(old, inf, torch.zeros(3), seq_ids=torch.tensor([0, 0, 1]), params=CorrectionParams(),
+                                   advantages=_t([1.0, -1.0, 1.0]))
     assert torch.equal(w, torch.zeros(3, dtype=torch.float64))
     assert all(float(v) == 0 for v in st.values())
 
 
-@pytest.mark.parametrize("fn", ["truncated", "masked", "sequence"])
+@pytest.mark.parametrize("fn", ["truncated", "masked", "sequence", "trust_region"])
 def test_single_token(fn):
     old, inf = _t([-0.5]), _t([-0.7])
     r = math.exp(0.2)
-    w, _ = IS_CORRECTIONS.get(fn)(old, inf, torch.ones(1), seq_ids=torch.tensor([0]),
+    w, _ = IS_CORRECTIONS.get(fn)(old, inf, torch.ones(1), seq_ids=torch.tensor([0]), advantages=_t([1.0]),
                                   params=CorrectionParams(truncation_coef=1.1, mask_low=0.9, mask_high=1.1))
-    expected = {"truncated": min(r, 1.1), "masked": 0.0 if r > 1.1 else r, "sequence": min(r, 1.1)}[fn]
+    expected = {"truncated": min(r, 1.1), "masked": 0.0 if r > 1.1 else r, "sequence": min(r, 1.1),
+                "trust_region": 0.0}[fn]  # A > 0 and r = 1.22 > hi: the trust region drops it
     assert float(w) == pytest.approx(expected)
 
 
@@ -133,7 +159,7 @@ def test_empty_batch():
     e = torch.zeros(0, dtype=torch.float64)
     for fn in IS_CORRECTIONS.names():
         w, st = IS_CORRECTIONS.get(fn)(e, e, torch.zeros(0), seq_ids=torch.zeros(0, dtype=torch.long),
-                                       params=CorrectionParams())
+                                       params=CorrectionParams(), advantages=e)
         assert w.numel() == 0 and float(st["is_weight_mean"]) == 0
     keep, st = reject_sequences(e, e, torch.zeros(0), torch.zeros(0, dtype=torch.long), 0.1, 0.1)
     assert keep.numel() == 0 and int(st["num_sequences"]) == 0 and int(st["num_rejected"]) == 0
@@ -157,6 +183,8 @@ def test_bad_params():
                             params=CorrectionParams(truncation_coef=0.0))
     with pytest.raises(ValueError, match="seq_ids"):
         sequence_is_weights(x, x, torch.ones(2))
+    with pytest.raises(ValueError, match="advantages"):
+        trust_region_is_weights(x, x, torch.ones(2))
     with pytest.raises(ValueError, match="shape"):
         masked_is_weights(x, torch.zeros(3), torch.ones(2))
 
@@ -208,7 +236,7 @@ def test_segments_reductions():
     torch.testing.assert_close(seg.broadcast(_t([10.0, 20.0, 30.0])), _t([20.0, 20.0, 0.0, 10.0, 10.0, 30.0, 0.0]))
 
 
-@pytest.mark.parametrize("mode", ["truncated", "masked", "sequence"])
+@pytest.mark.parametrize("mode", ["truncated", "masked", "sequence", "trust_region"])
 def test_compute_token_loss_applies_the_mode_and_rejection(mode):
     """loss_t = keep_s * w_t * ppo_t: the reference composes the pieces above by hand."""
     from megatron.rl.algorithms import PolicyLossConfig, compute_token_loss
@@ -224,7 +252,8 @@ def test_compute_token_loss_applies_the_mode_and_rejection(mode):
     loss, stats = compute_token_loss(cfg, _t(lp), _t(old), _t(adv), torch.tensor(mask), inference_logprobs=_t(inf),
                                      seq_ids=torch.tensor(seq_ids))
     w = {"truncated": ref_truncated(old, inf, mask, 1.3), "masked": ref_masked(old, inf, mask, 0.7, 1.4),
-         "sequence": ref_sequence(old, inf, mask, seq_ids, 1.3)}[mode]
+         "sequence": ref_sequence(old, inf, mask, seq_ids, 1.3),
+         "trust_region": ref_trust_region(old, inf, mask, adv, 1.3, 0.7, 1.4)}[mode]
     bad, count = ref_rejected(old, inf, mask, seq_ids, 0.45, None)
     expected = [0.0 if not m or s in bad else wt * ref_ppo_token(a, b, c, 0.2, 0.2)
                 for a, b, c, m, s, wt in zip(lp, old, adv, mask, seq_ids, w)]
