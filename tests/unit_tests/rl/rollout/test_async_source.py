@@ -55,16 +55,21 @@ def test_defaults_are_the_synchronous_path(env_yaml):
 
 
 @pytest.mark.parametrize("extra", [["--rl-generation-lag", "1"], ["--rl-partial-rollouts"]])
-def test_off_policy_turns_on_truncated_is_and_off_the_forward_shortcut(env_yaml, extra):
+def test_off_policy_turns_on_the_trust_region_and_off_the_forward_shortcut(env_yaml, extra):
     rl = _rl(env_yaml, *extra)
     assert rl.async_rollouts.enabled and rl.async_rollouts.off_policy
-    assert rl.loss.is_correction  # decoupled PPO: IS weight against the behaviour (inference) log-probs
+    # decoupled PPO: IS weight against the behaviour (inference) log-probs, inside a trust region around it
+    assert rl.loss.is_correction and rl.loss.correction == "trust_region"
+    assert rl.loss.needs_entropy and rl.loss.entropy_weight == 0  # measured for the warnings, no bonus
     assert not old_logprobs_from_training_forward(rl, 1)  # proximal log-probs from their own scoring pass
+    # another correction is the user's to choose
+    assert _rl(env_yaml, *extra, "--rl-importance-sampling-mode", "truncated").loss.correction == "truncated"
 
 
 def test_lag_zero_with_other_granularity_uses_the_pipeline_on_policy(env_yaml):
     rl = _rl(env_yaml, "--rl-consumption-granularity", "G")
     assert rl.async_rollouts.enabled and not rl.async_rollouts.off_policy and not rl.loss.is_correction
+    assert rl.loss.correction is None and not rl.loss.needs_entropy
 
 
 @pytest.fixture
