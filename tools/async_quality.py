@@ -36,14 +36,24 @@ sys.path.insert(0, str(REPO / "examples" / "rl"))
 log = logging.getLogger("async_quality")
 
 ASYNC = ["--rl-generation-lag", "1", "--rl-partial-rollouts"]
+TRUNCATED = ["--rl-importance-sampling-mode", "truncated"]  # the correction asynchronous runs used before trust_region
 # name -> extra train_rl.py flags. "lag1_partial_GG" is the README's recommended setting; "lag1_partial_BB"
-# consumes whole batches in submission order (no bias toward groups that finish first).
+# consumes whole batches in submission order (no bias toward groups that finish first); "_truncated" variants
+# replace the default trust-region correction with truncated IS alone.
 VARIANTS: dict[str, list[str]] = {
     "sync": [],
     "lag1_partial_GG": ASYNC + ["--rl-submission-granularity", "G", "--rl-consumption-granularity", "G"],
     "lag1_partial_BB": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "B"],
     "lag1_partial_BG": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "G"],
     "lag1_BB": ["--rl-generation-lag", "1"],
+    "lag1_partial_BB_truncated": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "B"]
+    + TRUNCATED,
+    "lag1_partial_GG_truncated": ASYNC + ["--rl-submission-granularity", "G", "--rl-consumption-granularity", "G"]
+    + TRUNCATED,
+    "lag1_partial_BG_truncated": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "G"]
+    + TRUNCATED,
+    "lag1_partial_BG_masked": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "G",
+                                       "--rl-importance-sampling-mode", "masked"],
 }
 # Per-iteration metrics averaged over a run (staleness and IS statistics exist only for asynchronous runs).
 SUMMARY = ("reward_mean", "staleness_mean", "off_policy_token_share", "is_truncated_fraction", "time_total_s")

@@ -150,6 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=8, help="rollouts per prompt")
     p.add_argument("--noise", type=float, default=NOISE, help="share of wrong answers in the pretraining corpus")
     p.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, or 1 on CPU)")
+    p.add_argument("--policy-loss", default="ppo_clip", choices=("ppo_clip", "gspo", "cispo"),
+                   help="GRPO's policy loss (--grpo-policy-loss), with its published clip range")
     args = p.parse_args(argv)
 
     gpu = torch.cuda.is_available()
@@ -163,7 +165,8 @@ def main(argv=None) -> int:
     env_config = write_env_config(out / "arithmetic.yaml")
     run(launcher(nproc) + [str(REPO / "train_rl.py"), *model_flags(gpu),
          *rl_flags(pre_ckpt, rl_ckpt, env_config, metrics, out / "tensorboard", nproc=nproc, group_size=args.group_size,
-                   lr=args.rl_lr, iters=args.rl_iters)], out / "logs" / "train_rl.log")
+                   lr=args.rl_lr, iters=args.rl_iters), "--grpo-policy-loss", args.policy_loss],
+        out / "logs" / "train_rl.log")
 
     from tools.plot_metrics import load_series, plot
 
