@@ -85,6 +85,18 @@ def logprob_gap_stats(train_logprobs: torch.Tensor, inference_logprobs: torch.Te
             "num_tokens": torch.tensor(gap.numel(), dtype=torch.int64)}
 
 
+def _truncated(raw: torch.Tensor, coef: float, old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor,
+               mask: torch.Tensor, **shares: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``min(raw, C)`` on the masked tokens (detached, in old_logprobs' dtype) and its stats: the gap stats,
+    ``is_weight_mean``, ``is_truncated_fraction`` (``raw > C``) and each boolean share in ``shares``."""
+    if not coef > 0:
+        raise ValueError(f"--rl-importance-sampling-truncation-coef must be > 0, got {coef}")
+    weights = raw.clamp(max=coef) * mask.reshape(raw.shape)
+    stats = logprob_gap_stats(old_logprobs, inference_logprobs, mask)
+    stats.update(_weight_stats(weights, mask, is_truncated_fraction=raw > coef, **shares))
+    return weights.to(old_logprobs.dtype).detach(), stats
+
+
 def _weight_stats(weights: torch.Tensor, mask: torch.Tensor, **shares: torch.Tensor) -> dict[str, torch.Tensor]:
     """``is_weight_mean`` and each boolean ``shares[name]`` [N] as a fraction of the masked tokens."""
     sel = mask.reshape(weights.shape).bool()
@@ -114,14 +126,8 @@ def truncated_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.T
     """
     del seq_ids, advantages
     coef = truncation_coef if truncation_coef is not None else (params or CorrectionParams()).truncation_coef
-    if not coef > 0:
-        raise ValueError(f"--rl-importance-sampling-truncation-coef must be > 0, got {coef}")
-    log_r = _log_ratio(old_logprobs, inference_logprobs, mask)
-    raw = torch.exp(log_r)
-    weights = raw.clamp(max=coef) * mask.reshape(raw.shape)
-    stats = logprob_gap_stats(old_logprobs, inference_logprobs, mask)
-    stats.update(_weight_stats(weights, mask, is_truncated_fraction=raw > coef))
-    return weights.to(old_logprobs.dtype).detach(), stats
+    raw = torch.exp(_log_ratio(old_logprobs, inference_logprobs, mask))
+    return _truncated(raw, coef, old_logprobs, inference_logprobs, mask)
 
 
 @IS_CORRECTIONS.register("masked")
@@ -159,17 +165,10 @@ def sequence_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Te
     ``is_truncated_fraction`` (share of masked tokens whose sequence ratio exceeds ``C``).
     """
     del advantages
-    coef = (params or CorrectionParams()).truncation_coef
-    if not coef > 0:
-        raise ValueError(f"--rl-importance-sampling-truncation-coef must be > 0, got {coef}")
     log_r = _log_ratio(old_logprobs, inference_logprobs, mask)
     seg = segments_of(mask, seq_ids, "sequence-level IS (--rl-importance-sampling-mode sequence)")
-    flat = log_r.reshape(-1)
-    raw = seg.broadcast(torch.exp(seg.mean(flat))).reshape(log_r.shape)
-    weights = raw.clamp(max=coef) * mask.reshape(raw.shape)
-    stats = logprob_gap_stats(old_logprobs, inference_logprobs, mask)
-    stats.update(_weight_stats(weights, mask, is_truncated_fraction=raw > coef))
-    return weights.to(old_logprobs.dtype).detach(), stats
+    raw = seg.broadcast(torch.exp(seg.mean(log_r.reshape(-1)))).reshape(log_r.shape)
+    return _truncated(raw, (params or CorrectionParams()).truncation_coef, old_logprobs, inference_logprobs, mask)
 
 
 @IS_CORRECTIONS.register("trust_region")
@@ -190,15 +189,11 @@ def trust_region_is_weights(old_logprobs: torch.Tensor, inference_logprobs: torc
     if not 0 <= p.mask_low <= 1 <= p.mask_high:
         raise ValueError(f"the trust region needs --rl-importance-sampling-mask-low <= 1 <= "
                          f"--rl-importance-sampling-mask-high, got [{p.mask_low}, {p.mask_high}]")
-    if not p.truncation_coef > 0:
-        raise ValueError(f"--rl-importance-sampling-truncation-coef must be > 0, got {p.truncation_coef}")
     raw = torch.exp(_log_ratio(old_logprobs, inference_logprobs, mask))
     adv = advantages.detach().reshape(raw.shape)
     outside = ((adv > 0) & (raw > p.mask_high)) | ((adv < 0) & (raw < p.mask_low))
-    weights = torch.where(outside, torch.zeros_like(raw), raw.clamp(max=p.truncation_coef)) * mask.reshape(raw.shape)
-    stats = logprob_gap_stats(old_logprobs, inference_logprobs, mask)
-    stats.update(_weight_stats(weights, mask, is_truncated_fraction=raw > p.truncation_coef, is_masked_fraction=outside))
-    return weights.to(old_logprobs.dtype).detach(), stats
+    kept = torch.where(outside, torch.zeros_like(raw), raw)
+    return _truncated(kept, p.truncation_coef, old_logprobs, inference_logprobs, mask, is_masked_fraction=outside)
 
 
 def is_correction_weights(mode: str, old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor,
