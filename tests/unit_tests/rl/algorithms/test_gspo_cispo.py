@@ -180,3 +180,24 @@ def test_config_defaults_are_each_losss_published_clip():
     assert PolicyLossConfig(policy_loss="gspo").clip_range == (3e-4, 4e-4)
     assert PolicyLossConfig(policy_loss="cispo").clip_range == (1.0, 3.0)
     assert PolicyLossConfig(policy_loss="gspo", eps_upper=0.01).clip_range == (3e-4, 0.01)
+
+
+def test_a_sequence_without_loss_tokens_changes_nothing_for_the_others():
+    """An empty group (a sequence whose tokens are all masked, between others in a packed row) gets loss 0 and
+    leaves the other sequences' ratios, losses and gradients as they are without it."""
+    lp, old, adv, mask, ids = _tokens(8, num_seqs=3)
+    extra = [-0.3, -1.2, float("nan")]  # a masked sequence with garbage log-probs
+    full = lambda a, b: a[:len(a) // 2] + b + a[len(a) // 2:]  # noqa: E731
+    cut = len(lp) // 2
+    ids_with = ids[:cut] + [99] * 3 + ids[cut:]
+    for fn in (gspo_loss, cispo_loss):
+        x = _t(lp).requires_grad_()
+        alone, _ = fn(x, _t(old), _t(adv), torch.tensor(mask), 0.01, 0.02, seq_ids=torch.tensor(ids))
+        alone.sum().backward()
+        y = _t(full(lp, extra)).requires_grad_()
+        both, _ = fn(y, _t(full(old, [0.0] * 3)), _t(full(adv, [1.0] * 3)), torch.tensor(full(mask, [False] * 3)),
+                     0.01, 0.02, seq_ids=torch.tensor(ids_with))
+        both.sum().backward()
+        torch.testing.assert_close(torch.cat([both[:cut], both[cut + 3:]]).detach(), alone.detach())
+        assert torch.equal(both[cut:cut + 3].detach(), torch.zeros(3, dtype=torch.float64))
+        torch.testing.assert_close(torch.cat([y.grad[:cut], y.grad[cut + 3:]]), x.grad)
