@@ -39,7 +39,7 @@ class WarningThresholds:
     length_cap_share: float = 0.5
     logprob_gap: float = 1.0
     off_policy_kl: float = 0.03  # k3 KL(behaviour || trained policy) per token, asynchronous rollouts
-    is_weight_mean_low: float = 0.95  # importance weights whose mean falls below this lost mass to truncation
+    is_truncated_share: float = 0.05  # share of tokens whose importance weight was truncated
     reward_drop: float = 0.1  # an environment's windowed reward this far below its first window
     entropy_drop: float = 0.25  # windowed entropy below this fraction of the first window's
     trend_window: int = 20  # iterations per window of the trend checks
@@ -100,24 +100,25 @@ def check_failure_points(metrics: dict[str, float], thresholds: WarningThreshold
 
 def _off_policy(metrics: dict[str, float], thresholds: WarningThresholds) -> list[Finding]:
     """Asynchronous rollouts: how far the trained tokens' policy is from the one being updated."""
-    kl, weight = _finite(metrics, "mismatch_kl_k3"), _finite(metrics, "is_weight_mean")
+    kl, trunc = _finite(metrics, "mismatch_kl_k3"), _finite(metrics, "is_truncated_fraction")
     if not ((kl is not None and kl > thresholds.off_policy_kl)
-            or (weight is not None and weight < thresholds.is_weight_mean_low)):
+            or (trunc is not None and trunc > thresholds.is_truncated_share)):
         return []
-    trunc, masked = _finite(metrics, "is_truncated_fraction"), _finite(metrics, "is_masked_fraction")
+    weight, masked = _finite(metrics, "is_weight_mean"), _finite(metrics, "is_masked_fraction")
     stale = _finite(metrics, "off_policy_token_share")
     parts = [f"KL {kl:.3g} nats per token (k3)" if kl is not None else None,
              f"importance weights mean {weight:.3f}" if weight is not None else None,
              f"{trunc:.1%} truncated" if trunc else None, f"{masked:.1%} outside the trust region" if masked else None,
              f"{stale:.0%} of the tokens stale" if stale is not None else None]
-    value = kl if kl is not None else weight
+    value = kl if kl is not None else trunc
     return [Finding("off_policy", value, thresholds.off_policy_kl, (
         f"asynchronous rollouts drift off-policy: the policy being updated is far from the one that generated the "
         f"trained tokens ({', '.join(p for p in parts if p)}; > --rl-warn-off-policy-kl={thresholds.off_policy_kl:g}"
-        f" or mean weight < {thresholds.is_weight_mean_low:g}), where the synchronous path trains at ~0. Updates "
-        f"this large on stale tokens can feed on themselves (falling reward, collapsing entropy): lower --lr or "
-        f"--rl-generation-lag, or bound the update around the sampling policy (--rl-importance-sampling-mode "
-        f"trust_region, the default for asynchronous rollouts)."))]
+        f" or more than {thresholds.is_truncated_share:.0%} truncated), where the synchronous path trains at ~0. "
+        f"Updates this large on stale tokens can feed on themselves (falling reward, collapsing entropy): lower --lr "
+        f"(or warm it up: Adam's first updates are its largest, --lr-warmup-iters) or --rl-generation-lag, and keep "
+        f"the update around the sampling policy (--rl-importance-sampling-mode trust_region, the default for "
+        f"asynchronous rollouts)."))]
 
 
 def _window_means(values: Sequence[float], window: int) -> tuple[float, float] | None:

@@ -91,16 +91,17 @@ def test_run_warnings_quote_a_capped_sample_and_the_common_constant_reward():
 ASYNC = {"staleness_mean": 0.6, "off_policy_token_share": 0.6}
 
 
-def test_off_policy_drift_fires_only_for_asynchronous_runs_above_the_kl_or_below_the_weight_mean():
-    assert kinds({**ASYNC, "mismatch_kl_k3": 0.03, "is_weight_mean": 0.99}) == []
-    assert kinds({**ASYNC, "mismatch_kl_k3": 0.0301, "is_weight_mean": 0.99}) == ["off_policy"]
-    assert kinds({**ASYNC, "mismatch_kl_k3": 0.001, "is_weight_mean": 0.94}) == ["off_policy"]
+def test_off_policy_drift_fires_only_for_asynchronous_runs_above_the_kl_or_the_truncated_share():
+    assert kinds({**ASYNC, "mismatch_kl_k3": 0.03, "is_truncated_fraction": 0.05}) == []
+    assert kinds({**ASYNC, "mismatch_kl_k3": 0.0301, "is_truncated_fraction": 0.0}) == ["off_policy"]
+    assert kinds({**ASYNC, "mismatch_kl_k3": 0.001, "is_truncated_fraction": 0.0501}) == ["off_policy"]
     # synchronous: the same numbers are the train-inference mismatch, which the log-prob gap check covers
-    assert kinds({"mismatch_kl_k3": 0.5, "is_weight_mean": 0.5}) == []
+    assert kinds({"mismatch_kl_k3": 0.5, "is_truncated_fraction": 0.5}) == []
     [f] = check_failure_points({**ASYNC, "mismatch_kl_k3": 0.35, "is_weight_mean": 0.916,
                                 "is_truncated_fraction": 0.011}, T)
     assert "KL 0.35 nats per token" in f.message and "weights mean 0.916" in f.message and "1.1% truncated" in f.message
     assert "--rl-warn-off-policy-kl=0.03" in f.message and "--rl-importance-sampling-mode" in f.message
+    assert "--lr-warmup-iters" in f.message
 
 
 def test_asynchronous_runs_check_the_gap_of_the_tokens_the_trained_policy_generated():
