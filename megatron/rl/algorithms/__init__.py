@@ -11,7 +11,8 @@ from megatron.rl.algorithms.entropy import (entropy_bonus, entropy_from_logits, 
                                            entropy_partials)
 from megatron.rl.algorithms.importance_sampling import (IS_CORRECTIONS, CorrectionParams, logprob_gap_stats,
                                                        masked_is_weights, mismatch_sums, reject_sequences,
-                                                       sequence_is_weights, truncated_is_weights)
+                                                       sequence_is_weights, truncated_is_weights,
+                                                       trust_region_is_weights)
 from megatron.rl.algorithms.logprobs import logprob_temperature, token_logprobs
 from megatron.rl.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
 from megatron.rl.algorithms.policy_loss import (POLICY_LOSSES, PolicyLossConfig, PolicyLossConfigError, cispo_loss,
@@ -25,7 +26,7 @@ __all__ = [
     "LossNormalizers", "aggregate_loss", "local_normalizers",
     "entropy_from_logits", "entropy_partials", "entropy_from_partials", "entropy_bonus",
     "CorrectionParams", "logprob_gap_stats", "truncated_is_weights", "masked_is_weights", "sequence_is_weights",
-    "reject_sequences", "mismatch_sums",
+    "trust_region_is_weights", "reject_sequences", "mismatch_sums",
     "logprob_temperature", "token_logprobs",
     "kl_k1", "kl_k2", "kl_k3", "kl_penalty",
     "PolicyLossConfig", "PolicyLossConfigError", "compute_token_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss",
