@@ -6,11 +6,12 @@ recommended asynchronous setting (lag 1, partial rollouts, group-wise submission
 of each environment at the end (mean of the last three evaluations, 4 samples per prompt) must not fall more than
 0.05 below the synchronous run's.
 
-What it guards: the policy's early updates are large, and a batch sampled before one of them and trained after it
-carries advantages measured under the old policy; truncated IS alone then pushes its tokens again in the direction
-the update already took them, and the mixture's pass@1 fell well below the synchronous run's. The trust-region
-correction (the asynchronous default) keeps the update around the sampling policy (docs/benchmarks.md has the
-200-iteration curves on two seeds).
+What it guards: the whole asynchronous path on a mixture (G submission serving a weighted mixture one group at
+a time, G consumption, partial rollouts across updates, the version and log-prob bookkeeping, the off-policy
+correction) against the synchronous one. Importance weights taken against the wrong policy collapse the mixture
+to pass@1 0 within 20 iterations. The difference between the trust-region correction (the asynchronous default)
+and truncated IS alone is smaller than this bound over 60 iterations of one seed; it shows over 200 iterations
+and two seeds (docs/benchmarks.md).
 
 Partial rollouts pause at points that depend on timing, so the asynchronous trajectory is not reproducible bit for
 bit; four samples per prompt and the mean of three evaluations keep the evaluation noise well inside the bound.
