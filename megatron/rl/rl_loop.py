@@ -33,7 +33,8 @@ _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss
               ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"),
               ("logprob_gap_max", "lp gap max"), ("mismatch_kl_k3", "mm kl"), ("is_weight_mean", "is w"),
               ("is_truncated_fraction", "is trunc"), ("is_masked_fraction", "is masked"),
-              ("is_rejected_fraction", "rejected"), ("staleness_mean", "stale"), ("grad_norm", "grad norm"),
+              ("is_rejected_fraction", "rejected"), ("staleness_mean", "stale"),
+              ("router_replay_disagreement", "route diff"), ("grad_norm", "grad norm"),
               ("packing_efficiency", "packing"), ("prompt_tokens_shared", "shared"),
               ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
@@ -96,6 +97,12 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
     model, optimizer, scheduler, tokenizer = run.model, run.optimizer, run.scheduler, run.tokenizer
+    if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
+        from megatron.rl.routing.replay import install_router_replay
+
+        for chunks in (model, run.ref_model):
+            if chunks is not None:
+                install_router_replay(chunks)
     start = run.resume()
     iteration, run_state = start.iteration, start.run_state
     if not start.from_checkpoint and not c.pretrained_checkpoint:
