@@ -32,15 +32,16 @@ from megatron.rl.algorithms.importance_sampling import (IS_CORRECTIONS, Correcti
                                                        logprob_gap_stats, reject_sequences)
 from megatron.rl.algorithms.kl import KL_ESTIMATORS, kl_penalty
 from megatron.rl.algorithms.segments import segments_of
-from megatron.rl.base.registry import Registry
+from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import derived, flag, registry_choices
+from megatron.rl.base.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "--grpo-policy-loss")
 
 
-class PolicyLossConfigError(ValueError):
+class PolicyLossConfigError(ConfigError):
     """A policy-loss or off-policy-correction flag value that cannot work (the message names the flag)."""
 
 

@@ -44,7 +44,7 @@ class ObserveConfig:
     warn_off_policy_kl: float = flag(0.03, name="--rl-warn-off-policy-kl",
                                      help="Asynchronous rollouts: warn when the k3 KL between the policy that generated "
                                           "the trained tokens and the one being updated exceeds this (nats per token), "
-                                          "or more than 5% of the importance weights were truncated. inf disables.")
+                                          "or more than one importance weight in twenty was truncated. inf disables.")
     warn_reward_drop: float = flag(0.1, name="--rl-warn-reward-drop",
                                    help="Warn when an environment's training reward over the last "
                                         "--rl-warn-trend-window iterations is this far below its first window's. inf "

@@ -1,17 +1,9 @@
-"""Asynchronous rollouts in the trainer: flag validation, the pipeline's agent calls and backend control, and
-off-policy accounting (policy version per token -> staleness metrics).
+"""The asynchronous rollout source: the pipeline connected to the agents, the backend and the rollout bank.
 
 :mod:`megatron.rl.rollout.pipeline` is the scheduling (which groups are generated when and trained when); this
-module connects it to the agents, the inference backend and the metrics. With every async flag at its default
-the trainer does not build any of this and collects rollouts exactly as before.
-
-Off-policy correction (decoupled PPO). With a lag or partial rollouts the tokens of an iteration may come from
-older policies (the *behaviour* policy, whose log-probs the backend returned). The PPO ratio and clip are taken
-against the *proximal* policy, the current weights before the update, whose log-probs the trainer recomputes in
-its scoring pass (so the shortcut of taking them from the training forward is off); the truncated importance
-weight ``min(exp(proximal - behaviour), --rl-importance-sampling-truncation-coef)`` corrects for the behaviour
-policy, zeroed where the ratio already left the trust region around the behaviour policy in the direction the
-advantage pushes. :func:`async_loss_config` turns that correction on for every off-policy run.
+module connects it to the agents (:class:`AsyncRollouts`, a :class:`~megatron.rl.rollout.source.RolloutSource`),
+to the backend's generation phases (:class:`EngineControl`) and to the policy version of every generated token
+(:class:`VersionRecorder`). Its flags and their checks: :mod:`megatron.rl.rollout.async_config`.
 """
 from __future__ import annotations
 
@@ -21,116 +13,21 @@ import logging
 import os
 from typing import Any, Sequence
 
-from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS
-from megatron.rl.algorithms.policy_loss import PolicyLossConfig
-from megatron.rl.inference.api import backend_class
-from megatron.rl.rollout.bank import BankSession
-from megatron.rl.rollout.pipeline import (CONSUMPTION_GRANULARITIES, SUBMISSION_GRANULARITIES, VERSIONS_KEY,
-                                          AsyncRolloutConfig, FinishedGroup, ForwardingInference, GroupTicket,
-                                          PhaseControl, RequestGate, RolloutPipeline, SubmissionState)
-from megatron.rl.training.config import ConfigError
+import torch.distributed as dist
+
+from megatron.rl.agent.api import Agent
+from megatron.rl.base.types import RolloutGroup
+from megatron.rl.inference.api import InferenceInterface
+from megatron.rl.inference.control import control_of
+from megatron.rl.inference.forwarding import ForwardingInference
+from megatron.rl.rl_config import RLConfig
+from megatron.rl.rollout.async_config import AsyncRolloutConfig
+from megatron.rl.rollout.bank import BankSession, RolloutBank, bank_path
+from megatron.rl.rollout.collection import for_training, generation_split, rollout_request
+from megatron.rl.rollout.pipeline import (VERSIONS_KEY, FinishedGroup, GroupTicket, PhaseControl, RequestGate,
+                                          RolloutPipeline, SubmissionState)
 
 log = logging.getLogger(__name__)
-
-def needs_whole_batches(fn: Any) -> bool:
-    """Whether a registered advantage estimator / loss aggregation normalises over a whole submission batch (set
-    ``fn.needs_whole_batches = True`` when registering one): ``G`` consumption mixes groups of several batches."""
-    return bool(getattr(fn, "needs_whole_batches", False))
-
-
-def async_loss_config(loss: PolicyLossConfig, ac: AsyncRolloutConfig) -> PolicyLossConfig:
-    """Whenever trained tokens can be off-policy: an IS correction against the behaviour log-probs, by default the
-    trust region (``--rl-importance-sampling-mode`` picks another), and the entropy report the off-policy warnings
-    read (:mod:`megatron.rl.observe.warnings`).
-
-    Why the trust region and not truncated IS alone: the policy's early steps move it far (k3 KL of tenths of a nat
-    per token between consecutive versions on the quickstart), and a batch sampled before such a step, trained after
-    it, pushes its tokens again in the direction the step already took them; the correction bounds each token's
-    ratio to the policy that sampled it (PPO's clip, anchored at the sampler), so the stale update cannot repeat
-    the last one. Truncated IS alone let a two-environment mixture fall well below the synchronous run.
-    """
-    if not ac.off_policy:
-        return loss
-    return dataclasses.replace(loss, is_correction=True, is_mode=loss.is_mode or "trust_region", report_entropy=True)
-
-
-def validate_async_rollouts(ac: AsyncRolloutConfig, rl: Any, cfg: Any) -> None:
-    """Named errors before any model is built (called from :func:`megatron.rl.rl_config.validate_rl_config`)."""
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ConfigError(msg)
-
-    need(ac.generation_lag >= 0, f"--rl-generation-lag={ac.generation_lag}: must be >= 0 (0: the rollouts of an "
-                                 f"iteration are generated by that iteration's policy; N: by a policy at most N "
-                                 f"updates older).")
-    need(ac.submission_granularity in SUBMISSION_GRANULARITIES,
-         f"--rl-submission-granularity={ac.submission_granularity}: must be one of {SUBMISSION_GRANULARITIES}.")
-    need(ac.consumption_granularity in CONSUMPTION_GRANULARITIES,
-         f"--rl-consumption-granularity={ac.consumption_granularity}: must be one of {CONSUMPTION_GRANULARITIES}.")
-    need(ac.max_inflight_requests >= 0, f"--rl-max-inflight-requests={ac.max_inflight_requests}: must be >= 0 "
-                                        f"(0: no cap besides the lag bound).")
-    need(ac.rollout_bank_dir is None or ac.durable_rollout_bank,
-         f"--rl-rollout-bank-dir={ac.rollout_bank_dir} without --rl-durable-rollout-bank: add the switch, or drop "
-         f"the directory.")
-    need(not ac.durable_rollout_bank or ac.rollout_bank_dir or cfg.checkpoint.save,
-         "--rl-durable-rollout-bank without --save or --rl-rollout-bank-dir: the bank has nowhere to live (its "
-         "default is <--save>/rollout_bank) and a run that saves no checkpoint cannot resume from it; add --save.")
-    if not ac.enabled:
-        return
-    # Pipelines run per data-parallel rank, or per inference replica with a separate inference layout.
-    dp = rl.inference_layout.sizes(cfg).dp if rl.inference_layout.enabled else cfg.parallel.data_parallel_size
-    local_groups = rl.prompts_per_step // max(dp, 1)
-    if ac.consumption_granularity == "G":
-        whole = [f"--grpo-advantage-estimator={rl.advantage_estimator}"] if needs_whole_batches(
-            ADVANTAGE_ESTIMATORS.get(rl.advantage_estimator)) else []
-        whole += [f"--grpo-loss-aggregation={rl.loss_aggregation}"] if needs_whole_batches(
-            AGGREGATIONS.get(rl.loss_aggregation)) else []
-        need(not whole, f"--rl-consumption-granularity G trains on groups as they finish, from several submission "
-                        f"batches, but {' and '.join(whole)} normalises over a whole batch: use "
-                        f"--rl-consumption-granularity B.")
-    # Ranks that serve one engine in lockstep: the inference copy's replica with a separate layout (whose groups
-    # are then regrouped from each replica's first rank), else the training model replica.
-    s = rl.inference_layout.sizes(cfg) if rl.inference_layout.enabled else None
-    p = cfg.parallel
-    model_parallel = (s.tp * s.pp * s.ep if s is not None else
-                      p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size) > 1
-    generating = ("the separate inference layout's replicas (--rl-inference-*-model-parallel-size)" if s is not None
-                  else "the training model's replicas")
-    need(ac.consumption_granularity == "B" or not model_parallel,
-         f"--rl-consumption-granularity G with model parallelism of {generating}: which groups finish first can "
-         f"differ between the ranks of one model replica (rewards run in threads), and they must train on the same "
-         f"groups; use --rl-consumption-granularity B.")
-    cap = ac.max_inflight_requests
-    if cap:
-        need(cap >= rl.group_size, f"--rl-max-inflight-requests={cap} is below --grpo-group-size={rl.group_size}: "
-                                   f"a group's requests could never all be admitted.")
-        need(ac.submission_granularity != "B" or cap >= local_groups * rl.group_size,
-             f"--rl-max-inflight-requests={cap} with --rl-submission-granularity B: a batch of {local_groups} "
-             f"groups x {rl.group_size} rollouts per data-parallel rank could never be admitted; raise the cap or "
-             f"submit per group (G) or per request (R).")
-        need(rl.inference_backend != "megatron" or not model_parallel,
-             "--rl-max-inflight-requests with model parallelism: submissions would happen as requests finish, at "
-             "times that differ between the ranks of one engine, which must submit in the same order; drop the cap.")
-    need(not ac.partial_rollouts or backend_class(rl.inference_backend).supports_weight_updates,
-         f"--rl-partial-rollouts continues in-flight requests with the updated weights, but "
-         f"--inference-backend={rl.inference_backend} does not see the trainer's weight updates (e.g. a server "
-         f"the trainer cannot update); drop --rl-partial-rollouts (a --rl-generation-lag alone works with it).")
-    # Every rank of a lockstep engine numbers its submissions, and the i-th one is matched to the source rank's
-    # i-th. With partial rollouts a phase ends with the pipeline's next requests half-submitted, at a point of its
-    # event loop that differs between the ranks; an evaluation then submits its requests in between on one rank
-    # and after them on another: misnumbered (error responses, seen on CPU with an inference TP=2 copy) or waited
-    # for forever (a hang). Without evaluations the pipeline alone submits, in the same order.
-    eval_on = bool(cfg.train.eval_interval) and rl.prompts_per_eval > 0
-    need(not (ac.partial_rollouts and rl.inference_backend == "megatron" and model_parallel and eval_on),
-         f"--rl-partial-rollouts with evaluations during training (--eval-interval={cfg.train.eval_interval}, "
-         f"--rl-prompts-per-eval={rl.prompts_per_eval}) and model parallelism of {generating}: an evaluation's "
-         f"requests reach the ranks of one lockstep engine at different points of the paused rollouts' "
-         f"submissions, so the ranks disagree on which request is which (wrong or failed evaluation rollouts, or "
-         f"a deadlock, seen on CPU). Drop the evaluations (--rl-prompts-per-eval 0) or --rl-partial-rollouts (a "
-         f"lag alone drains before every update), or use one-rank replicas.")
-    need(rl.serve_inference is None,
-         "asynchronous rollouts are not wired to --rl-serve-inference yet: drop one of the two.")
 
 
 # --------------------------------------------------------------------------- backend control
@@ -141,45 +38,44 @@ class EngineControl(PhaseControl):
     entered at a phase start, left when the phase drained. With requests in flight (partial rollouts) the engine
     is paused instead (``pause_generation``) until the weights are updated (``resume_generation(version)``): the
     in-flight requests keep their KV cache, computed by the old weights, and their later tokens are generated by
-    the new ones. These are :class:`InferenceInterface` hooks; backends that run apart from the trainer's weights
-    (the fake backend, a remote server) keep their no-op defaults."""
+    the new ones. These are the backend's :class:`~megatron.rl.inference.control.TrainerControl` members; backends
+    that run apart from the trainer's weights (a remote server) keep their no-op defaults."""
 
-    def __init__(self, backend: Any):
+    def __init__(self, backend: InferenceInterface):
         self.backend = backend
-        self._session = None  # the entered inference_mode() context, if any
+        self.hooks = control_of(backend)
+        self._session = None  # the entered rollout_phase() context, if any
         self.paused = False
 
     def start(self, version: int) -> None:
         self.resume(version)
-        if self._session is not None and not getattr(self.backend, "active", True):
+        if self._session is not None and not self.hooks.active:
             # Something else stopped the engine since the last phase (an evaluation's rollout phase exits inference
             # mode on the way out). Restart it here, on every rank at the same point, not lazily on the first
             # request: a rank whose phase ends before it submits anything would find its engine stopped and skip
-            # pause_generation while the other ranks of its lockstep group pause theirs (a deadlock, seen with a
-            # TP=2 inference copy and partial rollouts). With the engine running on every rank at every phase end,
-            # pause or drain is the same on all of them (``drained`` depends only on the flags).
+            # pause_generation while the other ranks of its lockstep group wait for it to pause theirs (a
+            # deadlock). With the engine running on every rank at every phase end, pause or drain is the same on
+            # all of them (``drained`` depends only on the flags).
             self._leave()
         if self._session is None:
-            from megatron.rl.rl_utils import inference_session
-
-            self._session = inference_session(self.backend)
+            self._session = self.backend.rollout_phase()
             self._session.__enter__()
         # Every phase, not only when this control enters the session: an evaluation between iterations stops
         # the engine (its own rollout phase), the resume after the next update then finds it stopped and sets
-        # no version, and the next generation restarts it with the old one (the quickstart with lag 1 reported
-        # staleness 2 three iterations after each evaluation).
-        self.backend.set_policy_version(version)
+        # no version, and the next generation would restart it with the old one (its tokens labelled one
+        # version too old).
+        self.hooks.set_policy_version(version)
 
     def stop(self, drained: bool) -> None:
         if drained:
             self._leave()
         else:
-            self.backend.pause_generation()
+            self.hooks.pause_generation()
             self.paused = True
 
     def resume(self, version: int) -> None:
         if self.paused:
-            self.backend.resume_generation(version)
+            self.hooks.resume_generation(version)
             self.paused = False
 
     def close(self) -> None:
@@ -240,31 +136,27 @@ class VersionRecorder(ForwardingInference):
 
 
 class AsyncRollouts:
-    """The trainer's rollout source with the pipeline: ``collect(iteration)`` -> this DP rank's groups."""
+    """The trainer's rollout source with the pipeline: ``collect(iteration)`` -> this DP rank's groups.
 
-    def __init__(self, ctx: Any, rl: Any, start_iteration: int, gen_rank: int, gen_size: int,
-                 bank: BankSession | None = None, resuming: bool = False, shard: Any = None):
-        from megatron.rl.agent.api import GroupedRolloutRequest
-        from megatron.rl.inference.api import GenerationArgs
-        from megatron.rl.rl_utils import derive_seed
+    One pipeline per data-parallel rank; with a separate inference layout (or MoE EP > 1, whose EP ranks share
+    one engine), one per inference replica / lockstep group (every rank of it runs the same pipeline in
+    lockstep), whose batches are regrouped by training DP rank (``shard``)."""
 
+    def __init__(self, agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int, start_iteration: int,
+                 bank: BankSession | None = None, resuming: bool = False):
         ac: AsyncRolloutConfig = rl.async_rollouts
         self.config = ac
         # RolloutShard of a separate inference layout or of MoE EP > 1's lockstep groups (None: by DP rank)
-        self.shard = shard
-        self.inference = ctx.inference
-        recorder = VersionRecorder(ctx.inference)
-        inference: Any = recorder
-        if ac.submission_granularity == "R" and ac.max_inflight_requests:
-            inference = RequestGate(inference, ac.max_inflight_requests)
+        self.shard, gen_rank, gen_size = generation_split(inference)
+        self.inference = inference
+        recorder: InferenceInterface = VersionRecorder(inference)
+        generating = RequestGate(recorder, ac.max_inflight_requests) if (
+            ac.submission_granularity == "R" and ac.max_inflight_requests) else recorder
 
         async def produce(batch: int, num_groups: int):
-            # The synchronous path's arguments with the batch for the iteration: lag 0 draws the same rollouts.
-            args = GenerationArgs(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
-                                  max_tokens=rl.max_new_tokens, seed=derive_seed(ctx.seed, "rollouts", batch, gen_rank))
-            request = GroupedRolloutRequest(num_groups=num_groups, rollouts_per_group=rl.group_size,
-                                            generation_args=args, inference_interface=inference)
-            response, recorded = await VersionRecorder.call(ctx.agent.generate_grouped_rollouts, request)
+            # The synchronous source's request with the batch for the iteration: lag 0 draws the same rollouts.
+            request = rollout_request(rl, seed, batch, gen_rank, num_groups, generating)
+            response, recorded = await VersionRecorder.call(agent.generate_grouped_rollouts, request)
             VersionRecorder.annotate(response.groups, recorded)
             return response.groups
 
@@ -281,26 +173,45 @@ class AsyncRollouts:
                 t = f.ticket
                 bank.completed(t.uid, t.index, t.batch, t.version, f.finished_version, f.group, t.attempt)
 
-        self.control = EngineControl(ctx.inference)
+        self.control = EngineControl(inference)
         self.pipeline = RolloutPipeline(produce, ac, groups_per_step=rl.prompts_per_step // gen_size,
                                         group_size=rl.group_size, control=self.control,
                                         start_version=start_iteration, restored=restored, on_finished=on_finished,
                                         attempt=bank.attempt if bank is not None else 0, submission=submission)
 
-    def collect(self, iteration: int) -> list:
+    @classmethod
+    def build(cls, agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int, start_iteration: int,
+              save: str | None = None, resuming: bool = False) -> "AsyncRollouts":
+        """The source, with its durable rollout bank when ``--rl-durable-rollout-bank`` asks for one (at
+        ``--rl-rollout-bank-dir``, else ``<save>/rollout_bank``; restored from when ``resuming``)."""
+        bank = None
+        if rl.async_rollouts.durable_rollout_bank:
+            _, _, gen_size = generation_split(inference)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            layout = {"groups_per_step": rl.prompts_per_step // gen_size, "group_size": rl.group_size,
+                      "data_parallel_size": gen_size, "world_size": world}
+            bank = BankSession(RolloutBank(bank_path(rollout_bank_dir(rl.async_rollouts, save), rank)), agent,
+                               layout)
+        return cls(agent, inference, rl, seed, start_iteration, bank=bank, resuming=resuming)
+
+    def collect(self, iteration: int) -> list[RolloutGroup]:
         if iteration < self.pipeline.version:
             raise RuntimeError(f"rollout pipeline at version {self.pipeline.version} asked for iteration {iteration}")
         self.pipeline.version = iteration  # the weights now are those after `iteration` updates
         batch = self.pipeline.next_batch()
         if self.bank is not None:  # they feed the update of iteration + 1 (1-based, as logged and saved)
             self.bank.consumed(iteration + 1, [f.ticket.uid for f in batch])
-        groups = [f.group for f in batch]
-        if self.shard is not None:  # generated per replica / lockstep group: this DP rank's share of them
-            from megatron.core import parallel_state as ps
+        return for_training(self.shard, [f.group for f in batch])
 
-            return self.shard.regroup_for_training(groups, ps.get_data_parallel_rank(),
-                                                   ps.get_data_parallel_world_size())
-        return groups
+    def weights_updated(self, version: int, changed: bool = True) -> float | None:
+        """After the optimizer steps (or the skipped update): the backend gets the weights of ``version`` (with a
+        separate inference layout the copy is refit, on every rank, while its engine is paused or stopped), then
+        paused in-flight requests continue with them (while the trainer evaluates, logs or saves, the engine
+        already generates)."""
+        seconds = control_of(self.inference).refit_for_update() if changed else None
+        self.control.resume(version)
+        return seconds
 
     def checkpoint_saved(self, iteration: int) -> None:
         """Checkpoint ``iteration`` is published: the bank forgets the groups it trained."""
@@ -310,13 +221,6 @@ class AsyncRollouts:
     def ledger(self) -> dict | None:
         """The bank's uids since the last call (produced / consumed / restored), None without a bank."""
         return self.bank.ledger() if self.bank is not None else None
-
-    def weights_updated(self, version: int) -> None:
-        """After the optimizer steps: paused in-flight requests continue now, with the weights of ``version``
-        (while the trainer evaluates, logs or saves, the engine already generates). With a separate inference
-        layout the copy is refit first, on every rank (collective), while its engine is paused or stopped."""
-        self.inference.refit_for_update()
-        self.control.resume(version)
 
     def close(self) -> None:
         left = self.pipeline.close()
@@ -333,66 +237,3 @@ class AsyncRollouts:
 def rollout_bank_dir(ac: AsyncRolloutConfig, save: str | None) -> str:
     """``--rl-rollout-bank-dir``, else ``<--save>/rollout_bank`` (validation ensures one of them is set)."""
     return ac.rollout_bank_dir or os.path.join(str(save), "rollout_bank")
-
-
-def build_async_rollouts(ctx: Any, rl: Any, start_iteration: int, save: str | None = None,
-                         resuming: bool = False) -> AsyncRollouts | None:
-    """The pipeline-backed rollout source, or None for the synchronous path (every async flag at its default).
-
-    save: ``--save`` (the bank's default home). resuming: this run continues an earlier one (``--load``), so the
-    durable rollout bank restores what it holds; otherwise the bank starts empty.
-
-    One pipeline per data-parallel rank; with a separate inference layout (or MoE EP > 1, whose EP ranks share
-    one engine), one per inference replica / lockstep group (every rank of it runs the same pipeline in
-    lockstep), whose batches are regrouped by training DP rank."""
-    if not rl.async_rollouts.enabled:
-        return None
-    import torch
-
-    from megatron.rl.rl_utils import generation_split
-
-    shard, gen_rank, gen_size = generation_split(ctx.inference)
-    bank = None
-    if rl.async_rollouts.durable_rollout_bank:
-        from megatron.rl.rollout.bank import BankSession, RolloutBank, bank_path
-
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        layout = {"groups_per_step": rl.prompts_per_step // gen_size, "group_size": rl.group_size,
-                  "data_parallel_size": gen_size, "world_size": world}
-        bank = BankSession(RolloutBank(bank_path(rollout_bank_dir(rl.async_rollouts, save), rank)), ctx.agent,
-                           layout)
-    return AsyncRollouts(ctx, rl, start_iteration, gen_rank, gen_size, bank=bank, resuming=resuming, shard=shard)
-
-
-# --------------------------------------------------------------------------- staleness
-
-
-def staleness_metrics(versions: Sequence[Sequence[int] | None], iteration: int) -> dict[str, float]:
-    """Token staleness of the sequences trained at ``iteration`` (= the policy version being updated).
-
-    ``versions``: per sequence, the policy version of each token (-1 where not generated: prompt, observations),
-    or None when unknown. Staleness of a generated token = ``|iteration - version|``: ``iteration - version``,
-    except for a group the durable rollout bank restored into an older checkpoint, whose tokens can come from a
-    later version whose weights were lost (just as far from the trained policy). Returns ``staleness_mean``,
-    ``staleness_max`` and ``off_policy_token_share`` (staleness > 0) over generated tokens with known versions.
-    """
-    total = count = worst = off = 0
-    for vs in versions:
-        for v in vs or ():
-            if v < 0:
-                continue
-            s = abs(iteration - v)
-            total += s
-            count += 1
-            worst = max(worst, s)
-            off += s > 0
-    if not count:
-        return {}
-    return {"staleness_mean": total / count, "staleness_max": float(worst), "off_policy_token_share": off / count}
-
-
-def rollout_versions(rollout: Any) -> list[int] | None:
-    """The policy version per token that the pipeline recorded in a rollout's metadata (None: not recorded)."""
-    vs = getattr(rollout, "metadata", {}).get(VERSIONS_KEY)
-    return None if vs is None else [int(v) for v in vs]

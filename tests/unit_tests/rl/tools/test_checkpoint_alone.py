@@ -1,8 +1,8 @@
 """A pretrained checkpoint is enough on its own: converted to Hugging Face and served, with no model flags.
 
-The issue's reproduction: ``convert_megatron_to_hf.py`` asked for --vocab-size and then refused it
-(``vocab_size is None in the checkpoint but 259``), and ``server.inference --backend megatron -- --load``
-could not build a model. Here a quickstart-style model (RoPE, SwiGLU, RMSNorm, byte-level tokenizer) is
+The case: ``convert_megatron_to_hf.py`` must not ask for --vocab-size (and then refuse it: ``vocab_size is None
+in the checkpoint but 259``), and ``server.inference --backend megatron -- --load`` must build the model from
+the checkpoint alone. Here a quickstart-style model (RoPE, SwiGLU, RMSNorm, byte-level tokenizer) is
 pretrained for a few iterations with pretrain_gpt.py; Hugging Face greedy completions of the converted model
 must equal those of our engine serving the checkpoint over HTTP (the OpenAI client asks).
 """
