@@ -9,6 +9,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron.rl.train_rl import main  # noqa: E402 - after the checkout is on sys.path
 
-# The guard matters: torch_dist checkpoint saving starts a subprocess that re-imports this module.
+# The guard keeps this module importable (a spawned process re-imports the main module) without running it.
 if __name__ == "__main__":
     sys.exit(main())

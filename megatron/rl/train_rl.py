@@ -43,6 +43,6 @@ def main(argv=None) -> int:
     return run_cli("train_rl.py", _train_or_evaluate, argv)
 
 
-# The guard matters: torch_dist checkpoint saving starts a subprocess that re-imports this module.
+# The guard keeps this module importable (a spawned process re-imports the main module) without running it.
 if __name__ == "__main__":
     sys.exit(main())

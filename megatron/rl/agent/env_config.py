@@ -59,8 +59,18 @@ class EnvConfigError(UserError, ValueError):
     """An invalid environment config; the message names the file, entry and key."""
 
 
+#: An environment config names environments and their arguments (a few KB); data belongs in the files its agents
+#: read. Larger files are refused before they are read whole.
+MAX_ENV_CONFIG_BYTES = 4 << 20
+#: Nesting deeper than this is refused (the YAML composer recurses once per level).
+MAX_ENV_CONFIG_DEPTH = 64
+
+
 class _EnvConfigLoader(yaml.SafeLoader):
-    """SafeLoader that refuses aliases and reads ``1e-3`` as a float."""
+    """SafeLoader that refuses aliases and nesting deeper than :data:`MAX_ENV_CONFIG_DEPTH`, and reads ``1e-3`` as a
+    float."""
+
+    _depth = 0
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -68,7 +78,14 @@ class _EnvConfigLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(
                 None, None, f"alias *{event.anchor} is not allowed in an environment config (aliases can expand "
                             f"exponentially); write the value out", event.start_mark)
-        return super().compose_node(parent, index)
+        if self._depth >= MAX_ENV_CONFIG_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested more than {MAX_ENV_CONFIG_DEPTH} levels deep", self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _EnvConfigLoader.add_implicit_resolver(
@@ -120,7 +137,20 @@ def _load_yaml(path: Path) -> Any:
     if not path.is_file():
         raise EnvConfigError(f"environment config {path} does not exist (absolute: {path.resolve()})")
     try:
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=_EnvConfigLoader)  # noqa: S506 - safe subclass
+        with open(path, "rb") as f:
+            raw = f.read(MAX_ENV_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise EnvConfigError(f"environment config {path} cannot be read: {e.strerror or e}") from None
+    if len(raw) > MAX_ENV_CONFIG_BYTES:
+        raise EnvConfigError(f"environment config {path} is larger than {MAX_ENV_CONFIG_BYTES >> 20} MiB: it should "
+                             f"name environments and their arguments; put data in files the agents read")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EnvConfigError(f"environment config {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                             f"{e.start})") from None
+    try:
+        return yaml.load(text, Loader=_EnvConfigLoader)  # noqa: S506 - safe subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from typing import Annotated, Any, Callable, ClassVar, Iterator, Literal, Sequence, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 # One rule for every backend and the trainer: greedy (T = 0) log-probs are reported under T = 1.
 from megatron.rl.algorithms.logprobs import logprob_temperature
@@ -40,6 +41,7 @@ __all__ = [
     "InferenceResponse",
     "InferenceInterface",
     "InferenceError",
+    "CANCELLED",
     "build_inference_interface",
     "backend_class",
     "registered_backends",
@@ -60,7 +62,7 @@ class GenerationArgs(BaseModel):
     temperature: 0 means greedy (argmax), else in [1e-3, 100] (finite). top_p: in (0, 1]. top_k: 0 disables
     top-k. max_tokens: maximum number of generated tokens (>= 1). stop: generation ends *before* the first
     occurrence of any of these strings in the generated text (the stop string is not returned).
-    seed: in [0, 2**63 - 1]; makes sampling reproducible per request (backends derive per-sample seeds for
+    seed: in [0, SEED_MAX = 2**53 - 1]; makes sampling reproducible per request (backends derive per-sample seeds for
     ``n > 1``). n: number of independent samples for this request (each becomes its own response).
     The rules live in :mod:`megatron.rl.inference.validation`.
     """
@@ -87,6 +89,15 @@ class GenerationArgs(BaseModel):
 
 
 
+@dataclasses.dataclass
+class _CancelFlag:
+    cancelled: bool = False
+
+
+#: the ``error`` of a cancelled request's responses
+CANCELLED = "cancelled: the caller no longer wanted this request's responses"
+
+
 class InferenceRequest(BaseModel):
     """Either a plain text ``prompt`` or chat ``messages`` (exactly one), plus generation args.
 
@@ -98,12 +109,25 @@ class InferenceRequest(BaseModel):
     multi-turn episode passes the engine's own tokens so far plus the environment's next observation as the
     prompt, so the tokens it trains on are exactly the tokens the policy saw and generated. Text prompts only;
     a backend that cannot take token prompts (an OpenAI-compatible server) fails such a request alone.
+
+    :meth:`cancel` (e.g. the inference server, when the client disconnected) asks the backend to stop generating
+    for the request at its next step, even in the middle of a batch; its responses then fail with
+    :data:`CANCELLED`. The samples of ``n > 1`` (:func:`expand_requests`) share the request's flag.
     """
 
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     prefix_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
+    _cancel: _CancelFlag = PrivateAttr(default_factory=_CancelFlag)
+
+    def cancel(self) -> None:
+        """Nobody waits for this request's responses any more (thread-safe; see the class docstring)."""
+        self._cancel.cancelled = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.cancelled
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> "InferenceRequest":
@@ -343,7 +367,7 @@ def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:
 def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceRequest]:
     """Flatten ``n > 1`` into ``n`` single-sample requests, in response order.
 
-    Sample ``i`` of a seeded request gets seed ``seed + i`` (wrapping within [0, 2**63 - 1]) so the samples
+    Sample ``i`` of a seeded request gets seed ``seed + i`` (wrapping within [0, SEED_MAX]) so the samples
     differ but stay reproducible.
     """
     out: list[InferenceRequest] = []
@@ -363,13 +387,15 @@ def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceReque
 def expand_checked(requests: Sequence[InferenceRequest]) -> list[InferenceRequest | InferenceResponse]:
     """:func:`expand_requests` after checking each request with :func:`validation.request_error`.
 
-    An invalid request becomes its failed responses (one per sample it owes) in place of its samples, so a
-    backend can batch the rest: one bad request never fails the others.
+    An invalid (or already cancelled) request becomes its failed responses (one per sample it owes) in place of its
+    samples, so a backend can batch the rest: one bad request never fails the others.
     """
     out: list[InferenceRequest | InferenceResponse] = []
     for req in requests:
         problem = request_error(req)
-        if problem is None:
+        if req.cancelled:
+            out.extend(InferenceResponse.failed(CANCELLED) for _ in range(sample_count(req)))
+        elif problem is None:
             out.extend(expand_requests([req]))
         else:
             out.extend(InferenceResponse.failed(f"invalid request: {problem}") for _ in range(sample_count(req)))

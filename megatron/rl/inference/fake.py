@@ -15,7 +15,8 @@ Constructor knobs: ``max_seq_len`` (prompt + generation limit; longer prompts ge
 error), ``delay_s`` (awaited once per ``agenerate`` call, to simulate a forward pass), ``eos_bias``.
 Counters ``num_batches``, ``num_requests`` and ``max_batch_size`` show how requests were batched.
 Generation runs on a worker thread (the event loop, e.g. the inference server's, stays responsive), and
-each request is checked and generated on its own: an invalid or failing request fails alone.
+each request is checked and generated on its own: an invalid or failing request fails alone, and a cancelled one
+(:meth:`~megatron.rl.inference.api.InferenceRequest.cancel`) stops at its next token.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse, run_isolated
+from megatron.rl.inference.api import (CANCELLED, InferenceInterface, InferenceRequest, InferenceResponse,
+                                       run_isolated)
 from megatron.rl.inference.chat_template import builtin_chat_template
 from megatron.rl.inference.control import TrainerControl
 from megatron.rl.inference.sampling import sample_next, tempered_log_probs
@@ -96,6 +98,8 @@ class FakeInference(InferenceInterface, TrainerControl):
         budget = min(ga.max_tokens, self.max_seq_len - len(prompt_ids))
         previous = prompt_ids[-1]
         for _ in range(budget):
+            if req.cancelled:  # the caller left (a disconnected HTTP client): stop within one token
+                return InferenceResponse.failed(CANCELLED, prompt_text)
             token, lp = sample_next(torch.from_numpy(self.logits(previous))[None], [ga], [generator])
             previous = int(token[0])
             tokens.append(previous)

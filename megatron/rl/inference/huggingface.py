@@ -8,7 +8,8 @@ log-probs are reported (``softmax(logits / T)`` before truncation, T=1 when gree
 
 Batching: prompts are left-padded to a common length (position ids count only real tokens, so a padded
 row computes exactly what it would alone); rows that finish keep being fed a pad token whose output
-is ignored. Sampling (:mod:`~megatron.rl.inference.sampling`) and EOS / stop-string handling
+is ignored; a cancelled request (:meth:`~megatron.rl.inference.api.InferenceRequest.cancel`) is done at the next
+step. Sampling (:mod:`~megatron.rl.inference.sampling`) and EOS / stop-string handling
 (:mod:`~megatron.rl.inference.stopping`) are the ones every backend shares.
 """
 from __future__ import annotations
@@ -22,8 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron.rl.inference.api import (GenerationArgs, InferenceError, InferenceInterface, InferenceRequest,
-                                       InferenceResponse, logprob_temperature, run_isolated)
+from megatron.rl.inference.api import (CANCELLED, GenerationArgs, InferenceError, InferenceInterface,
+                                       InferenceRequest, InferenceResponse, logprob_temperature, run_isolated)
 from megatron.rl.inference.chat_template import render_chat
 from megatron.rl.inference.sampling import sample_next
 from megatron.rl.inference.stopping import completes_stop, finish_response
@@ -58,9 +59,11 @@ class _Row:
     prompt_ids: list[int]
     generator: torch.Generator | None
     budget: int
+    request: InferenceRequest | None = None
     gen_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     done: bool = False
+    cancelled: bool = False
 
 
 @InferenceInterface.register("huggingface")
@@ -138,7 +141,7 @@ class HuggingFaceInference(InferenceInterface):
             else:
                 gen.seed()
         return _Row(args=ga, prompt_text=prompt_text, prompt_ids=list(prompt_ids), generator=gen,
-                    budget=min(ga.max_tokens, self.max_seq_len - len(prompt_ids)))
+                    budget=min(ga.max_tokens, self.max_seq_len - len(prompt_ids)), request=req)
 
     # -- decoding ---------------------------------------------------------------------------------------
     def _accept(self, row: _Row, tok: int, lp: float) -> None:
@@ -168,6 +171,11 @@ class HuggingFaceInference(InferenceInterface):
         step_ids, step_pos = input_ids, positions
         max_steps = max(r.budget for r in rows)
         for _ in range(max_steps):
+            for r in rows:  # a cancelled request (its caller left) stops here; its row is fed pad tokens
+                if not r.done and r.request is not None and r.request.cancelled:
+                    r.done = r.cancelled = True
+            if all(r.done for r in rows):
+                break
             out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past,
                              use_cache=True, logits_to_keep=1)
             past = out.past_key_values
@@ -196,6 +204,8 @@ class HuggingFaceInference(InferenceInterface):
         for p in prepared:
             if isinstance(p, InferenceResponse):
                 out.append(p)
+            elif p.cancelled:
+                out.append(InferenceResponse.failed(CANCELLED, prompt_text=p.prompt_text))
             else:
                 out.append(finish_response(p.prompt_ids, p.gen_ids, p.logprobs, eos_ids=self.eos_ids,
                                            stops=p.args.stop, detokenize=self._decode, prompt_text=p.prompt_text))

@@ -98,6 +98,9 @@ class MegatronInference(InferenceInterface, TrainerControl):
     """
 
     supports_weight_updates = True  # generates with the trainer's parameters in place
+    # the engine admits requests at every step, whoever sends them: the inference server forwards each HTTP request
+    # at once instead of holding it until the running batch ends
+    continuous_batching = True
 
     def __init__(self, model: Any, tokenizer: Any, settings: EngineSettings | None = None,
                  max_sequence_length: int | None = None, process_groups: Any = None):
@@ -241,7 +244,7 @@ class MegatronInference(InferenceInterface, TrainerControl):
             except _RequestError as e:
                 responses[i] = InferenceResponse.failed(str(e), getattr(e, "prompt_text", None))
                 continue
-            pending.append((i, self._scheduler.submit(job, loop)))
+            pending.append((i, self._scheduler.submit(job, loop, cancelled=lambda r=request: r.cancelled)))
         if pending:
             done = await asyncio.gather(*(f for _, f in pending))
             for (i, _), response in zip(pending, done):

@@ -30,7 +30,8 @@ import os
 import threading
 from typing import Any
 
-from megatron.rl.inference.api import (InferenceError, InferenceInterface, InferenceRequest, InferenceResponse)
+from megatron.rl.inference.api import (CANCELLED, InferenceError, InferenceInterface, InferenceRequest,
+                                       InferenceResponse)
 from megatron.rl.inference.control import TrainerControl
 from megatron.rl.inference.validation import request_error, sample_count
 
@@ -158,6 +159,8 @@ class OpenAIInference(InferenceInterface, TrainerControl):
                        "generate with an in-process backend (megatron, huggingface)")
         if problem is not None:  # never sent: fails alone, like on the in-process backends
             return [InferenceResponse.failed(f"invalid request: {problem}") for _ in range(sample_count(req))]
+        if req.cancelled:  # its caller left before it was sent
+            return [InferenceResponse.failed(CANCELLED) for _ in range(sample_count(req))]
         client, sem = self._state()
         model = await self._model_name(client)
         params = self._common_params(req)

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, create_model
 
 # The chat vocabulary lives in the base package (rollouts use it too); re-exported here with the other rules.
 from megatron.rl.base.chat import CHAT_ROLES, ChatRole, Text, check_unicode
@@ -30,8 +30,10 @@ __all__ = [
     "check_unicode", "RequestLimits", "limited_types", "generation_limits_model", "request_error", "sample_count", "describe_validation_error",
 ]
 
-#: seeds are signed 64-bit integers without the sign: what numpy, torch and megatron-core all accept
-SEED_MAX = 2**63 - 1
+#: seeds are non-negative integers that a JSON number holds exactly (2**53 - 1, JavaScript's largest safe integer;
+#: numpy, torch and megatron-core take up to 2**63 - 1): a client or schema tool that reads JSON numbers as doubles
+#: rounds integers near 2**63 to another value, so a bound there means different seeds to it than to the server
+SEED_MAX = 2**53 - 1
 #: below this, ``logits / T`` overflows float32 (1e-38 gave NaN probabilities); 0 still means greedy
 MIN_TEMPERATURE = 1e-3
 #: above this the distribution is uniform to float precision anyway
@@ -47,9 +49,12 @@ def _check_temperature(value: float) -> float:
     return value
 
 
-Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
-                                     description=f"0 = greedy, else {MIN_TEMPERATURE}..{MAX_TEMPERATURE}"),
-                        AfterValidator(_check_temperature)]
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False),
+                        AfterValidator(_check_temperature),
+                        WithJsonSchema({"anyOf": [{"type": "number", "const": 0},
+                                                  {"type": "number", "minimum": MIN_TEMPERATURE,
+                                                   "maximum": MAX_TEMPERATURE}],
+                                        "description": f"0 = greedy, else {MIN_TEMPERATURE}..{MAX_TEMPERATURE}"})]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
 Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
@@ -68,16 +73,20 @@ class RequestLimits:
     their length. max_prompt_chars: characters of a prompt or of one chat message. max_prompts: prompts
     of one completion request. max_messages: messages of one chat request. max_logprobs /
     max_top_logprobs: OpenAI's ``logprobs`` (completions) and ``top_logprobs`` (chat).
+
+    The defaults bound one request's work to ``max_samples`` x ``max_tokens`` (256 x 4096 tokens: a GRPO group of
+    64 for each of 4 prompts), so that no client holds a server for long: a static-batching backend
+    (Hugging Face, the fake) serves one batch at a time, and a request arriving meanwhile waits for it.
     """
 
     max_body_bytes: int = 8 * 2**20
-    max_n: int = 128
-    max_samples: int = 1024
-    max_tokens: int = 32768
+    max_n: int = 64
+    max_samples: int = 256
+    max_tokens: int = 4096
     max_stop: int = 16
     max_stop_chars: int = 256
     max_prompt_chars: int = 1_000_000
-    max_prompts: int = 256
+    max_prompts: int = 4
     max_messages: int = 256
     max_logprobs: int = 5
     max_top_logprobs: int = 20

@@ -24,10 +24,14 @@ is one UTF-8 JSON object (no pickle) with a ``kind``:
 
 Every record is written with one ``write`` and ``fsync``-ed before the pipeline goes on (write-through). A crash
 mid-write leaves a short or checksum-failing *last* record: it is truncated away on open, with a warning (that
-group was not durable yet, so it is regenerated). A bad record followed by a valid one is not a torn write but
-corruption: :class:`RolloutBankCorruptError`, nothing is guessed. :meth:`RolloutBank.compact` rewrites the file
-(temporary file, ``fsync``, ``os.replace``, directory ``fsync``), so a crash during compaction leaves the old or
-the new file, never a mix.
+group was not durable yet, so it is regenerated). :meth:`RolloutBank.compact` rewrites the file (temporary file,
+``fsync``, ``os.replace``, directory ``fsync``), so a crash during compaction leaves the old or the new file, never
+a mix; every file starts as a compaction (:meth:`BankSession.start` compacts before anything is appended), which
+ends with its ``"checkpoint"`` record. So only records after an intact ``"checkpoint"`` record can be torn: damage
+anywhere else (a bad record followed by a valid one, or a damaged, truncated or zeroed file with no intact
+``"checkpoint"`` record before the damage) is corruption: :class:`RolloutBankCorruptError`, nothing is guessed.
+A failed write (a full disk) is a :class:`RolloutBankError` saying so; the file is left as it was before the
+write (a partly appended record is cut off again, a compaction's temporary file removed).
 
 **Iterations and "trained".** Iterations are numbered as the trainer logs and saves them: the update of
 iteration ``n`` (1-based) turns the weights of version ``n - 1`` into version ``n``, and checkpoint ``n`` holds
@@ -62,6 +66,7 @@ each keep an identical file; a resume must keep the data-parallel size and per-s
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -88,7 +93,7 @@ class RolloutBankError(RLError, RuntimeError):
 
 
 class RolloutBankCorruptError(RolloutBankError):
-    """A record in the middle of a bank file is damaged (a valid record follows it): not a torn write."""
+    """A bank file is damaged where a crash cannot have torn it (see the module docstring)."""
 
 
 def bank_path(directory: str | os.PathLike, rank: int) -> Path:
@@ -152,8 +157,10 @@ def _record_at(data: bytes, offset: int) -> tuple[dict, int] | None:
 def scan_records(data: bytes, name: str = "rollout bank") -> tuple[list[dict], int]:
     """Parse a bank file's bytes: (records, length of the intact prefix).
 
-    A damaged record with no intact record after it is a torn tail (the prefix ends before it); one with an
-    intact record after it raises :class:`RolloutBankCorruptError` naming ``name`` and the offset.
+    A damaged record after an intact ``"checkpoint"`` record and with no intact record after it is a torn tail
+    (the prefix ends before it). Any other damage raises :class:`RolloutBankCorruptError` naming ``name`` and the
+    offset: an intact record after it, or no ``"checkpoint"`` record before it (compaction wrote those bytes, and
+    its atomic rename cannot tear them).
     """
     records: list[dict] = []
     offset = 0
@@ -165,13 +172,21 @@ def scan_records(data: bytes, name: str = "rollout bank") -> tuple[list[dict], i
                 if _record_at(data, later) is not None:
                     raise RolloutBankCorruptError(
                         f"{name}: the record at byte {offset} is damaged but an intact record follows at byte "
-                        f"{later}; this is not a torn write from a crash. Move the file away to start the bank "
-                        f"afresh (its groups are then regenerated).")
+                        f"{later}; this is not a torn write from a crash. {_START_AFRESH}")
                 later = data.find(MAGIC, later + 1)
-            return records, offset
+            break
         records.append(parsed[0])
         offset = parsed[1]
+    if data and not any(r["kind"] == "checkpoint" for r in records):
+        where = (f"the record at byte {offset} of {len(data)} is damaged" if offset < len(data) else
+                 f"the file ends at byte {len(data)}")
+        raise RolloutBankCorruptError(
+            f"{name}: {where} and no intact checkpoint record comes before it, so compaction wrote it (an atomic "
+            f"rename: a crash cannot have torn or cut it). {_START_AFRESH}")
     return records, offset
+
+
+_START_AFRESH = "Move the file away to start the bank afresh (its groups are then regenerated)."
 
 
 # --------------------------------------------------------------------------- resume
@@ -238,6 +253,21 @@ def resume_plan(records: Sequence[dict], iteration: int) -> ResumePlan:
 # --------------------------------------------------------------------------- the file
 
 
+def _write_error(path: Path, what: str, e: OSError) -> RolloutBankError:
+    """The error of a failed write, saying so when the disk is full."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return RolloutBankError(f"rollout bank {path}: the disk is full ({os.strerror(e.errno)}) while {what}; the "
+                                f"file is as before. Free space in {path.parent} or point --rl-rollout-bank-dir "
+                                f"at another disk")
+    return RolloutBankError(f"rollout bank {path}: {what} failed: {e}; the file is as before")
+
+
+def _write_all(fd: int, blob: bytes) -> None:
+    view = memoryview(blob)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -295,13 +325,23 @@ class RolloutBank:
         blob = encode_record(payload)
         if self._fd is None:
             created = not self.path.exists()
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            if created:
-                _fsync_dir(self.path.parent)
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(self._fd, view):]
-        os.fsync(self._fd)
+            try:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                if created:
+                    _fsync_dir(self.path.parent)
+            except OSError as e:
+                raise _write_error(self.path, "opening it for appending", e) from e
+        size = os.fstat(self._fd).st_size
+        try:
+            _write_all(self._fd, blob)
+            os.fsync(self._fd)
+        except OSError as e:
+            try:  # cut a partly written record off again: a later record must not follow damage
+                os.ftruncate(self._fd, size)
+                os.fsync(self._fd)
+            except OSError:
+                self.close()  # the torn tail stays; it is truncated away on the next open
+            raise _write_error(self.path, f"appending a {payload['kind']} record", e) from e
         self.records.append(payload)
 
     def append_group(self, record: GroupRecord) -> None:
@@ -321,13 +361,19 @@ class RolloutBank:
         head = {"kind": "checkpoint", "iteration": int(iteration), "agent_state": agent_state, "layout": layout,
                 "attempt": int(attempt), "submission": submission}
         records = [*kept, head]
+        blob = b"".join(encode_record(r) for r in records)
         tmp = self.path.with_name(self.path.name + ".tmp")
         self.close()
-        with open(tmp, "wb") as f:
-            for r in records:
-                f.write(encode_record(r))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _write_all(fd, blob)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _write_error(self.path, "compacting it", e) from e
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
         self.records = records

@@ -15,7 +15,8 @@ import contextlib
 import torch
 
 # Importing these registers every patch (the registry is complete once this package is imported).
-from megatron.rl.runtime import attention_override, cpu_patches, cuda_fallbacks, patches, reshard_planner  # noqa: F401
+from megatron.rl.runtime import attention_override, checkpoint_writer, cpu_patches, cuda_fallbacks, patches  # noqa: F401
+from megatron.rl.runtime import reshard_planner  # noqa: F401
 from megatron.rl.runtime import subclasses  # noqa: F401
 from megatron.rl.runtime.device import RuntimeInfo, choose_backend, choose_device, cuda_usable
 from megatron.rl.runtime.patches import Patch
@@ -58,10 +59,17 @@ def flush_denormals():
         torch.set_flush_denormal(False)
 
 
+def keep_denormals() -> None:
+    """Undo :func:`flush_denormals` for the calling thread (a thread started inside its scope inherits the flag):
+    for a thread that validates clients' numbers, such as the policy server's, where ``5e-324`` must not read
+    as 0."""
+    torch.set_flush_denormal(False)
+
+
 def all_patches() -> list[Patch]:
     """Every registered change to megatron-core, in registration order."""
     return patches.entries()
 
 
-__all__ = ["RuntimeInfo", "setup_runtime", "flush_denormals", "choose_device", "choose_backend", "cuda_usable",
-           "all_patches"]
+__all__ = ["RuntimeInfo", "setup_runtime", "flush_denormals", "keep_denormals", "choose_device", "choose_backend",
+           "cuda_usable", "all_patches"]

@@ -153,8 +153,9 @@ def _attend_padded(q, k, v, out, batch: _PrefillBatch, scale):
 # docs/benchmarks.md, "Train-inference log-prob gap").
 MIN_QUERY_ROWS = 4
 # Keys (masked past a request's length) every product runs over at least: the softmax and the product with V
-# round differently below 16 keys than from 16 on (from 16 on, more masked keys change no bit), and the trainer
-# attends over its micro-batch's row length, nearly always >= 16 (tests/unit_tests/rl/runtime).
+# may round differently below 16 keys than from 16 on (they do on AVX-512 CPUs, not on AVX2 ones; from 16 on, more
+# masked keys change no bit), and the trainer attends over its micro-batch's row length, nearly always >= 16
+# (tests/unit_tests/rl/runtime).
 MIN_KEY_SLOTS = 16
 
 

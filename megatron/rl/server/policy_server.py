@@ -43,6 +43,7 @@ from typing import Any, Iterator
 from megatron.rl.inference.api import InferenceError, InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.inference.control import control_of
 from megatron.rl.inference.forwarding import ForwardingInference
+from megatron.rl.runtime import keep_denormals
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,11 @@ class _ServerThread:
         self.url = f"http://{host}:{port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                                      timeout_graceful_shutdown=5))
-        self._thread = threading.Thread(target=self._server.run, name="policy-server", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="policy-server", daemon=True)
+
+    def _run(self) -> None:
+        keep_denormals()  # started inside the run's flush-to-zero scope: a client's 5e-324 must not validate as 0
+        self._server.run()
 
     def start(self, timeout_s: float = 30.0) -> None:
         self._thread.start()

@@ -260,11 +260,15 @@ class HuggingFaceTokenizer(Tokenizer):
         config_file = os.path.join(path, "generation_config.json")
         if not os.path.isfile(config_file):
             return set()
-        with open(config_file, encoding="utf-8") as f:
-            value = json.load(f).get("eos_token_id")
-        if value is None:
-            return set()
-        return {int(v) for v in (value if isinstance(value, list) else [value])}
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                value = json.load(f).get("eos_token_id")
+            if value is None:
+                return set()
+            return {int(v) for v in (value if isinstance(value, list) else [value])}
+        except (OSError, ValueError, RecursionError, AttributeError, TypeError) as e:
+            raise TokenizerError(f"{config_file}: not a generation config with integer eos_token_id(s) "
+                                 f"({type(e).__name__}: {str(e)[:200]})") from None
 
     @property
     def hf_tokenizer(self):

@@ -58,12 +58,14 @@ class Job:
 @dataclasses.dataclass
 class Plan:
     """What every rank does before the next step: add ``jobs``; ``stop`` = leave the loop (nothing in flight);
-    ``pause`` = hold every request (no step) until resumed (asynchronous partial rollouts)."""
+    ``pause`` = hold every request (no step) until resumed (asynchronous partial rollouts); ``cancel`` = end these
+    requests in flight now (their callers left)."""
 
     jobs: list[Job]
     stop: bool
     pause: bool = False
     hold: int = 0  # with pause: the source's resume() count when it planned it (which hold this is)
+    cancel: list[int] = dataclasses.field(default_factory=list)
 
 
 class Stepper(Protocol):
@@ -78,6 +80,9 @@ class Stepper(Protocol):
     def resumed(self) -> None:
         """After a pause: the weights may have changed under the requests in flight."""
 
+    def cancel(self, seq: int) -> None:
+        """End request ``seq`` now (its caller left): deliver it failed, now or after the next step."""
+
 
 SharePlan = Callable[["Plan | None"], Plan]
 
@@ -87,6 +92,8 @@ class _Waiter:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     job: Job
+    cancelled: Callable[[], bool] | None = None  # source: True once the caller no longer wants the response
+    # (so is a cancelled future: the caller's task was cancelled)
 
 
 class LockstepScheduler:
@@ -98,17 +105,19 @@ class LockstepScheduler:
     """
 
     def __init__(self, is_source: bool, share: SharePlan, heartbeat_s: float = IDLE_HEARTBEAT_S,
-                 settle_s: float = SETTLE_S):
+                 settle_s: float = SETTLE_S, settle_max_s: float = SETTLE_MAX_S):
         self.is_source = is_source
         self._share = share
         self._heartbeat_s = heartbeat_s
         self._settle_s = settle_s
+        self._settle_max_s = settle_max_s
         self._lock = threading.Condition()
         self._next_seq = 0
         self._queue: list[Job] = []  # source only: submitted, not yet in a plan
         self._waiters: dict[int, _Waiter] = {}
         self._early: dict[int, tuple[Job, InferenceResponse]] = {}  # non-source: finished before submitted
         self._in_flight: dict[int, Job] = {}  # handed to the stepper, not delivered yet (engine thread only)
+        self._cancel_sent: set[int] = set()  # source: in-flight requests whose cancellation a plan carried
         self._accepting = False
         self._stop_requested = False
         self._pause_requested = False
@@ -171,8 +180,10 @@ class LockstepScheduler:
 
     # ------------------------------------------------------------------ callers
 
-    def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-        """Queue ``job`` (numbering it); the future resolves on ``loop`` with its response."""
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop,
+               cancelled: Callable[[], bool] | None = None) -> asyncio.Future:
+        """Queue ``job`` (numbering it); the future resolves on ``loop`` with its response. On the source, once
+        ``cancelled()`` is true every rank ends the request before the next step (see :meth:`Stepper.cancel`)."""
         future = loop.create_future()
         with self._lock:
             if not self._accepting or self._stop_requested:
@@ -181,7 +192,7 @@ class LockstepScheduler:
                 return future
             job.seq = self._next_seq
             self._next_seq += 1
-            waiter = _Waiter(loop, future, job)
+            waiter = _Waiter(loop, future, job, cancelled)
             if self.is_source:
                 self._waiters[job.seq] = waiter
                 self._queue.append(job)
@@ -205,6 +216,7 @@ class LockstepScheduler:
         with self._lock:
             for source_job, response in finished:
                 self._in_flight.pop(source_job.seq, None)
+                self._cancel_sent.discard(source_job.seq)
                 waiter = self._waiters.pop(source_job.seq, None)
                 if waiter is None:
                     if not self.is_source:
@@ -229,11 +241,26 @@ class LockstepScheduler:
                         self._settle()
                     jobs, self._queue = self._queue, []
                     plan = Plan(jobs=jobs, stop=self._stop_requested and idle and not jobs)
+                plan.cancel = self._cancellations(plan.jobs)
         return self._share(plan)
 
+    def _cancellations(self, jobs: list[Job]) -> list[int]:
+        """Source, lock held: the requests in flight or in ``jobs`` whose callers left, each once. Every rank adds
+        a job of the plan before cancelling it, so all ranks answer it alike."""
+        gone = [seq for seq, w in self._waiters.items()
+                if w.future.cancelled() or (w.cancelled is not None and w.cancelled())]
+        if not gone:
+            return []
+        planned = {job.seq for job in jobs}
+        cancel = sorted(seq for seq in gone
+                        if (seq in self._in_flight or seq in planned) and seq not in self._cancel_sent)
+        self._cancel_sent.update(cancel)
+        return cancel
+
     def _settle(self) -> None:
-        """Wait (lock held, released while waiting) until the queue stops growing; see :data:`SETTLE_S`."""
-        deadline = time.monotonic() + SETTLE_MAX_S
+        """Wait (lock held, released while waiting) until the queue stops growing (at most ``settle_max_s``); see
+        :data:`SETTLE_S`."""
+        deadline = time.monotonic() + self._settle_max_s
         while not self._stop_requested and not self._pause_requested:
             seen, left = len(self._queue), deadline - time.monotonic()
             if left <= 0:
@@ -248,6 +275,8 @@ class LockstepScheduler:
             idle = not stepper.has_unfinished()
             plan = self.next_plan(idle)
             if plan.pause:
+                for seq in plan.cancel:
+                    stepper.cancel(seq)
                 self._hold = plan.hold
                 self.paused.set()
                 continue
@@ -262,6 +291,8 @@ class LockstepScheduler:
             for job in plan.jobs:
                 self._in_flight[job.seq] = job
                 stepper.add(job)
+            for seq in plan.cancel:
+                stepper.cancel(seq)
             if stepper.has_unfinished():
                 self.steps += 1
                 await stepper.step()

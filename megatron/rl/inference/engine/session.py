@@ -22,7 +22,7 @@ from typing import Any, Callable
 import copy
 import torch
 
-from megatron.rl.inference.api import InferenceError, InferenceResponse
+from megatron.rl.inference.api import CANCELLED, InferenceError, InferenceResponse
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, SampleSpec, build_engine
 from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler
 from megatron.rl.inference.stopping import completes_stop, finish_response
@@ -74,6 +74,7 @@ class EngineStepper:
         self._jobs: dict[int, Job] = {}
         # (policy version, generated tokens before it) per request: where the weights changed under it
         self._version_marks: dict[int, list[tuple[int, int]]] = {}
+        self._cancelled: set[int] = set()  # ended by cancel(): answered CANCELLED when the engine finishes them
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -108,6 +109,19 @@ class EngineStepper:
             if self._should_stop_early(self._jobs[rid], rid):
                 self.engine.stop_word_finished_request_ids.add(rid)
 
+    def cancel(self, seq: int) -> None:
+        """End request ``seq`` (its caller left): a waiting one leaves the engine's queue now, an active one finishes
+        at the next step (the engine's stop-word path), freeing its KV blocks; either is answered CANCELLED."""
+        engine = self.engine
+        if seq not in self._jobs:
+            return  # finished already
+        self._cancelled.add(seq)
+        if seq in engine.waiting_request_ids and engine.context.chunked_prefill_request_id != seq:
+            engine.waiting_request_ids.remove(seq)  # never scheduled (or evicted): no KV blocks to release
+            self._scheduler.deliver_many([self._finish(engine.requests.pop(seq).record)])
+        else:
+            engine.stop_word_finished_request_ids.add(seq)
+
     def resumed(self) -> None:
         """Record, for every request in flight, that its tokens from here on are the current version's."""
         for rid in self._jobs:
@@ -124,7 +138,12 @@ class EngineStepper:
         marks = self._version_marks.pop(record.request_id)
         self.controller.specs.pop(record.request_id, None)
         recorder = self.controller.route_recorder
-        if record.requests[-1].status == Status.FAILED:
+        if record.request_id in self._cancelled:
+            self._cancelled.discard(record.request_id)
+            if recorder is not None:
+                recorder.drop(record.request_id)
+            response = InferenceResponse.failed(CANCELLED, job.prompt_text)
+        elif record.requests[-1].status == Status.FAILED:
             if recorder is not None:
                 recorder.drop(record.request_id)
             reasons = [type(ev.payload).__name__ for r in record.requests for ev in r.events if ev.payload is not None]

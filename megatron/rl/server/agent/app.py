@@ -21,8 +21,10 @@ Hostile inputs (see :class:`EnvServerConfig`):
   (``--allow-client-inference``); an allowlisted spec is built with ``for_untrusted_spec`` (never the
   server's own credentials, never ``trust_remote_code``) and cached.
 * Limits: rollouts per request, the generation args' ``n`` / ``max_tokens`` / stop strings, body size.
-* Errors: client mistakes are 4xx with a short message (``{"error", "detail"}``); anything else is a 500
-  whose detail names an error id to look up in the server log, never the exception text.
+* Errors: client mistakes are 4xx with a short message (``{"error", "detail"}``), a ``ValueError`` of the agent
+  about the request's values included (422: e.g. a mixture asked for fewer groups than it has weighted
+  environments); anything else is a 500 whose detail names an error id to look up in the server log, never the
+  exception text.
 * Authorization: with a token, every route but ``/health`` (``/docs`` and ``/openapi.json`` included)
   needs ``Authorization: Bearer <token>`` (:mod:`megatron.rl.server.guard`).
 """
@@ -37,10 +39,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megatron.rl.agent.api import (Agent, AgentRequest, EvaluationRequest, GroupedRolloutRequest, InferenceSpec,
                                    RolloutRequest)
-from megatron.rl.inference.api import InferenceInterface, backend_class
+from megatron.rl.inference.api import GenerationArgs, InferenceInterface, backend_class
 from megatron.rl.inference.validation import RequestLimits, describe_validation_error, generation_limits_model
 from megatron.rl.server.guard import BodySizeLimit, LRUCache, authorized, install_docs, safe_message
 from megatron.rl.server.agent.schema import request_body_schema
@@ -79,6 +82,10 @@ class EnvServerConfig:
         for name in ("max_rollouts", "max_ks", "max_dp_world_size", "max_agents"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EnvServerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        default_tokens = GenerationArgs().max_tokens  # what a request without generation_args.max_tokens asks for
+        if self.limits.max_tokens < default_tokens:
+            raise ValueError(f"--limit max_tokens={self.limits.max_tokens} is below {default_tokens}, the max_tokens of "
+                             f"a request that gives none: every such request would be refused")
 
 
 class ClientError(Exception):
@@ -203,6 +210,12 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
     async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.kind)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = _error(exc.status_code, str(exc.detail), "NotFound" if exc.status_code == 404 else "BadRequest")
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
+
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:
         error_id = uuid.uuid4().hex[:12]
@@ -249,6 +262,11 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
             response = await target.handle(req)
         except NotImplementedError:
             raise ClientError(400, f"this environment does not support {type(req).__name__}") from None
+        except ValidationError:
+            raise  # something the agent built (from its backend's output) is invalid: a server fault, 500
+        except ValueError as e:  # the agent cannot serve these values (e.g. fewer groups than weighted environments)
+            raise ClientError(422, f"{type(req).__name__}: {describe_validation_error(e)[0]}",
+                              "ValidationError") from None
         return JSONResponse(content=response.model_dump(mode="json"))
 
     @app.get("/state", dependencies=[Depends(check_token)], responses=_responses(400, 401))
@@ -279,7 +297,8 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
 
 _STATUS_TEXT = {400: "client mistake (bad header, state, unsupported request)", 401: "missing or wrong token",
                 403: "request.inference not allowlisted", 413: "request body too large",
-                422: "body does not match the schema or exceeds a limit", 500: "environment failure (see log)"}
+                422: "body does not match the schema, exceeds a limit, or asks for what this environment cannot serve",
+                500: "environment failure (see log)"}
 
 
 def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:

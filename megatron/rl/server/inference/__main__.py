@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     except (InferenceError, TypeError, ValueError) as e:  # bad name or constructor args: say so, no traceback
         build_parser().error(f"--backend {args.backend}: {e}")
     try:
-            cfg = ServerConfig(model_name=args.model_name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
+        cfg = ServerConfig(model_name=args.model_name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
                            max_batch_requests=args.max_batch_requests, default_max_tokens=args.default_max_tokens,
                            limits=limits)
     except ValueError as e:

@@ -10,14 +10,16 @@ static-batching backend (Hugging Face, the fake) sees big batches under load, an
 requests becomes a handful of calls. A backend that batches concurrent calls itself
 (``continuous_batching = True``, e.g. a dynamic engine) gets each request forwarded immediately.
 
-Failure isolation: a body that breaks the schema (wrong type, out of range, over a limit of
+Failure isolation: a body that breaks the schema (wrong type, out of range, empty, over a limit of
 :class:`RequestLimits`) is answered 422 and a body over ``max_body_bytes`` 413, before it reaches the batcher;
-an empty prompt or an unsupported option 400; a per-request backend error (``finish_reason="error"``, e.g.
-a prompt longer than the model) answers that HTTP request 400. If the backend raises on a batch, the batch
+a body that is not JSON, or an unsupported option, 400; a per-request backend error (``finish_reason="error"``,
+e.g. a prompt longer than the model) answers that HTTP request 400. Every error, FastAPI's own (404, 405, an
+unparseable body) included, is OpenAI's error object (:class:`ErrorBody`). If the backend raises on a batch, the batch
 is retried in halves until the requests that make it raise are alone: only those get a 500 (with a short
 message; the exception is in the server log), the others their answers. A client that disconnects
-mid-request is dropped from the queue if its batch has not started; otherwise its results are discarded
-when they arrive, so the backend is never left waiting on a dead connection.
+mid-request is dropped from the queue if its batch has not started; otherwise its requests are cancelled
+(:meth:`~megatron.rl.inference.api.InferenceRequest.cancel`): the backend stops generating for them at its
+next step, so an abandoned request does not hold the batch, and everyone queued behind it, to its end.
 
 Authorization (when ``api_key`` is set): every route but ``/health`` (``/docs`` and ``/openapi.json``
 included) needs ``Authorization: Bearer <key>``, see :mod:`megatron.rl.server.guard`.
@@ -35,11 +37,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.inference.validation import RequestLimits, describe_validation_error
 from megatron.rl.server.guard import BodySizeLimit, authorized, install_docs, safe_message
-from megatron.rl.server.inference.schemas import ErrorBody, body_models, chat_request, completion_requests
+from megatron.rl.server.inference.schemas import (UNSUPPORTED_ERROR_TYPES, ErrorBody, body_models, chat_request,
+                                                  completion_requests)
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +87,8 @@ class BatchStats:
     requests: int = 0
     samples: int = 0
     max_batch_samples: int = 0
-    dropped_disconnected: int = 0
+    dropped_disconnected: int = 0  # requests whose client left before their batch started
+    cancelled_disconnected: int = 0  # requests whose client left while the backend worked on them
     backend_errors: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -117,7 +122,11 @@ class RequestBatcher:
         self.stats.requests += 1
         if self.backend.continuous_batching:
             self._count_batch(n)
-            return await self._call_backend(requests)
+            try:
+                return await self._call_backend(requests)
+            except asyncio.CancelledError:  # the client left while the backend worked on it
+                self.stats.cancelled_disconnected += 1
+                raise
         fut = asyncio.get_running_loop().create_future()
         await self._queue.put(_Pending(requests, fut, n))
         return await fut
@@ -181,9 +190,34 @@ class RequestBatcher:
             return
         start = 0
         for p in live:
-            if not p.future.done():
+            if p.future.done():  # the client left while the backend worked on it
+                self.stats.cancelled_disconnected += 1
+            else:
                 p.future.set_result(out[start:start + p.num_samples])
             start += p.num_samples
+
+
+_HTTP_MESSAGES = {400: "the body could not be parsed as JSON (invalid UTF-8, or nested too deeply)",
+                  404: "no such route: see GET /v1/models, POST /v1/completions, POST /v1/chat/completions",
+                  405: "method not allowed on this route"}
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    """400 for a body that is not JSON or names an unsupported option (the option named), else 422."""
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return _error(400, describe_validation_error(exc)[0])
+    wrong_model = [e for e in errors if e.get("type") == "model_not_found"]
+    if wrong_model:
+        return _error(404, str(wrong_model[0]["msg"]), param="model", kind="not_found_error")
+    unsupported = [e for e in errors if e.get("type") in UNSUPPORTED_ERROR_TYPES]
+    if unsupported:
+        names = [".".join(str(x) for x in e["loc"] if x != "body") for e in unsupported]
+        hints = [str(e["msg"]) if e["type"] == "unsupported_option" else "not supported by this server (leave it "
+                 "out)" for e in unsupported]
+        return _error(400, "; ".join(f"{n}: {h}" for n, h in zip(names, hints)), param=names[0])
+    msg, param = describe_validation_error(exc)
+    return _error(422, msg, param=param)
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
@@ -231,7 +265,8 @@ def _usage(responses: list[InferenceResponse]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-_STATUS_TEXT = {400: "invalid value or unsupported option", 401: "missing or wrong API key",
+_STATUS_TEXT = {400: "body not JSON, an unsupported option (named), or a prompt the model cannot serve (e.g. longer "
+                     "than its context)", 401: "missing or wrong API key",
                 404: "model not served here", 413: "request body too large",
                 422: "body does not match the schema (type, range or limit)", 500: "inference backend failure"}
 _RESPONSES: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody, "description": text}
@@ -242,7 +277,7 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
     """Build the FastAPI app serving ``backend``. Run it with uvicorn (see ``python -m megatron.rl.server.inference``)."""
     cfg = config or ServerConfig()
     batcher = RequestBatcher(backend, cfg.batch_window_s, cfg.max_batch_requests)
-    CompletionBody, ChatCompletionBody = body_models(cfg.limits)
+    CompletionBody, ChatCompletionBody = body_models(cfg.limits, cfg.model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -271,16 +306,18 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = describe_validation_error(exc)
-        return _error(422, msg, param=param)
+        return _validation_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own answers: 404/405, and 400 for a body JSON cannot parse (bad UTF-8, nesting too deep)
+        message = _HTTP_MESSAGES.get(exc.status_code, str(exc.detail))
+        response = _error(exc.status_code, message, kind="not_found_error" if exc.status_code == 404 else
+                          "invalid_request_error")
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     install_docs(app, check_auth, app.title)
-
-    def check_model(model: str | None) -> JSONResponse | None:
-        if model is not None and model != cfg.model_name:
-            return _error(404, f"model {model[:64]!r} is not served here; this server serves {cfg.model_name!r} "
-                               "(see GET /v1/models)", param="model", kind="not_found_error")
-        return None
 
     async def run(request: Request, requests: list[InferenceRequest]) -> list[InferenceResponse] | JSONResponse:
         try:
@@ -288,6 +325,8 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
         except BackendFailure as e:
             return _error(500, str(e), kind="server_error")
         if out is None:  # client gone; the status is never seen
+            for r in requests:  # its share of a running batch ends at the backend's next step
+                r.cancel()
             return _error(499, "client disconnected")
         errors = [r.error or "request failed" for r in out if r.finish_reason == "error"]
         if errors:
@@ -305,13 +344,6 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
 
     @app.post("/v1/completions", dependencies=[Depends(check_auth)], responses=_RESPONSES)
     async def completions(body: CompletionBody, request: Request):
-        if (bad := check_model(body.model)) is not None:
-            return bad
-        if body.stream:
-            return _error(400, "stream=true is not supported by this server; send stream=false", param="stream")
-        if body.echo:
-            return _error(400, "echo=true is not supported; the prompt is returned in prompt_text / prompt_token_ids",
-                          param="echo")
         try:
             reqs = completion_requests(body, cfg.default_max_tokens)
         except (ValidationError, ValueError) as e:
@@ -329,10 +361,6 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)], responses=_RESPONSES)
     async def chat_completions(body: ChatCompletionBody, request: Request):
-        if (bad := check_model(body.model)) is not None:
-            return bad
-        if body.stream:
-            return _error(400, "stream=true is not supported by this server; send stream=false", param="stream")
         try:
             req = chat_request(body, cfg.default_max_tokens)
         except (ValidationError, ValueError) as e:

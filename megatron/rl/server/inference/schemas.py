@@ -2,9 +2,18 @@
 
 The bodies are built by :func:`body_models` from the server's :class:`RequestLimits`, out of the annotated
 types of :mod:`megatron.rl.inference.validation` (the same rules every backend applies), so the OpenAPI
-schema states every range and limit (``maximum``, ``maxLength``, ``maxItems``, the chat roles) and a body
-that breaks one is answered 422 before it reaches the batcher. Emptiness (``prompt: ""``, no messages) and
-unsupported options (``stream``, ``echo``, non-text content parts) are answered 400.
+schema states every range and limit the server enforces (``maximum``, ``maxLength``, ``maxItems``, non-empty
+prompts and messages, the chat roles; prompts x ``n`` through the list's ``maxItems`` and ``n``'s ``maximum``,
+whose product is at most ``max_samples``) and a body that breaks one is answered 422 before it reaches the
+batcher: a body the schema admits is served.
+
+Unsupported options are answered 400 naming the option: any key the schema does not declare
+(``additionalProperties: false``), and the OpenAI options this server cannot honour (``logit_bias``,
+``best_of``, ``suffix``, ``frequency_penalty``, ``presence_penalty``, ``stream``, ``echo``, ``stream_options``;
+chat: ``tools``, ``tool_choice``, ``functions``, ``function_call``, ``response_format``) unless they carry their
+neutral value (the only one their schema admits: ``0``, ``{}``, ``1``, ``""``, ``false``, ``[]``, ``"none"``,
+``{"type": "text"}``), which clients often send by default. ``user`` is accepted and unused. Non-text content
+parts are 400 too.
 
 Extensions to the OpenAI schema (all optional):
   request:  ``top_k`` (int, 0 = off), ``return_token_ids`` (accepted for vLLM compatibility; ids are always
@@ -19,16 +28,30 @@ Log-probs (``logprobs`` for completions, ``logprobs: true`` for chat) are those 
 # no `from __future__ import annotations`: body_models() builds classes whose annotations use its locals
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, create_model,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 from megatron.rl.inference.api import ChatMessage, GenerationArgs, InferenceRequest
 from megatron.rl.inference.validation import (ChatRole, RequestLimits, Seed, Temperature, Text, TopK, TopP,
                                               limited_types)
 
 __all__ = ["CompletionBody", "ChatCompletionBody", "ErrorBody", "body_models", "to_generation_args",
-           "completion_requests", "chat_request"]
+           "completion_requests", "chat_request", "UNSUPPORTED_ERROR_TYPES"]
 
 ModelName = Annotated[Text, Field(max_length=256)]
+
+
+def _served_model(name: str) -> Any:
+    """``model``: the served model's name only (the schema's enum); another is a ``model_not_found`` error (404)."""
+
+    def check(value: str) -> str:
+        if value != name:
+            raise PydanticCustomError("model_not_found", "model {model} is not served here; this server serves {name} "
+                                      "(see GET /v1/models)", {"model": repr(value[:64]), "name": repr(name)})
+        return value
+
+    return Annotated[str, AfterValidator(check), WithJsonSchema({"type": "string", "enum": [name]})]
 
 
 class _ErrorDetail(BaseModel):
@@ -43,40 +66,104 @@ class ErrorBody(BaseModel):
     error: _ErrorDetail
 
 
+def _integral_float(value: Any) -> Any:
+    # JSON Schema's integers include 1.0; the strict body models take them as 1 (and refuse 1.5, "1" and true)
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _json_int(t: Any) -> Any:
+    return Annotated[t, BeforeValidator(_integral_float)]
+
+
+#: pydantic error types that mean "an option this server does not support" (answered 400, not 422)
+UNSUPPORTED_ERROR_TYPES = ("extra_forbidden", "unsupported_option")
+
+
+def _json_kind(value: Any) -> str:
+    return "boolean" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else type(value).__name__
+
+
+def _neutral_only(neutral: Any, hint: str) -> Any:
+    """An OpenAI option this server cannot honour: accepted only with its neutral value (or null), which is all
+    its schema admits; anything else is an ``unsupported_option`` error naming it."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not (_json_kind(value) == _json_kind(neutral) and value == neutral):  # 0.0 != false
+            raise PydanticCustomError("unsupported_option", "not supported by this server: {hint}", {"hint": hint})
+        return value
+
+    return Annotated[Any, AfterValidator(check),
+                     WithJsonSchema({"anyOf": [{"const": neutral}, {"type": "null"}],
+                                     "description": f"not supported: only {neutral!r} (or null) is accepted"})]
+
+
+def _unsupported_options(chat: bool) -> dict[str, Any]:
+    common = {
+        "logit_bias": _neutral_only({}, "leave it out"),
+        "frequency_penalty": _neutral_only(0, "send 0 or leave it out"),
+        "presence_penalty": _neutral_only(0, "send 0 or leave it out"),
+        "stream": _neutral_only(False, "send stream=false"),
+        "stream_options": _neutral_only({}, "leave it out (no streaming)"),
+    }
+    if chat:
+        return {**common, "tools": _neutral_only([], "leave it out (no tool calling)"),
+                "tool_choice": _neutral_only("none", 'send "none" or leave it out'),
+                "functions": _neutral_only([], "leave it out (no function calling)"),
+                "function_call": _neutral_only("none", 'send "none" or leave it out'),
+                "response_format": _neutral_only({"type": "text"},
+                                                    'send {"type": "text"} or leave it out')}
+    return {**common, "best_of": _neutral_only(1, "use n for several samples"),
+            "suffix": _neutral_only("", "leave it out (no insertion)"),
+            "echo": _neutral_only(False, "send echo=false; the prompt comes back in prompt_text and "
+                                                       "prompt_token_ids")}
+
+
 class _Body(BaseModel):
-    # unknown OpenAI parameters (user, logit_bias, ...) are ignored rather than rejected, as OpenAI-compatible
-    # servers usually do; everything we honour is declared (with its limits) in body_models()
-    model_config = ConfigDict(extra="ignore")
+    # Everything this server reads is declared (with its limits) in body_models(), and so are the OpenAI options
+    # it cannot honour (neutral values only): any other key is refused, never silently ignored. Strict: "5" is
+    # not an integer nor "true" a boolean here, as the schema says.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Annotated[str, Field(max_length=64)]
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # only text parts are meaningful for a text model: other types (image_url, ...) are unsupported options
+    type: _neutral_only("text", 'only "text" content parts (no images or audio)')
 
 
-def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
-    """``(CompletionBody, ChatCompletionBody)`` carrying ``limits`` (see the module docstring)."""
+def body_models(limits: RequestLimits, model_name: str | None = None) -> tuple[type[_Body], type[_Body]]:
+    """``(CompletionBody, ChatCompletionBody)`` carrying ``limits`` (see the module docstring); with ``model_name``,
+    ``model`` must name it (any other is answered 404)."""
     lim = limited_types(limits)
     Stop = lim["stop"]
     Stops = Annotated[list[Stop], Field(max_length=lim["stops_max"])]
-    Prompt = lim["prompt"]
+    Prompt = Annotated[lim["prompt"], Field(min_length=1)]
+    # prompts x n <= max_samples, stated by the schema: n <= min(max_n, max_samples) and as many prompts as fit
+    max_n = min(limits.max_n, limits.max_samples)
+    N = Annotated[int, Field(ge=1, le=max_n)]
+    Prompts = Annotated[list[Prompt], Field(min_length=1, max_length=max(1, min(limits.max_prompts,
+                                                                                 limits.max_samples // max_n)))]
 
     class CommonBody(_Body):
-        model: ModelName | None = None
-        max_tokens: lim["max_tokens"] | None = None
+        model: (ModelName if model_name is None else _served_model(model_name)) | None = None
+        max_tokens: _json_int(lim["max_tokens"]) | None = None
         temperature: Temperature | None = None
         top_p: TopP | None = None
-        top_k: TopK | None = None
-        n: lim["n"] | None = None
+        top_k: _json_int(TopK) | None = None
+        n: _json_int(N) | None = None
         stop: Stop | Stops | None = None
-        seed: Seed | None = None
-        stream: bool | None = False
+        seed: _json_int(Seed) | None = None
         return_token_ids: bool | None = None
+        user: Annotated[str, Field(max_length=256)] | None = None  # accepted, unused
 
-    class CompletionBody(CommonBody):
-        prompt: Prompt | Annotated[list[Prompt], Field(max_length=lim["prompts_max"])]
-        logprobs: lim["logprobs"] | None = None
-        echo: bool | None = False
+    CompletionBase = create_model("CompletionBase", __base__=CommonBody,
+                                  **{k: (t, None) for k, t in _unsupported_options(chat=False).items()})
+    ChatBase = create_model("ChatBase", __base__=CommonBody,
+                            **{k: (t, None) for k, t in _unsupported_options(chat=True).items()})
+
+    class CompletionBody(CompletionBase):
+        prompt: Prompt | Prompts
+        logprobs: _json_int(lim["logprobs"]) | None = None
 
         @model_validator(mode="after")
         def _total_samples(self) -> "CompletionBody":
@@ -87,11 +174,11 @@ def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
             return self
 
     class ContentPart(_Part):
-        text: Prompt | None = None
+        text: lim["prompt"] | None = None
 
     class MessageBody(_Body):
         role: ChatRole
-        content: Prompt | Annotated[list[ContentPart], Field(max_length=lim["messages_max"])] | None = None
+        content: lim["prompt"] | Annotated[list[ContentPart], Field(max_length=lim["messages_max"])] | None = None
 
         def text(self) -> str:
             if self.content is None:
@@ -99,23 +186,18 @@ def body_models(limits: RequestLimits) -> tuple[type[_Body], type[_Body]]:
             if isinstance(self.content, str):
                 return self.content
             # OpenAI "content parts": only text parts are meaningful for a text model
-            parts = []
-            for p in self.content:
-                if p.type != "text":
-                    raise ValueError(f"messages: content part of type {p.type[:64]!r} is not supported "
-                                     "(text parts only)")
-                parts.append(p.text or "")
+            parts = [p.text or "" for p in self.content]
             text = "".join(parts)
             if len(text) > limits.max_prompt_chars:
                 raise ValueError(f"messages: a message's text parts add up to more than {limits.max_prompt_chars} "
                                  "characters")
             return text
 
-    class ChatCompletionBody(CommonBody):
-        messages: Annotated[list[MessageBody], Field(max_length=lim["messages_max"])]
+    class ChatCompletionBody(ChatBase):
+        messages: Annotated[list[MessageBody], Field(min_length=1, max_length=lim["messages_max"])]
         logprobs: bool | None = False
-        top_logprobs: lim["top_logprobs"] | None = None
-        max_completion_tokens: lim["max_tokens"] | None = None
+        top_logprobs: _json_int(lim["top_logprobs"]) | None = None
+        max_completion_tokens: _json_int(lim["max_tokens"]) | None = None
 
     return CompletionBody, ChatCompletionBody
 

@@ -4,9 +4,11 @@
   (so the manifest is atomic with the checkpoint): every file's size and hash (xxhash's xxh3-128 when the
   ``xxhash`` package is installed, else ``hashlib.blake2b``; both far faster than disk). Files are hashed in
   parallel, file ``i`` (sorted) by rank ``i % world_size``. A load verifies the manifest the same way before
-  any tensor is read; a mismatch is a :class:`CheckpointError` naming the file. ``--no-verify-checkpoint-
-  checksums`` skips the check (huge checkpoints on trusted storage). Checkpoints saved before manifests
-  existed load with a warning (once per process).
+  any tensor is read; a mismatch, or a file in the directory the manifest does not list, is a
+  :class:`CheckpointError` naming the file. ``--no-verify-checkpoint-checksums`` skips the check (huge
+  checkpoints on trusted storage, or a checkpoint whose manifest was lost). A checkpoint without a manifest
+  whose own metadata (``checkpoint_info``, :data:`MANIFEST_INFO_KEY`) says it was saved with one is refused;
+  checkpoints saved before manifests existed load with a warning (once per process).
 - **Value scan.** After loading, every model parameter and optimizer-state tensor must be finite, and Adam's
   second moment non-negative: corruption that slipped past the manifest (or an unverified load) is named
   instead of training on NaN weights.
@@ -34,10 +36,13 @@ from megatron.rl.training.checkpoint.paths import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MANIFEST_FILENAME", "VERIFY_FLAG", "hash_file", "write_manifest", "verify_manifest",
-           "check_finite_state", "check_iteration_matches_dir", "check_scheduler_matches"]
+__all__ = ["MANIFEST_FILENAME", "MANIFEST_INFO_KEY", "VERIFY_FLAG", "hash_file", "write_manifest",
+           "verify_manifest", "check_missing_manifest", "check_finite_state", "check_iteration_matches_dir",
+           "check_scheduler_matches"]
 
 MANIFEST_FILENAME = "checksums.json"
+#: the key of a checkpoint's ``checkpoint_info`` (its common state) recording that the save wrote a manifest
+MANIFEST_INFO_KEY = "checksum_manifest"
 VERIFY_FLAG = "--no-verify-checkpoint-checksums"
 _CHUNK = 8 << 20
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -152,10 +157,11 @@ def _read_manifest(ckpt_dir: Path) -> dict | None:
 
 
 def verify_manifest(ckpt_dir: Path) -> bool:
-    """Check every file listed in the manifest (size, then hash). Collective. Returns False (with a one-time
-    warning) when the checkpoint has no manifest (saved before manifests existed); raises CheckpointError
-    naming the first bad file otherwise."""
-    global _warned_no_manifest
+    """Check every file listed in the manifest (size, then hash), and that it lists every file. Collective.
+
+    Returns False when the checkpoint has no manifest (then call :func:`check_missing_manifest` with its
+    metadata); raises CheckpointError naming the first bad or unlisted file otherwise.
+    """
     ckpt_dir = Path(ckpt_dir)
     rank, world = _world()
     error, manifest = None, None
@@ -165,13 +171,15 @@ def verify_manifest(ckpt_dir: Path) -> bool:
         error = str(e)
     _raise_on_all_ranks(error)
     if manifest is None:
-        if not _warned_no_manifest and rank == 0:
-            logger.warning("checkpoint %s has no %s (saved before checksum manifests existed): its files are not "
-                           "verified", ckpt_dir, MANIFEST_FILENAME)
-        _warned_no_manifest = True
         return False
     names = sorted(manifest["files"])
     try:
+        if rank == 0:
+            unlisted = sorted(set(_files(ckpt_dir)) - set(names))
+            if unlisted:
+                shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+                raise CheckpointError(f"checkpoint {ckpt_dir} holds {len(unlisted)} file(s) its {MANIFEST_FILENAME} "
+                                      f"does not list: {shown} (added or renamed after the save)")
         for name in names[rank::world]:
             want = manifest["files"][name]
             path = ckpt_dir / name
@@ -190,6 +198,22 @@ def verify_manifest(ckpt_dir: Path) -> bool:
         error = f"cannot read checkpoint {ckpt_dir} to verify it: {e}"
     _raise_on_all_ranks(error)
     return True
+
+
+def check_missing_manifest(ckpt_dir: Path, checkpoint_info: dict) -> None:
+    """The checkpoint has no manifest: CheckpointError when its ``checkpoint_info`` says the save wrote one (it
+    was deleted or lost, and the files cannot be verified), else a one-time warning (saved before manifests
+    existed). Every rank reads the same metadata, so every rank raises together."""
+    global _warned_no_manifest
+    if checkpoint_info.get(MANIFEST_INFO_KEY):
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} has no {MANIFEST_FILENAME}, but it was saved with one: the manifest was deleted "
+            f"or lost, so its files cannot be verified. Restore the checkpoint from a copy, or pass {VERIFY_FLAG} "
+            f"to load it unverified")
+    if not _warned_no_manifest and _world()[0] == 0:
+        logger.warning("checkpoint %s has no %s (saved before checksum manifests existed): its files are not "
+                       "verified", ckpt_dir, MANIFEST_FILENAME)
+    _warned_no_manifest = True
 
 
 # ------------------------------------------------------------------------------------------- value scan

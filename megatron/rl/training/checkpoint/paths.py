@@ -97,7 +97,12 @@ def read_tracker(root: Path) -> int | str | None:
     tracker = root / TRACKER_FILENAME
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    try:
+        with open(tracker, "rb") as f:  # a few bytes; a huge or binary file is corrupt, not read whole
+            raw = f.read(65)
+    except OSError as e:
+        raise CheckpointError(f"cannot read tracker file {tracker}: {e.strerror or e}") from None
+    text = raw[:64].decode("utf-8", "replace").strip() + ("..." if len(raw) > 64 else "")
     if text == RELEASE:
         return RELEASE
     try:

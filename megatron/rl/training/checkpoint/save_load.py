@@ -19,8 +19,9 @@ leaves the previous checkpoint as the one ``--load`` picks. Integrity (see
 before loading; loaded values are scanned for NaN/Inf; the stored iteration must match the directory name.
 
 Every rank must call :func:`save_checkpoint` / :func:`load_checkpoint` (collective), after
-``torch.distributed`` and megatron's ``parallel_state`` are initialised. Entry scripts need an
-``if __name__ == "__main__":`` guard because the torch_dist writer starts a subprocess.
+``torch.distributed`` and megatron's ``parallel_state`` are initialised. The torch_dist writer forks short-lived
+write workers per save (joined before the save returns) and starts no long-lived process
+(:mod:`megatron.rl.runtime.checkpoint_writer`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.rl import runtime
+from megatron.rl.runtime.checkpoint_writer import use_in_process_write_results
 from megatron.rl.training.checkpoint import integrity, paths
 from megatron.rl.training.checkpoint.model_checks import check_model_args, check_padded_vocab
 from megatron.rl.training.checkpoint.paths import CheckpointError, latest_checkpoint
@@ -284,9 +286,11 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
     state["model_args"] = model_args
     state["checkpoint_info"] = {"format_version": FORMAT_VERSION, "contents": contents,
                                 "layout": parallel_layout(), "dist_opt_format": dist_opt_format,
-                                "release": iteration == paths.RELEASE}
+                                "release": iteration == paths.RELEASE,
+                                integrity.MANIFEST_INFO_KEY: integrity.MANIFEST_FILENAME}
     if optimizer is not None:
         state["checkpoint_info"]["distributed_optimizer"] = uses_distributed_optimizer(optimizer)
+    use_in_process_write_results()  # no Manager process that a SIGKILL would orphan
     try:
         dist_checkpointing.save(state, str(tmp_dir), content_metadata=opt_meta)
         ok = True
@@ -364,12 +368,13 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     _require_distributed()
     t0 = time.perf_counter()
     ckpt = paths.resolve_checkpoint_dir(load_dir)
-    if verify_checksums:
-        integrity.verify_manifest(ckpt)
+    verified = verify_checksums and integrity.verify_manifest(ckpt)
     common = _load_common(ckpt)
+    info = common.get("checkpoint_info") or {}
+    if verify_checksums and not verified:
+        integrity.check_missing_manifest(ckpt, info)
     integrity.check_iteration_matches_dir(ckpt, common.get("iteration"))
     saved_args = common.get("model_args") or {}
-    info = common.get("checkpoint_info") or {}
     if model_args:
         current_args = _json_roundtrip(model_args, "model_args")
         check_model_args(saved_args, current_args, ckpt)

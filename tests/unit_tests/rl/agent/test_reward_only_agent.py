@@ -285,11 +285,28 @@ def test_reward_timeout_counts_from_the_start_not_the_queue(monkeypatch):
     assert [r.status for g in out.groups for r in g.rollouts] == ["ok"] * 6
 
 
+_P1_SCORING = threading.Event()
+
+
 class HangingRewardAgent(LettersAgent):
     def compute_reward(self, problem, completion):
         if problem["id"] == "p1":
+            _P1_SCORING.set()
             time.sleep(3.0)
         return 1.0
+
+
+class AfterP1Inference(FakeInference):
+    """Answers p1 at once and every other problem only once p1's reward holds the pool's thread, so the other
+    rewards are queued behind it whatever order the machine's load would give."""
+
+    async def agenerate(self, requests):
+        if not any("Problem 1:" in (r.prompt or "") for r in requests):
+            for _ in range(3000):
+                if _P1_SCORING.is_set():
+                    break
+                await asyncio.sleep(0.01)
+        return await super().agenerate(requests)
 
 
 def test_rewards_queued_behind_overrunning_ones_fail_instead_of_waiting(monkeypatch):
@@ -301,9 +318,10 @@ def test_rewards_queued_behind_overrunning_ones_fail_instead_of_waiting(monkeypa
     pool = ThreadPoolExecutor(max_workers=1)
     monkeypatch.setattr(roa, "_POOL", pool)
     monkeypatch.setattr(roa, "_POOL_THREADS", 1)
+    _P1_SCORING.clear()
     agent = HangingRewardAgent(seed=0, reward_timeout_s=0.3)
     req = GroupedRolloutRequest(num_groups=10, rollouts_per_group=1, generation_args=GenerationArgs(max_tokens=4),
-                                inference_interface=FakeInference())
+                                inference_interface=AfterP1Inference())
     out = asyncio.run(agent.generate_grouped_rollouts(req))
     reasons = {g.problem_id: g.rollouts[0].failure_reason for g in out.groups}
     assert "took longer than reward_timeout_s=0.3" in reasons["p1"], reasons

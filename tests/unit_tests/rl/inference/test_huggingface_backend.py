@@ -148,3 +148,24 @@ def test_caller_releases_its_openmp_pool_before_the_worker_decodes(hf_backend, m
     assert out[0].finish_reason in ("stop", "length")
     assert calls == [threading.get_ident()]
     assert decoders and decoders[0] != threading.get_ident()
+
+
+def test_a_cancelled_request_leaves_the_decoding_batch_at_the_next_step(hf_backend, monkeypatch):
+    """cancel() (the inference server, on a client disconnect) ends a request mid-batch; the others run on."""
+    from megatron.rl.inference.api import CANCELLED
+
+    long = InferenceRequest(prompt="hello", generation_args=GenerationArgs(temperature=0, max_tokens=60, n=2))
+    short = InferenceRequest(prompt="hi", generation_args=GenerationArgs(temperature=0, max_tokens=8))
+    steps = []
+    forward = hf_backend.model.forward
+
+    def counted(*a, **k):
+        steps.append(1)
+        if len(steps) == 12:  # past the short request's end: only the long ones are decoded now
+            long.cancel()  # as the server's event loop does while this thread decodes
+        return forward(*a, **k)
+
+    monkeypatch.setattr(hf_backend.model, "forward", counted)
+    got = hf_backend.generate([long, short])
+    assert [r.error for r in got] == [CANCELLED, CANCELLED, None] and len(got[2].generated_token_ids) == 8
+    assert len(steps) == 12  # the next step saw it: not the 60 the long request asked for

@@ -206,6 +206,71 @@ def test_concurrent_agenerate_calls_share_batches(setup):
     assert backend.engine_steps - steps_before <= 16
 
 
+def test_a_cancelled_request_leaves_the_running_batch_at_the_next_step(setup, monkeypatch):
+    """A request whose caller left (cancel(), as the inference server does on a client disconnect) is ended in the
+    middle of a batch, active or still waiting for KV blocks; the requests beside it run to their end."""
+    from megatron.rl.inference.api import CANCELLED
+
+    from megatron.rl.inference.engine.session import EngineStepper
+
+    _, backend = setup
+    backend.enter_inference_mode()
+    long = [_req(p, temperature=0, max_tokens=120) for p in PROMPTS[:2]]
+    short = _req(PROMPTS[3], temperature=0, max_tokens=12)
+    steps_before = backend.engine_steps
+    step = EngineStepper.step
+
+    async def counted(self):
+        if backend.engine_steps - steps_before == 4:
+            for r in long:  # as the server's event loop does while the engine thread steps
+                r.cancel()
+        await step(self)
+
+    monkeypatch.setattr(EngineStepper, "step", counted)
+    got = backend.generate([long[0], short, long[1]])
+    assert [r.error for r in got] == [CANCELLED, None, CANCELLED]
+    assert got[1].finish_reason == "length" and len(got[1].generated_token_ids) == 12
+    assert backend.engine_steps - steps_before == 12  # the short request's steps, not the 120 of the long ones
+    again = backend.generate([_req(PROMPTS[3], temperature=0, max_tokens=12)])[0]  # the engine carries on
+    assert again.token_ids == got[1].token_ids
+    cancelled_first = _req(PROMPTS[0], temperature=0, max_tokens=200)
+    cancelled_first.cancel()
+    assert backend.generate([cancelled_first])[0].error == CANCELLED
+
+
+def test_a_cancelled_request_still_waiting_for_a_slot_leaves_the_engines_queue(setup, monkeypatch):
+    from megatron.rl.inference.api import CANCELLED
+    from megatron.rl.inference.engine.build import EngineSettings
+    from megatron.rl.inference.engine.session import EngineStepper
+    from megatron.rl.inference.megatron import MegatronInference
+    from megatron.rl.training.tokenizer import ByteLevelTokenizer
+
+    model, shared = setup
+    shared.exit_inference_mode()
+    backend = MegatronInference(model, ByteLevelTokenizer(), settings=EngineSettings(max_requests=2))
+    waiting_when_cancelled = []
+    cancel, step = EngineStepper.cancel, EngineStepper.step
+    monkeypatch.setattr(EngineStepper, "cancel", lambda self, seq: waiting_when_cancelled.append(
+        seq in self.engine.waiting_request_ids) or cancel(self, seq))
+    reqs = [_req(p, temperature=0, max_tokens=100) for p in PROMPTS]
+
+    async def counted(self):
+        if backend.engine_steps == 4:
+            for r in reqs[1:]:
+                r.cancel()
+        await step(self)
+
+    monkeypatch.setattr(EngineStepper, "step", counted)
+    try:
+        got = backend.generate(reqs)
+        assert got[0].finish_reason == "length" and len(got[0].generated_token_ids) == 100
+        assert [r.error for r in got[1:]] == [CANCELLED] * 3
+        assert sorted(waiting_when_cancelled) == [False, True, True]  # two of them never got a slot
+        assert backend.engine_steps == 100  # the first request's steps: the waiting ones never ran
+    finally:
+        backend.exit_inference_mode()
+
+
 def test_chat_messages_use_the_template(setup):
     from megatron.rl.inference.api import ChatMessage, GenerationArgs, InferenceRequest
 

@@ -13,7 +13,7 @@ from megatron.rl.inference.validation import (MIN_TEMPERATURE, SEED_MAX, Request
 
 
 @pytest.mark.parametrize("field,value", [
-    ("seed", -1), ("seed", 2**63), ("seed", 2**64), ("temperature", 1e-308), ("temperature", 5e-324),
+    ("seed", -1), ("seed", SEED_MAX + 1), ("seed", 2**63 - 1), ("seed", 2**63), ("seed", 2**64), ("temperature", 1e-308), ("temperature", 5e-324),
     ("temperature", 1e-38), ("temperature", math.inf), ("temperature", math.nan), ("temperature", -0.5),
     ("temperature", 101.0), ("top_p", math.nan), ("top_p", 0.0), ("top_k", 2**40), ("max_tokens", 2**40),
     ("n", 0), ("n", 10**6), ("stop", ["\ud800"]), ("stop", [""]),

@@ -40,6 +40,7 @@ def _record(i: int, finished: int | None = None) -> GroupRecord:
 
 def test_round_trip_keeps_groups_exactly(tmp_path):
     bank = RolloutBank(tmp_path / "b.log")
+    bank.compact(0, keep=[], agent_state=None, layout=LAYOUT)  # every bank file starts as a compaction
     for i in range(3):
         bank.append_group(_record(i))
     bank.mark_consumed(1, ["g0", "g1"])
@@ -48,13 +49,14 @@ def test_round_trip_keeps_groups_exactly(tmp_path):
     assert again.groups() == [_record(i) for i in range(3)]  # pydantic equality: every float bit for bit
     assert type(again.groups()[0].group.rollouts[0]) is TokenRollout
     assert again.consumed() == {"g0", "g1"}
-    assert [r["kind"] for r in again.records] == ["group"] * 3 + ["consumed"]
+    assert [r["kind"] for r in again.records] == ["checkpoint"] + ["group"] * 3 + ["consumed"]
 
 
 @pytest.mark.parametrize("cut", ["header", "half", "all_but_one", "bad_crc", "zeros"])
 def test_a_torn_last_record_is_truncated_with_a_warning(tmp_path, caplog, cut):
     path = tmp_path / "b.log"
     bank = RolloutBank(path)
+    bank.compact(0, keep=[], agent_state=None, layout=LAYOUT)  # every bank file starts as a compaction
     bank.append_group(_record(0))
     bank.mark_consumed(1, ["g0"])
     bank.close()
@@ -92,7 +94,81 @@ def test_damage_before_an_intact_record_is_a_named_corruption_error(tmp_path, wh
 
 def test_scan_of_an_empty_file_and_of_garbage():
     assert scan_records(b"") == ([], 0)
-    assert scan_records(b"not a bank at all") == ([], 0)  # no intact record anywhere: all of it is a torn tail
+    with pytest.raises(RolloutBankCorruptError, match="byte 0 of 17 is damaged and no intact checkpoint record"):
+        scan_records(b"not a bank at all")  # no record of a compaction: not a file a crash left
+
+
+def _compacted(path, appended=0):
+    """A bank file as a run leaves it: compacted (groups g0, g1 and the checkpoint record), then ``appended``
+    groups written through."""
+    bank = RolloutBank(path)
+    for i in range(2):
+        bank.append_group(_record(i))
+    bank.compact(1, keep=["g0", "g1"], agent_state={"drawn": 2}, layout=LAYOUT)
+    for i in range(2, 2 + appended):
+        bank.append_group(_record(i))
+    bank.close()
+    return bytearray(path.read_bytes())
+
+
+@pytest.mark.parametrize("damage", ["flipped_byte", "truncated", "zeroed", "cut_after_the_groups"])
+def test_damage_to_what_compaction_wrote_is_corruption_not_a_torn_tail(tmp_path, damage):
+    """Compaction's atomic rename writes the file whole: damage to its last record is not a crash mid-write."""
+    path = tmp_path / "b.log"
+    data = _compacted(path)
+    last = data.rfind(MAGIC)  # the checkpoint record
+    if damage == "flipped_byte":
+        data[last + 20] ^= 0x01
+    elif damage == "truncated":
+        data = data[:-7]
+    elif damage == "zeroed":
+        data = bytearray(len(data))
+    else:
+        data = data[:last]
+    path.write_bytes(bytes(data))
+    with pytest.raises(RolloutBankCorruptError, match="and no intact checkpoint record comes before it"):
+        RolloutBank(path)
+    assert path.read_bytes() == bytes(data)  # nothing truncated on a corruption error
+    # the same damage to a record appended after the compaction is a torn tail
+    path.unlink()
+    data = _compacted(path, appended=1)
+    path.write_bytes(bytes(data[:-7]))
+    assert [g.uid for g in RolloutBank(path).groups()] == ["g0", "g1"]
+
+
+def _disk_fills_after(monkeypatch, room: int):
+    """os.write writes at most ``room`` more bytes in all, then fails as a full disk does (ENOSPC)."""
+    import errno
+
+    real = os.write
+    left = [room]
+
+    def write(fd, data):
+        if left[0] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real(fd, bytes(data[:left[0]]))
+        left[0] -= n
+        return n
+
+    monkeypatch.setattr(os, "write", write)
+
+
+def test_a_full_disk_is_a_named_error_and_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    path = tmp_path / "b.log"
+    before = bytes(_compacted(path, appended=1))
+    bank = RolloutBank(path)
+    _disk_fills_after(monkeypatch, 50)  # half a record goes to disk, then the disk is full
+    with pytest.raises(RolloutBankError, match=r"the disk is full .* while appending a group record; the file is as"):
+        bank.append_group(_record(3))
+    assert path.read_bytes() == before  # the half record was cut off again
+    _disk_fills_after(monkeypatch, 50)
+    with pytest.raises(RolloutBankError, match="the disk is full .* while compacting it"):
+        bank.compact(2, keep=["g2"], agent_state=None, layout=LAYOUT)
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["b.log"]  # no .tmp debris
+    monkeypatch.undo()
+    bank.append_group(_record(3))  # space again: the bank goes on where it was
+    bank.close()
+    assert [g.uid for g in RolloutBank(path).groups()] == ["g0", "g1", "g2", "g3"]
 
 
 # ----------------------------------------------------------------------------------------------- compaction
@@ -116,6 +192,7 @@ def test_compaction_keeps_exactly_the_unconsumed_groups_and_closes_with_a_checkp
 def test_compaction_is_atomic_a_crash_before_the_rename_leaves_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "b.log"
     bank = RolloutBank(path)
+    bank.compact(0, keep=[], agent_state=None, layout=LAYOUT)
     for i in range(4):
         bank.append_group(_record(i))
     bank.mark_consumed(1, ["g0", "g1"])

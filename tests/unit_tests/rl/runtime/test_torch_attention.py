@@ -146,9 +146,12 @@ def test_dot_product_attention_is_megatrons_bit_for_bit():
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (8, 2)])
-def test_decode_folds_grouped_heads_without_changing_a_bit(heads, kv_heads):
+def test_decode_folds_grouped_heads_without_changing_a_bit(monkeypatch, heads, kv_heads):
     """Query heads of one KV head as the rows of one product (zero rows added up to MIN_QUERY_ROWS) == megatron's
-    per-head products over repeated K/V with the one query row padded to MIN_QUERY_ROWS, request by request."""
+    per-head products over repeated K/V with the one query row padded to MIN_QUERY_ROWS, request by request.
+    The reference attends over the batch's key slots, as the folded product does: that more masked slots change
+    no bit is test_short_requests_attend_over_at_least_16_keys_like_longer_rows's claim, this one's is the rows'."""
+    monkeypatch.setattr(ta, "_SPLIT_OVERHEAD_ELEMENTS", {"cpu": 1 << 40})  # one padded product for the batch
     g = torch.Generator().manual_seed(6)
     d, block = 8, 4
     lens = [1, 6, 13, 9, 20]
@@ -159,8 +162,8 @@ def test_decode_folds_grouped_heads_without_changing_a_bit(heads, kv_heads):
     q = torch.randn(len(lens), 1, heads, d, generator=g)
     folded = ta.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
                                         causal=True, block_table=table)
+    slots = max(*lens, ta.MIN_KEY_SLOTS)
     for b, n in enumerate(lens):
-        slots = max(n, ta.MIN_KEY_SLOTS)
         pos = torch.arange(slots).clamp(max=n - 1)
         key = k_cache[table[b, pos // block], pos % block][:, None]  # [slots, 1, kv_heads, d]
         value = v_cache[table[b, pos // block], pos % block][:, None]
@@ -286,16 +289,23 @@ def _short_and_long_decode(heads=4, kv_heads=2, d=16, block=16):
 
 
 def test_short_requests_attend_over_at_least_16_keys_like_longer_rows(monkeypatch):
-    """Below 16 keys the softmax and the product with V round differently than from 16 on, where more masked keys
-    change no bit: padding a short request's keys to 16 gives the bits it gets in any longer row (the trainer's
-    micro-batch rows, or a decode step next to a longer request). The quickstart's 11-token prompts put their
-    first decode steps at 12-14 keys, and their log-probs up to 1.3e-5 from the trainer's."""
+    """A short request attends over MIN_KEY_SLOTS (16) key slots, the extra ones masked: from 16 keys on, more
+    masked keys change no bit, so it gets the bits it gets in any longer row (the trainer's micro-batch rows, or a
+    decode step next to a longer request). Below 16 keys the softmax and the product with V may round otherwise
+    (they do on AVX-512 CPUs, not on AVX2 ones): the quickstart's 11-token prompts put their first decode steps at
+    12-14 keys, and their log-probs up to 1.3e-5 from the trainer's on such a CPU. Whether the unpadded product
+    rounds differently depends on the CPU, so the check that the test bites is on the key slots attended."""
+    slots = []
+    attend = ta.dot_product_attention
+    monkeypatch.setattr(ta, "dot_product_attention", lambda q, k, *a: slots.append(k.shape[0]) or attend(q, k, *a))
     alone, batched = _short_and_long_decode()
+    assert slots == [16, 40]  # the 13-key request alone attends over 16 slots
     assert torch.equal(alone, batched)
     monkeypatch.setattr(ta, "MIN_KEY_SLOTS", 1)  # as before: the request alone attends over its 13 keys
+    slots.clear()
     alone, batched = _short_and_long_decode()
-    assert not torch.equal(alone, batched), "13 and 40 keys round alike here: the test would not bite"
-    torch.testing.assert_close(alone, batched, rtol=1e-5, atol=1e-6)  # the same attention, other rounding
+    assert slots == [13, 40], "the sabotaged padding went unnoticed: the test would not bite"
+    torch.testing.assert_close(alone, batched, rtol=1e-5, atol=1e-6)  # the same attention, rounded at most otherwise
 
 
 def test_a_steps_decode_plan_is_built_once_for_all_layers_and_again_when_lengths_change_in_place(monkeypatch):

@@ -28,17 +28,18 @@ _WILD = st.one_of(
 )
 
 
-def _strategy(schema: dict, defs: dict, depth: int = 0) -> st.SearchStrategy:
-    """Values matching ``schema`` (the subset FastAPI / pydantic emit), each possibly replaced by a wild one."""
-    return st.one_of(_exact(schema, defs, depth), _WILD) if depth else _exact(schema, defs, depth)
+def _strategy(schema: dict, defs: dict, depth: int = 0, wild: bool = True) -> st.SearchStrategy:
+    """Values matching ``schema`` (the subset FastAPI / pydantic emit), each possibly replaced by a wild one
+    (``wild``; else only values the schema admits)."""
+    return st.one_of(_exact(schema, defs, depth, wild), _WILD) if depth and wild else _exact(schema, defs, depth, wild)
 
 
-def _exact(schema: dict, defs: dict, depth: int) -> st.SearchStrategy:
+def _exact(schema: dict, defs: dict, depth: int, wild: bool = True) -> st.SearchStrategy:
     if "$ref" in schema:
-        return _exact(defs[schema["$ref"].rsplit("/", 1)[-1]], defs, depth)
+        return _exact(defs[schema["$ref"].rsplit("/", 1)[-1]], defs, depth, wild)
     for key in ("anyOf", "oneOf"):
         if key in schema:
-            return st.one_of([_exact(s, defs, depth) for s in schema[key]])
+            return st.one_of([_exact(s, defs, depth, wild) for s in schema[key]])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     if "const" in schema:
@@ -48,23 +49,25 @@ def _exact(schema: dict, defs: dict, depth: int) -> st.SearchStrategy:
         lo, hi = schema.get("minimum", -2**40), schema.get("maximum", 2**40)
         return st.integers(min_value=int(lo), max_value=int(min(hi, 2**63 - 1)))
     if kind == "number":
-        return st.floats(min_value=schema.get("minimum"), max_value=schema.get("maximum"), allow_nan=False,
-                         allow_infinity=False)
+        lo, hi = schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum", schema.get("exclusiveMaximum"))
+        return st.floats(min_value=lo, max_value=hi, exclude_min="exclusiveMinimum" in schema,
+                         exclude_max="exclusiveMaximum" in schema, allow_nan=False, allow_infinity=False)
     if kind == "string":
-        return st.text(max_size=min(int(schema.get("maxLength", 24)), 24))
+        return st.text(min_size=int(schema.get("minLength", 0)), max_size=min(int(schema.get("maxLength", 24)), 24))
     if kind == "boolean":
         return st.booleans()
     if kind == "null":
         return st.none()
     if kind == "array":
-        return st.lists(_strategy(schema.get("items", {}), defs, depth + 1), max_size=min(schema.get("maxItems", 4), 4))
+        return st.lists(_strategy(schema.get("items", {}), defs, depth + 1, wild), min_size=int(schema.get("minItems", 0)),
+                        max_size=min(int(schema.get("maxItems", 4)), 4))
     if kind == "object" or "properties" in schema:
         props = schema.get("properties", {})
         required = set(schema.get("required", []))
         return st.fixed_dictionaries(
-            {k: _strategy(v, defs, depth + 1) for k, v in props.items() if k in required},
-            optional={k: _strategy(v, defs, depth + 1) for k, v in props.items() if k not in required})
-    return _WILD
+            {k: _strategy(v, defs, depth + 1, wild) for k, v in props.items() if k in required},
+            optional={k: _strategy(v, defs, depth + 1, wild) for k, v in props.items() if k not in required})
+    return _WILD if wild else st.none()
 
 
 def _send(client, method: str, path: str, body=None, headers=None) -> int:
@@ -108,7 +111,7 @@ def env_client():
     from tests.unit_tests.rl.agent.user_agents_fixture import ReverseWordAgent
 
     cfg = EnvServerConfig(allowed_inference=[{"backend": "fake", "kwargs": {"max_seq_len": 48}}], max_rollouts=6,
-                          max_dp_world_size=4, max_agents=3, limits=RequestLimits(max_tokens=6, max_n=3))
+                          max_dp_world_size=4, max_agents=3, limits=RequestLimits(max_tokens=256, max_n=3))
     app = create_app(ReverseWordAgent(), inference=FakeInference(max_seq_len=48), config=cfg)
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client, app.openapi()
@@ -135,6 +138,36 @@ def test_inference_server_never_5xx(inference_client, path):
         _send(client, "POST", path, body)
 
     run()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_inference_server_serves_every_body_its_schema_admits(path):
+    """The schema states every limit the server enforces (non-empty prompts and messages, prompts x n, the
+    temperature gap, neutral-only options), so a body drawn from it is answered 200: a schema-driven client meets
+    no 4xx it could not have known about."""
+    from fastapi.testclient import TestClient
+
+    from megatron.rl.inference.fake import FakeInference
+    from megatron.rl.inference.validation import RequestLimits
+    from megatron.rl.server.inference import ServerConfig, create_app
+
+    limits = RequestLimits(max_tokens=6, max_n=3, max_samples=6, max_prompts=3, max_stop=3, max_prompt_chars=300,
+                           max_messages=4)
+    app = create_app(FakeInference(max_seq_len=4096), ServerConfig(batch_window_s=0.0, default_max_tokens=4,
+                                                                   limits=limits))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        schema, defs = _body_schema(app.openapi(), path)
+
+        @_FUZZ
+        @given(body=_strategy(schema, defs, wild=False))
+        def run(body):
+            raw = json.dumps(body).encode()
+            r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+            TALLY["requests"] += 1
+            TALLY["5xx"] += r.status_code >= 500
+            assert r.status_code == 200, (body, r.status_code, r.text[:300])
+
+        run()
 
 
 def test_environment_server_requests_never_5xx(env_client):

@@ -114,6 +114,24 @@ def test_served_policy_over_http_between_and_inside_phases():
         served.close()
 
 
+def test_the_served_policy_validates_subnormal_values_as_sent_under_the_runs_flush_to_zero():
+    """train_rl serves from a thread started inside the run's flush-to-zero scope (flush_denormals), where
+    ``5e-324 == 0.0``: the server thread must validate the client's value, as the standalone server does."""
+    import httpx
+
+    from megatron.rl.runtime import flush_denormals
+    from megatron.rl.server.policy_server import serve_policy
+
+    with flush_denormals():  # as run_rl does around the whole run
+        served = serve_policy(_ModalRecorder(), str(free_port()), wait_s=1)
+    try:
+        for value in (5e-324, 1e-310):
+            r = httpx.post(served.url + "/v1/completions", json={"prompt": "Q1:", "temperature": value}, timeout=60)
+            assert r.status_code == 422 and r.json()["error"]["param"] == "temperature", (value, r.text)
+    finally:
+        served.close()
+
+
 @pytest.mark.parametrize("extra,needle", [
     (["--inference-backend", "openai", "--inference-server-url", "http://127.0.0.1:1/v1"], "--inference-backend"),
     (["--tensor-model-parallel-size", "2"], "TP=PP=EP=1"),

@@ -88,3 +88,58 @@ def test_tp_vocabulary_error_under_torchrun_is_one_line_before_the_report(tmp_pa
     report = proc.stderr[proc.stderr.index(lines[0]) + len(lines[0]):]
     assert "Root Cause" in report and "vocabulary mismatch" in report.split("Root Cause", 1)[1], report[-3000:]
     assert "Traceback" not in proc.stderr.split(lines[0])[0], out[-5000:]  # no worker traceback before it
+
+
+def _bad_config_files(tmp_path):
+    """{case: (extra flags, the start of the error line)}: non-UTF-8 bytes, 100,000 nested brackets and an oversized
+    file as the environment config, and a binary checkpoint tracker."""
+    from megatron.rl.agent.env_config import MAX_ENV_CONFIG_BYTES
+
+    (tmp_path / "latin1.yaml").write_bytes("environments: [{type: arithmetic, name: caf\xe9}]\n".encode("latin-1"))
+    (tmp_path / "deep.yaml").write_bytes(b"[" * 100_000)
+    with open(tmp_path / "huge.yaml", "wb") as f:
+        f.truncate(MAX_ENV_CONFIG_BYTES + 1)  # sparse: never read whole
+    good = tmp_path / "good.yaml"
+    good.write_text("environments: [{type: arithmetic, weight: 1}]\n")
+    (tmp_path / "ckpt").mkdir()
+    tracker = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+    tracker.write_bytes(b"\xff\xfe\x00\x01" * 1000)
+    env = {name: ["--langrl-env-config", str(tmp_path / f"{name}.yaml")] for name in ("latin1", "deep", "huge")}
+    return {
+        "latin1": (env["latin1"], f"EnvConfigError: environment config {tmp_path / 'latin1.yaml'} is not UTF-8 text "
+                                  f"(byte 0xe9 at offset 43)"),
+        "deep": (env["deep"], f"EnvConfigError: {tmp_path / 'deep.yaml'}:1:65: invalid YAML: nested more than 64 "
+                              f"levels deep"),
+        "huge": (env["huge"], f"EnvConfigError: environment config {tmp_path / 'huge.yaml'} is larger than 4 MiB"),
+        "tracker": (["--langrl-env-config", str(good), "--load", str(tmp_path / "ckpt")],
+                    f"CheckpointError: corrupt tracker file {tracker}"),
+    }
+
+
+RL_TINY = [*TINY, "--train-iters", "1", "--rl-max-new-tokens", "8", "--grpo-prompts-per-step", "2",
+           "--grpo-group-size", "4"]
+
+
+@pytest.mark.parametrize("case", ["latin1", "deep", "huge"])
+def test_train_rl_bad_environment_configs_are_one_line_and_status_2(tmp_path, capsys, case):
+    """train_rl's main in this process (the CLI's own entry, without the interpreter start): see the next test."""
+    from megatron.rl.train_rl import main
+
+    extra, expected = _bad_config_files(tmp_path)[case]
+    assert main([*RL_TINY, *extra]) == 2
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert line.startswith(f"train_rl.py: error: {expected}"), line
+
+
+@pytest.mark.slow
+def test_train_rl_bad_config_files_exit_2_with_one_line(tmp_path):
+    """Each bad file: one line naming it, status 2, no traceback, through the CLI (the runs go in parallel)."""
+    procs = {name: (subprocess.Popen([sys.executable, str(REPO_ROOT / "train_rl.py"), *RL_TINY, *extra], cwd=tmp_path,
+                                     env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), expected)
+             for name, (extra, expected) in _bad_config_files(tmp_path).items()}
+    for name, (proc, expected) in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, (name, err[-3000:])
+        assert "Traceback" not in err, (name, err[-3000:])
+        [line] = [x for x in err.splitlines() if "error:" in x]
+        assert line.startswith(f"train_rl.py: error: {expected}"), (name, line)

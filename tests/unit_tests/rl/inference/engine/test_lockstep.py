@@ -156,9 +156,13 @@ def test_idle_source_shares_heartbeat_plans_and_stop_waits_for_in_flight_work():
     group = SimulatedGroup(2, heartbeat_s=0.05)
     steppers = [FakeStepper(s) for s in group.schedulers]
     threads = group.start(steppers)
-    time.sleep(0.3)  # idle: the source keeps sharing empty plans so waiting ranks never time out
+    # idle: the source keeps sharing empty plans so waiting ranks never time out (waited for, not timed: a loaded
+    # machine may run the engine thread late)
+    deadline = time.monotonic() + 30
+    while len(group.shared[1]) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     idle_plans = list(group.shared[1])
-    assert len(idle_plans) >= 2 and all(p.jobs == [] and not p.stop for p in idle_plans)
+    assert len(idle_plans) >= 3 and all(p.jobs == [] and not p.stop for p in idle_plans)
     assert steppers[0].batches == []  # nothing stepped while idle
 
     results = {}
@@ -323,8 +327,9 @@ def test_deliver_many_wakes_each_callers_loop_once_and_hands_every_response_to_i
 def test_an_idle_engine_takes_submissions_arriving_back_to_back_into_one_first_step():
     """A rollout phase submits its groups one after another from one event loop (each group's requests are
     prepared before they are submitted): the first step must hold all of them, not just the first group.
-    (A settle window of 20 ms instead of 2 ms, so a loaded machine descheduling the caller cannot fail it.)"""
-    scheduler = LockstepScheduler(True, lambda plan: plan, settle_s=0.02)
+    (A settle window of 1 s instead of 2 ms, capped at 60 s instead of 50 ms: the behaviour, not the production
+    windows, so a loaded machine descheduling the caller between two groups cannot fail it.)"""
+    scheduler = LockstepScheduler(True, lambda plan: plan, settle_s=1.0, settle_max_s=60.0)
     stepper = FakeStepper(scheduler)
     scheduler.start()
     engine = threading.Thread(target=lambda: asyncio.run(scheduler.run(stepper)), daemon=True)
@@ -343,3 +348,53 @@ def test_an_idle_engine_takes_submissions_arriving_back_to_back_into_one_first_s
     engine.join(5)
     assert all(r.finish_reason == "length" for r in responses)
     assert len(stepper.batches[0]) == 128, [len(b) for b in stepper.batches]
+
+
+class CancellableStepper(FakeStepper):
+    async def step(self) -> None:
+        await super().step()
+        await asyncio.sleep(0.001)  # a step takes a moment, as an engine's does
+
+    def cancel(self, seq: int) -> None:
+        job, _ = self.running.pop(seq)
+        self.scheduler.deliver(job, InferenceResponse.failed("cancelled", job.prompt_text))
+
+
+def test_a_cancelled_request_is_ended_on_every_rank_at_the_same_step_and_the_others_run_on():
+    """The source's caller gives up on one request (its flag, or its future cancelled): the next plan carries it,
+    every rank ends it before that step, and the other requests are untouched."""
+    group = SimulatedGroup(2)
+    steppers = [CancellableStepper(s) for s in group.schedulers]
+    threads = group.start(steppers)
+    flag = {"gone": False}
+    results: dict[int, list[InferenceResponse]] = {}
+
+    def caller(rank: int) -> None:
+        async def go():
+            loop = asyncio.get_running_loop()
+            long = group.schedulers[rank].submit(_job([1], max_new_tokens=10_000), loop, cancelled=lambda: flag["gone"])
+            short = group.schedulers[rank].submit(_job([2], max_new_tokens=5), loop)
+            dropped = group.schedulers[rank].submit(_job([3], max_new_tokens=10_000), loop)
+            if rank == 0:
+                while len(steppers[0].batches) < 3:
+                    await asyncio.sleep(0.001)
+                flag["gone"] = True
+                dropped.cancel()  # a caller's task cancelled: its future is
+                return [await long, await short]
+            return [await long, await short, await dropped]
+
+        results[rank] = asyncio.run(go())
+
+    callers = [threading.Thread(target=caller, args=(r,)) for r in range(2)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=60)
+    group.stop(threads)
+    assert steppers[0].batches == steppers[1].batches and len(steppers[0].batches) < 10_000  # ended early
+    cancels = [p.cancel for p in group.shared[0] if p.cancel]
+    assert cancels == [[0, 2]] and [p.cancel for p in group.shared[1] if p.cancel] == cancels
+    for r in range(2):
+        long, short = results[r][:2]
+        assert long.error == "cancelled" and short.finish_reason == "length" and len(short.generated_token_ids) == 5
+    assert results[1][2].error == "cancelled"  # the other rank's caller of the dropped request is answered too

@@ -205,6 +205,42 @@ def test_agent_failures_are_500_without_internals():
     assert r.status_code == 500 and "hunter2" not in r.text and "error id" in r.json()["detail"]
 
 
+def test_an_agents_value_error_about_the_requests_values_is_422_with_its_message():
+    """A schema-valid request the agent cannot serve as asked (a ValueError from the agent) was a 500."""
+    class Picky(ReverseWordAgent):
+        async def generate_grouped_rollouts(self, request):
+            if request.num_groups % 2:
+                raise ValueError(f"{request.num_groups} groups cannot be split between the 2 sub-environments")
+            return await super().generate_grouped_rollouts(request)
+
+    client = _client(agent=Picky())
+    r = client.post("/request", json=_grouped(3), headers=AUTH)
+    assert r.status_code == 422 and r.json() == {
+        "error": "ValidationError", "detail": "GroupedRolloutRequest: 3 groups cannot be split between the 2 "
+                                              "sub-environments"}
+    assert client.post("/request", json=_grouped(2), headers=AUTH).status_code == 200
+    r = client.post("/request", json={"type_name": "RolloutRequest", "num_rollouts": 1}, headers=AUTH)
+    assert r.status_code == 422 and "1 groups cannot be split" in r.json()["detail"]
+
+
+def test_a_weighted_mixture_that_cannot_serve_a_request_says_why_in_a_4xx():
+    """The two-environment mixture of multi_task.yaml asked for one rollout: a 500 with the ValueError in the log."""
+    from megatron.rl.agent.env_config import build_agent_from_config
+    from tests.conftest import REPO_ROOT
+
+    agent = build_agent_from_config(REPO_ROOT / "examples/rl/environment_configs/multi_task.yaml")
+    r = _client(agent=agent).post("/request", json={"type_name": "RolloutRequest", "num_rollouts": 1}, headers=AUTH)
+    assert r.status_code in (200, 422), r.text  # served, or refused naming the reason: never a 500
+    if r.status_code == 422:
+        assert "weighted environments" in r.json()["detail"]
+
+
+def test_fastapis_own_errors_have_the_servers_error_shape():
+    client = _client()
+    for r in (client.get("/nope", headers=AUTH), client.get("/request", headers=AUTH)):
+        assert r.status_code in (404, 405) and set(r.json()) == {"error", "detail"}
+
+
 # -- schema, docs, auth ---------------------------------------------------------------------------
 def test_openapi_declares_errors_and_limits_and_needs_the_token():
     from megatron.rl.server.agent.app import EnvServerConfig

@@ -83,13 +83,13 @@ def test_backend_exception_fails_only_its_request():
     ({"prompt": "x", "logprobs": -1, "max_tokens": 1}, "logprobs"),
     ({"prompt": "x", "logprobs": 10**9, "max_tokens": 1}, "logprobs"),
     ({"prompt": [f"p{i}" for i in range(1000)], "max_tokens": 1}, "prompt"),
-    ({"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i"], "n": 128, "max_tokens": 1}, None),
+    ({"prompt": ["a", "b", "c", "d", "e"], "n": 64, "max_tokens": 1}, "prompt"),
 ], ids=["n", "stop-count", "stop-length", "max_tokens", "logprobs<0", "logprobs-huge", "prompts", "samples"])
 def test_work_per_request_is_bounded(body, param):
     (r,) = asyncio.run(_post_all(_app(), [body]))
     assert r.status_code == 422, r.text[:300]
     err = r.json()["error"]
-    assert (err["param"] or "").split(".")[0] == param if param else "samples per request" in err["message"]
+    assert (err["param"] or "").split(".")[0] == param
     assert len(r.text) < 1000  # short message, the oversized input is not echoed
 
 
@@ -158,7 +158,7 @@ def test_openapi_declares_error_responses_and_limits():
     text = json.dumps(spec)
     assert '"maximum": 7' in text and '"maxLength": 1234' in text and '"maxItems": 3' in text
     seed = [s["properties"]["seed"] for s in spec["components"]["schemas"].values() if "seed" in s["properties"]]
-    assert seed and seed[0]["anyOf"][0]["maximum"] == pytest.approx(2**63 - 1)  # FastAPI writes it as a float
+    assert seed and seed[0]["anyOf"][0]["maximum"] == 2**53 - 1  # exact as a JSON integer and as a double
     roles = [s for s in spec["components"]["schemas"].values() if "role" in s.get("properties", {})]
     assert '"maximum": 100.0' in text and '"exclusiveMinimum": 0.0' in text  # temperature, top_p
     assert roles and roles[0]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
@@ -193,6 +193,20 @@ def test_one_authorization_rule(header, ok):
             assert r.status_code in (200, 401)
 
 
+def test_the_seed_bound_the_schema_states_is_the_one_the_server_enforces():
+    """Seeds between the schema's maximum and 2**63 - 1 were served (a schema-violating request accepted), and a
+    bound near 2**63 reads as another number to a client that parses JSON numbers as doubles."""
+    app = _app(api_key=None)
+    bodies = [s["properties"]["seed"] for s in app.openapi()["components"]["schemas"].values()
+              if "seed" in s.get("properties", {})]
+    maximum = int(bodies[0]["anyOf"][0]["maximum"])  # a float in FastAPI's schema, exact (a double)
+    out = asyncio.run(_post_all(app, [{"prompt": "x", "max_tokens": 2, "seed": seed}
+                                      for seed in (maximum, maximum + 1, 2**63 - 1024, 2**63 - 1)]))
+    assert float(maximum) == maximum and float(maximum + 1) > maximum  # the same bound when read as a double
+    assert [r.status_code for r in out] == [200, 422, 422, 422], [r.text for r in out]
+    assert "seed" in out[1].json()["error"]["message"]
+
+
 def test_invalid_backend_results_for_direct_python_callers():
     """The direct Python entry applies the same rules (the OpenAI client never sends an invalid request)."""
     from megatron.rl.inference import build_inference_interface
@@ -204,3 +218,82 @@ def test_invalid_backend_results_for_direct_python_callers():
     assert [r.finish_reason for r in out] == ["error", "error"] and "seed" in out[0].error
     with pytest.raises(ValueError, match="seed"):
         GenerationArgs(seed=2**63)
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "\xff"}', b"[" * 100_000, b'{"prompt": "x",', b"\x00"],
+                         ids=["bad-utf8", "deep", "truncated", "nul"])
+def test_a_body_that_is_not_json_gets_the_openai_error_object(raw):
+    (r,) = asyncio.run(_post_all(_app(), [raw]))
+    assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+    assert "JSON" in r.json()["error"]["message"] and r.json()["error"]["code"] == 400
+
+
+def test_fastapis_own_errors_are_openai_error_objects():
+    async def go():
+        app = _app()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://srv") as client:
+            return await client.get("/v1/nope", headers=AUTH), await client.get("/v1/completions", headers=AUTH)
+
+    missing, wrong_method = asyncio.run(go())
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert wrong_method.status_code == 405 and set(wrong_method.json()) == {"error"}
+
+
+UNSUPPORTED = [
+    ("/v1/completions", {"logit_bias": {"50": 100}}, "logit_bias"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"presence_penalty": -1}, "presence_penalty"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": True}}, "stream"),
+    ("/v1/completions", {"min_p": 0.1}, "min_p"),  # any option the schema does not declare
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"frequency_penalty": 1.0}, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages.0.name"),
+]
+
+
+@pytest.mark.parametrize("path,extra,option", UNSUPPORTED, ids=[u[2] for u in UNSUPPORTED])
+def test_unsupported_options_are_400_naming_the_option(path, extra, option):
+    """These changed nothing and were answered 200: the client believed it got what it asked for."""
+    base = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    (r,) = asyncio.run(_post_all(_app(), [{**base, "max_tokens": 2, **extra}], path=path))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == option and err["message"].startswith(f"{option}: not supported by this server"), err
+
+
+def test_neutral_values_of_unsupported_options_are_served():
+    """What clients send by default (0 penalties, empty logit_bias, best_of 1, no tools) changes nothing: served."""
+    completion = {"prompt": "x", "max_tokens": 2, "logit_bias": {}, "best_of": 1, "suffix": "", "echo": False,
+                  "frequency_penalty": 0, "presence_penalty": 0.0, "stream": False, "user": "me"}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "frequency_penalty": 0, "logit_bias": None}
+    out = asyncio.run(_post_all(_app(), [completion])) + asyncio.run(_post_all(_app(), [chat], "/v1/chat/completions"))
+    assert [r.status_code for r in out] == [200, 200], [r.text for r in out]
+
+
+def test_the_schema_states_the_limits_the_server_enforces():
+    """Empty prompts and messages, and prompts x n over max_samples, are outside the schema (422), not refused
+    after it admitted them: the schema's prompt list and n bounds multiply to at most max_samples."""
+    from megatron.rl.inference.validation import RequestLimits
+
+    limits = RequestLimits()
+    spec = _app(api_key=None).openapi()
+    schemas = spec["components"]["schemas"]
+    completion, chat = schemas["CompletionBody"], schemas["ChatCompletionBody"]
+    assert completion["additionalProperties"] is False and chat["additionalProperties"] is False
+    one, many = completion["properties"]["prompt"]["anyOf"]
+    assert one["minLength"] == 1 and many["minItems"] == 1 and many["items"]["minLength"] == 1
+    assert chat["properties"]["messages"]["minItems"] == 1
+    n_max = completion["properties"]["n"]["anyOf"][0]["maximum"]
+    assert many["maxItems"] * n_max <= limits.max_samples and n_max == limits.max_n
+    bodies = [{"prompt": ["a"] * many["maxItems"], "n": n_max, "max_tokens": 1},
+              {"prompt": ["a"] * (many["maxItems"] + 1), "n": 1, "max_tokens": 1}]
+    ok, over = asyncio.run(_post_all(_app(), bodies))
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == many["maxItems"] * n_max
+    assert over.status_code == 422 and over.json()["error"]["param"] == "prompt"

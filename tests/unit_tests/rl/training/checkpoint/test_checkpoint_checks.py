@@ -26,8 +26,7 @@ def _padding(vocab, div, tp):
     return {"vocab_size": vocab, "make_vocab_size_divisible_by": div, "tensor_model_parallel_size": tp}
 
 
-def test_smaller_vocab_checkpoint_is_refused_before_loading(tmp_path, monkeypatch):
-    T.init_single_process()
+def test_smaller_vocab_checkpoint_is_refused_before_loading(tmp_path, monkeypatch, dist1):
     T.set_layout()
     chunks, opt, sched = T.build(ARCH, distopt=False)
     args = {**BASE_ARGS, "padded_vocab_size": 128, "vocab_padding": _padding(100, 128, 1)}
@@ -54,8 +53,7 @@ def test_smaller_vocab_checkpoint_is_refused_before_loading(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("saved_dist", [False, True])
-def test_optimizer_kind_mismatch_is_a_named_error(tmp_path, saved_dist):
-    T.init_single_process()
+def test_optimizer_kind_mismatch_is_a_named_error(tmp_path, saved_dist, dist1):
     T.set_layout()
     chunks, opt, sched = T.build(ARCH, distopt=saved_dist)
     save_checkpoint(tmp_path, 1, chunks, opt, sched)
@@ -68,12 +66,11 @@ def test_optimizer_kind_mismatch_is_a_named_error(tmp_path, saved_dist):
         assert a.equal(b)
 
 
-def test_optimizer_load_failure_names_the_expert_parallel_change(tmp_path, monkeypatch):
+def test_optimizer_load_failure_names_the_expert_parallel_change(tmp_path, monkeypatch, dist1):
     """megatron-core's ChainedOptimizer raises a bare RuntimeError when the EP size changed the number of
     sub-optimizers ("Expected 2 entries in state dict, but got 4"); the loader names the EP change."""
     import megatron.rl.training.checkpoint.save_load as ck
 
-    T.init_single_process()
     T.set_layout()
     chunks, opt, sched = T.build(ARCH, distopt=False)
     save_checkpoint(tmp_path, 1, chunks, opt, sched)

@@ -50,6 +50,16 @@ def test_manifest_lists_every_file_and_loads_clean(saved):
     assert all(a.equal(b) for a, b in zip(chunks[0].parameters(), c2[0].parameters()))
 
 
+def _refused_before_reading(root, match):
+    """A fresh run whose load_checkpoint(root) raised CheckpointError matching ``match`` before reading a weight."""
+    c2, o2, s2 = _fresh()
+    before = [p.detach().clone() for p in c2[0].parameters()]
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(root, c2, o2, s2)
+    assert all(a.equal(b) for a, b in zip(before, c2[0].parameters()))  # nothing was read
+    return c2, o2, s2
+
+
 def _tensor_data(ckpt, prefix):
     """(file, offset, nbytes) of the raw bytes of the first stored tensor whose name starts with ``prefix``.
 
@@ -81,12 +91,8 @@ def test_overwritten_weight_bytes_are_refused_before_loading(saved):
     assert nbytes >= 4096
     original = path.read_bytes()
     _overwrite(path, offset, b"\xff" * 4096)  # 1,024 float32 NaNs
-    c2, o2, s2 = _fresh()
-    before = [p.detach().clone() for p in c2[0].parameters()]
-    with pytest.raises(CheckpointError, match=rf"{path.name} does not match its checksum.*"
-                                              rf"--no-verify-checkpoint-checksums"):
-        load_checkpoint(root, c2, o2, s2)
-    assert all(a.equal(b) for a, b in zip(before, c2[0].parameters()))  # nothing was read
+    c2, o2, s2 = _refused_before_reading(root, rf"{path.name} does not match its checksum.*"
+                                               rf"--no-verify-checkpoint-checksums")
     # without the manifest check, the value scan names the NaNs instead of training on them
     with pytest.raises(CheckpointError, match=r"embedding\.word_embeddings\.weight has 1024 non-finite"):
         load_checkpoint(root, *_fresh(), verify_checksums=False)
@@ -137,9 +143,17 @@ def test_non_finite_values_are_refused_even_without_checksums(tmp_path, dist1):
     load_checkpoint(tmp_path / "neg", c2, o2, s2, load_optimizer=False)  # the weights alone are fine
 
 
-def test_checkpoint_without_manifest_loads_with_one_warning(saved, caplog, monkeypatch):
+def _as_saved_before_manifests(ckpt):
+    """Make ``ckpt`` what a version before manifests saved: no checksums.json, no record of one in its metadata."""
+    (ckpt / integrity.MANIFEST_FILENAME).unlink()
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    del common["checkpoint_info"][integrity.MANIFEST_INFO_KEY]
+    torch.save(common, ckpt / "common.pt")
+
+
+def test_checkpoint_saved_before_manifests_loads_with_one_warning(saved, caplog, monkeypatch):
     root, chunks = saved
-    (root / "iter_0000001" / integrity.MANIFEST_FILENAME).unlink()
+    _as_saved_before_manifests(root / "iter_0000001")
     monkeypatch.setattr(integrity, "_warned_no_manifest", False)
     with caplog.at_level(logging.WARNING, logger=integrity.__name__):
         for _ in range(2):
@@ -149,6 +163,31 @@ def test_checkpoint_without_manifest_loads_with_one_warning(saved, caplog, monke
     (root / "iter_0000001" / integrity.MANIFEST_FILENAME).write_text("{not json")
     with pytest.raises(CheckpointError, match="malformed"):
         load_checkpoint(root, *_fresh())
+
+
+def test_a_deleted_manifest_of_a_checkpoint_saved_with_one_is_refused(saved):
+    """A flipped byte in a .distcp file and the manifest deleted loaded with the "saved before checksum manifests
+    existed" warning: the checkpoint's own metadata says it was saved with one."""
+    root, chunks = saved
+    ckpt = root / "iter_0000001"
+    path, offset, _ = _tensor_data(ckpt, "embedding.word_embeddings.weight")
+    _overwrite(path, offset, bytes([path.read_bytes()[offset] ^ 0x01]))  # a flipped bit: still finite
+    (ckpt / integrity.MANIFEST_FILENAME).unlink()
+    c2, o2, s2 = _refused_before_reading(root, r"has no checksums\.json, but it was saved with one.*"
+                                               r"--no-verify-checkpoint-checksums to load it unverified")
+    assert load_checkpoint(root, c2, o2, s2, verify_checksums=False).iteration == 1  # the documented way out
+
+
+def test_files_the_manifest_does_not_list_are_named(saved):
+    root, _ = saved
+    ckpt = root / "iter_0000001"
+    (ckpt / "__9_0.distcp").write_bytes(b"x" * 10)
+    (ckpt / "notes").mkdir()
+    (ckpt / "notes" / "a.txt").write_text("hi")
+    with pytest.raises(CheckpointError, match=r"holds 2 file\(s\) its checksums\.json does not list: __9_0\.distcp, "
+                                              r"notes/a\.txt \(added or renamed after the save\)"):
+        load_checkpoint(root, *_fresh())
+    assert load_checkpoint(root, *_fresh(), verify_checksums=False).iteration == 1
 
 
 def test_iteration_must_match_the_directory_name(saved):

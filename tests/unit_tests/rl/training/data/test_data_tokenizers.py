@@ -205,6 +205,18 @@ def test_hf_missing_dir_and_missing_files(tmp_path):
         build_tokenizer("HuggingFaceTokenizer", None)
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe{}", b"[" * 100_000, b"[1, 2]", b'{"eos_token_id": "x"}', b"{"])
+def test_hf_bad_generation_config_is_a_named_tokenizer_error(hf_tokenizer_dir, tmp_path, content):
+    import shutil
+
+    bad = tmp_path / "tok"
+    shutil.copytree(hf_tokenizer_dir, bad)
+    (bad / "generation_config.json").write_bytes(content)
+    with pytest.raises(TokenizerError, match=r"generation_config\.json: not a generation config with integer "
+                                             r"eos_token_id\(s\)"):
+        HuggingFaceTokenizer(str(bad))
+
+
 # ---------------------------------------------------------------- megatron-core inference compatibility
 
 
