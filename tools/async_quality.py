@@ -4,6 +4,12 @@ rollouts within 0.05 of the synchronous run at the same iteration).
 
     python tools/async_quality.py --out runs/async_quality                      # pretrains once, then the runs
     python tools/async_quality.py --out runs/aq --pretrained runs/quickstart/pretrain --seeds 1 2 --rl-iters 60
+    python tools/async_quality.py --task mixture --out runs/aq_mix --pretrained runs/quickstart/pretrain \
+        --seeds 1 2 --rl-iters 200 --variants sync lag1_partial_BG     # two environments, pass@1 of each
+
+``--task mixture`` trains on two environments mixed 3:1, the quickstart's arithmetic task and subtraction with
+non-negative results (``tests/unit_tests/rl/e2e/subtraction_agents.py``, an operator the pretraining corpus
+never shows, imported as a user's own environment would be), and reports each environment's pass@1.
 
 Every variant starts from the same pretrained checkpoint (pretrained here with the quickstart's recipe when
 ``--pretrained`` is not given; reused by later calls) and differs from the quickstart's RL command only in its
@@ -30,16 +36,41 @@ sys.path.insert(0, str(REPO / "examples" / "rl"))
 log = logging.getLogger("async_quality")
 
 ASYNC = ["--rl-generation-lag", "1", "--rl-partial-rollouts"]
+TRUNCATED = ["--rl-importance-sampling-mode", "truncated"]  # the correction asynchronous runs used before trust_region
 # name -> extra train_rl.py flags. "lag1_partial_GG" is the README's recommended setting; "lag1_partial_BB"
-# consumes whole batches in submission order (no bias toward groups that finish first).
+# consumes whole batches in submission order (no bias toward groups that finish first); "_truncated" variants
+# replace the default trust-region correction with truncated IS alone.
 VARIANTS: dict[str, list[str]] = {
     "sync": [],
     "lag1_partial_GG": ASYNC + ["--rl-submission-granularity", "G", "--rl-consumption-granularity", "G"],
     "lag1_partial_BB": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "B"],
+    "lag1_partial_BG": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "G"],
     "lag1_BB": ["--rl-generation-lag", "1"],
+    "lag1_partial_BB_truncated": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "B"]
+    + TRUNCATED,
+    "lag1_partial_GG_truncated": ASYNC + ["--rl-submission-granularity", "G", "--rl-consumption-granularity", "G"]
+    + TRUNCATED,
+    "lag1_partial_BG_truncated": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "G"]
+    + TRUNCATED,
+    "lag1_partial_BG_masked": ASYNC + ["--rl-submission-granularity", "B", "--rl-consumption-granularity", "G",
+                                       "--rl-importance-sampling-mode", "masked"],
 }
 # Per-iteration metrics averaged over a run (staleness and IS statistics exist only for asynchronous runs).
 SUMMARY = ("reward_mean", "staleness_mean", "off_policy_token_share", "is_truncated_fraction", "time_total_s")
+
+# --task mixture: the quickstart's arithmetic (3) and a user-defined subtraction environment (1).
+SUBTRACTION_MODULE = "tests.unit_tests.rl.e2e.subtraction_agents"
+MIXTURE_ENVS = ("arith", "sub")
+
+
+def write_mixture_config(path: Path, task: dict) -> Path:
+    """The two-environment config: ``arith`` (weight 3, the quickstart's task) and ``sub`` (weight 1)."""
+    digits = {"min_digits": task["min_digits"], "max_digits": task["max_digits"]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"imports: [{SUBTRACTION_MODULE}]\nenvironments:\n"
+                    f"  - type: arithmetic\n    name: arith\n    weight: 3\n    args: {json.dumps(task)}\n"
+                    f"  - type: subtraction\n    name: sub\n    weight: 1\n    args: {json.dumps(digits)}\n")
+    return path
 
 
 def with_seed(flags: list[str], seed: int) -> list[str]:
@@ -51,8 +82,8 @@ def with_seed(flags: list[str], seed: int) -> list[str]:
     return out + ["--seed", str(seed)]
 
 
-def read_metrics(path: Path) -> tuple[dict[int, float], dict[int, dict]]:
-    """(held-out pass@1 by iteration, training metrics by iteration) from a run's metrics JSONL."""
+def read_metrics(path: Path, key: str = "eval/pass@1") -> tuple[dict[int, float], dict[int, dict]]:
+    """(held-out ``key`` by iteration, training metrics by iteration) from a run's metrics JSONL."""
     evals: dict[int, float] = {}
     train: dict[int, dict] = {}
     if not path.exists():
@@ -61,8 +92,8 @@ def read_metrics(path: Path) -> tuple[dict[int, float], dict[int, dict]]:
         row = json.loads(line)
         if "iteration" not in row:
             continue
-        if "eval/pass@1" in row:
-            evals[int(row["iteration"])] = float(row["eval/pass@1"])
+        if key in row:
+            evals[int(row["iteration"])] = float(row[key])
         if "reward_mean" in row:
             train[int(row["iteration"])] = row
     return evals, train
@@ -107,7 +138,7 @@ def mean_curve(curves: list[dict[int, float]]) -> dict[int, float]:
 
 
 def run_variant(quickstart, name: str, extra: list[str], seed: int, *, pre_ckpt: Path, out: Path, iters: int,
-                nproc: int) -> Path:
+                nproc: int, mixture: bool = False) -> Path:
     run_dir = out / f"{name}_seed{seed}"
     metrics = run_dir / "metrics.jsonl"
     _, train = read_metrics(metrics)
@@ -116,7 +147,11 @@ def run_variant(quickstart, name: str, extra: list[str], seed: int, *, pre_ckpt:
         return metrics
     # A partial run is restarted from scratch: its metrics file and checkpoints would mix two runs.
     shutil.rmtree(run_dir, ignore_errors=True)
-    env_config = quickstart.write_env_config(run_dir / "arithmetic.yaml")
+    if mixture:
+        env_config = write_mixture_config(run_dir / "mixture.yaml", quickstart.TASK)
+        extra = ["--langrl-allow-imports", *extra]
+    else:
+        env_config = quickstart.write_env_config(run_dir / "arithmetic.yaml")
     cmd = quickstart.launcher(nproc) + [str(REPO / "train_rl.py"), *with_seed(quickstart.model_flags(False), seed),
                                         *quickstart.rl_flags(pre_ckpt, run_dir / "rl", env_config, metrics,
                                                              run_dir / "tensorboard", nproc=nproc, iters=iters),
@@ -140,6 +175,10 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=["sync", "lag1_partial_GG", "lag1_partial_BB"],
                    choices=sorted(VARIANTS))
     p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--task", choices=("arithmetic", "mixture"), default="arithmetic",
+                   help="arithmetic: the quickstart's task; mixture: arithmetic 3 : subtraction 1, pass@1 of each")
+    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                   help="further train_rl.py flags for every variant (last on the command line)")
     args = p.parse_args(argv)
     import quickstart
 
@@ -151,28 +190,33 @@ def main(argv=None) -> int:
         raise SystemExit(f"--pretrained {pre_ckpt}: no checkpoint there (latest_checkpointed_iteration.txt missing)")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    per_seed: dict[str, list[dict[int, float]]] = {v: [] for v in args.variants}
+    mixture = args.task == "mixture"
+    keys = [f"eval/{env}/pass@1" for env in MIXTURE_ENVS] if mixture else ["eval/pass@1"]
+    per_seed: dict[str, dict[str, list[dict[int, float]]]] = {k: {v: [] for v in args.variants} for k in keys}
     summary: dict[str, dict[str, float]] = {}
     # Seeds outermost: an interrupted comparison still has every variant for the first seeds.
     for seed in args.seeds:
         for name in args.variants:
-            metrics = run_variant(quickstart, name, VARIANTS[name], seed, pre_ckpt=pre_ckpt, out=out,
-                                  iters=args.rl_iters, nproc=args.nproc)
-            evals, train = read_metrics(metrics)
-            per_seed[name].append(evals)
+            metrics = run_variant(quickstart, name, VARIANTS[name] + args.extra, seed, pre_ckpt=pre_ckpt, out=out,
+                                  iters=args.rl_iters, nproc=args.nproc, mixture=mixture)
+            for key in keys:
+                per_seed[key][name].append(read_metrics(metrics, key)[0])
+            _, train = read_metrics(metrics)
             for key in SUMMARY:
                 vals = [r[key] for r in train.values() if key in r]
                 if vals:
                     summary.setdefault(name, {}).setdefault(key, 0.0)
                     summary[name][key] += statistics.fmean(vals) / len(args.seeds)
 
-    print(f"\nheld-out pass@1 (200 answers at T=1), pretrained checkpoint {pre_ckpt}, {args.rl_iters} RL iterations")
-    for seed_index, seed in enumerate(args.seeds):
-        print(f"\nseed {seed}")
-        print("\n".join(curve_table({v: per_seed[v][seed_index] for v in args.variants})))
-    if len(args.seeds) > 1:
-        print(f"\nmean over seeds {args.seeds}")
-        print("\n".join(curve_table({v: mean_curve(per_seed[v]) for v in args.variants})))
+    print(f"\nheld-out pass@1 (answers sampled at T=1), pretrained checkpoint {pre_ckpt}, {args.rl_iters} RL "
+          f"iterations")
+    for key in keys:
+        for seed_index, seed in enumerate(args.seeds):
+            print(f"\n{key}, seed {seed}")
+            print("\n".join(curve_table({v: per_seed[key][v][seed_index] for v in args.variants})))
+        if len(args.seeds) > 1:
+            print(f"\n{key}, mean over seeds {args.seeds}")
+            print("\n".join(curve_table({v: mean_curve(per_seed[key][v]) for v in args.variants})))
     print("\nper-iteration means over the run (and seeds)")
     print("variant".ljust(18) + "".join(k.rjust(24) for k in SUMMARY))
     for name in args.variants:

@@ -44,14 +44,16 @@ def model_flags(gpu: bool) -> list[str]:
 
 
 def rl_flags(pre_ckpt: Path, rl_ckpt: Path, env_config: Path, metrics: Path, tensorboard: Path, *, nproc: int,
-             group_size: int = 8, lr: str = "5e-4", iters: int = 200) -> list[str]:
+             group_size: int = 8, lr: str = "5e-4", iters: int = 200, steps_per_iteration: int = 1) -> list[str]:
     """The GRPO stage's flags after the model's (shared with tools/async_quality.py, which runs this recipe
-    synchronously and with asynchronous rollouts from one pretrained checkpoint)."""
+    synchronously and with asynchronous rollouts from one pretrained checkpoint). ``steps_per_iteration``: optimizer
+    steps per iteration's rollouts (the global batch is divided by it; after the first, the steps train on
+    rollouts of an older policy than the one they update)."""
     n = max(nproc, 1)
     return ["--pretrained-checkpoint", str(pre_ckpt), "--load", str(rl_ckpt), "--save", str(rl_ckpt),
             "--save-interval", "10", "--langrl-env-config", str(env_config),
             "--grpo-prompts-per-step", str(16 * n), "--grpo-group-size", str(group_size),
-            "--micro-batch-size", "8", "--global-batch-size", str(16 * group_size * n),
+            "--micro-batch-size", "8", "--global-batch-size", str(16 * group_size * n // steps_per_iteration),
             "--rl-use-sequence-packing", "--rl-max-new-tokens", "8", "--rl-default-temperature", "1.0",
             "--lr", lr, "--lr-decay-style", "constant", "--clip-grad", "1.0",
             "--train-iters", str(iters), "--eval-interval", "10", "--rl-prompts-per-eval", "200",
@@ -150,6 +152,10 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=8, help="rollouts per prompt")
     p.add_argument("--noise", type=float, default=NOISE, help="share of wrong answers in the pretraining corpus")
     p.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, or 1 on CPU)")
+    p.add_argument("--policy-loss", default="ppo_clip", choices=("ppo_clip", "gspo", "cispo"),
+                   help="GRPO's policy loss (--grpo-policy-loss), with its published clip range")
+    p.add_argument("--steps-per-iteration", type=int, default=1, choices=(1, 2, 4, 8),
+                   help="optimizer steps per iteration's rollouts (1: every step on-policy)")
     args = p.parse_args(argv)
 
     gpu = torch.cuda.is_available()
@@ -163,7 +169,9 @@ def main(argv=None) -> int:
     env_config = write_env_config(out / "arithmetic.yaml")
     run(launcher(nproc) + [str(REPO / "train_rl.py"), *model_flags(gpu),
          *rl_flags(pre_ckpt, rl_ckpt, env_config, metrics, out / "tensorboard", nproc=nproc, group_size=args.group_size,
-                   lr=args.rl_lr, iters=args.rl_iters)], out / "logs" / "train_rl.log")
+                   lr=args.rl_lr, iters=args.rl_iters, steps_per_iteration=args.steps_per_iteration),
+         "--grpo-policy-loss", args.policy_loss],
+        out / "logs" / "train_rl.log")
 
     from tools.plot_metrics import load_series, plot
 

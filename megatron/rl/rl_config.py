@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS
-from megatron.rl.algorithms.policy_loss import PolicyLossConfig
+from megatron.rl.algorithms.policy_loss import PolicyLossConfig, validate_policy_loss
 from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
 from megatron.rl.inference import api
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
@@ -213,9 +213,7 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
     # not after the checkpoint is loaded or one iteration in.
     for flag, value in (("--rl-default-temperature", rl.temperature), ("--rl-default-top-p", rl.top_p),
                         ("--rl-eval-temperature", rl.eval_temperature),
-                        ("--grpo-clamp-eps-lower", rl.loss.eps_lower), ("--grpo-clamp-eps-upper", rl.loss.eps_upper),
-                        ("--grpo-kl-beta", rl.loss.kl_beta), ("--grpo-entropy-term-weight", rl.loss.entropy_weight),
-                        ("--rl-importance-sampling-truncation-coef", rl.loss.is_truncation_coef)):
+                        ("--grpo-kl-beta", rl.loss.kl_beta), ("--grpo-entropy-term-weight", rl.loss.entropy_weight)):
         _need(math.isfinite(value), f"{flag}={value}: must be a finite number.")
     # Every backend refuses 0 < T < MIN_TEMPERATURE per request (near-zero temperatures overflow the softmax).
     _need(MIN_TEMPERATURE <= rl.temperature <= MAX_TEMPERATURE,
@@ -224,16 +222,12 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
     _need(rl.eval_temperature == 0 or MIN_TEMPERATURE <= rl.eval_temperature <= MAX_TEMPERATURE,
           f"--rl-eval-temperature={rl.eval_temperature}: must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
           f"{MAX_TEMPERATURE}].")
-    _need(0 <= rl.loss.eps_lower < 1, f"--grpo-clamp-eps-lower={rl.loss.eps_lower}: must be in [0, 1) (the clip "
-                                      f"keeps the ratio >= 1 - eps_lower > 0).")
-    _need(rl.loss.eps_upper >= 0, f"--grpo-clamp-eps-upper={rl.loss.eps_upper}: must be >= 0.")
+    validate_policy_loss(rl.loss)  # clip ranges, IS correction, sequence rejection: checked beside their fields
     _need(rl.inference_backend in _known_backends(),
           f"--inference-backend={rl.inference_backend}: unknown backend; registered: {_known_backends()}.")
     _need(0 < rl.top_p <= 1, f"--rl-default-top-p={rl.top_p}: must be in (0, 1].")
     _need(rl.top_k >= 0, f"--rl-default-top-k={rl.top_k}: must be >= 0 (0 disables top-k).")
     _need(rl.loss.kl_beta >= 0, f"--grpo-kl-beta={rl.loss.kl_beta}: must be >= 0.")
-    _need(rl.loss.is_truncation_coef > 0,
-          f"--rl-importance-sampling-truncation-coef={rl.loss.is_truncation_coef}: must be > 0.")
     _need(rl.max_new_tokens < cfg.model.seq_length,
           f"--rl-max-new-tokens={rl.max_new_tokens} leaves no room for a prompt within --seq-length="
           f"{cfg.model.seq_length}.")

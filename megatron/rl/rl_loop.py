@@ -39,8 +39,10 @@ _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss
               ("response_length_mean", "resp len"), ("clip_fraction_low", "clip lo"),
               ("clip_fraction_high", "clip hi"), ("kl_mean", "kl"), ("entropy_mean", "entropy"),
               ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"),
-              ("logprob_gap_max", "lp gap max"), ("router_replay_disagreement", "route diff"),
-              ("grad_norm", "grad norm"),
+              ("logprob_gap_max", "lp gap max"), ("mismatch_kl_k3", "mm kl"), ("is_weight_mean", "is w"),
+              ("is_truncated_fraction", "is trunc"), ("is_masked_fraction", "is masked"),
+              ("is_rejected_fraction", "rejected"), ("staleness_mean", "stale"),
+              ("router_replay_disagreement", "route diff"), ("grad_norm", "grad norm"),
               ("packing_efficiency", "packing"), ("prompt_tokens_shared", "shared"),
               ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
@@ -178,7 +180,9 @@ class _Loop:
         self.jsonl = MetricsJsonl(rl.metrics_jsonl, start) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
         o = rl.observe
         self.checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share,
-                                                    o.warn_logprob_gap),
+                                                    o.warn_logprob_gap, off_policy_kl=o.warn_off_policy_kl,
+                                                    reward_drop=o.warn_reward_drop, entropy_drop=o.warn_entropy_drop,
+                                                    trend_window=o.warn_trend_window),
                                   o.warn_interval, rl.max_new_tokens, report=parallel_utils.is_rank0())
         self.evaluates = bool(cfg.train.eval_interval) and rl.prompts_per_eval > 0
         self.history: list[dict[str, float]] = []

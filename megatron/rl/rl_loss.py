@@ -28,7 +28,7 @@ from megatron.rl.sequence_packing_utils import PackedBatch
 
 # Per-token stats reported token-weighted as [value * n, n] pairs (see megatron.rl.training.loop).
 _WEIGHTED_STATS = ("clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl_mean", "entropy_mean",
-                   "is_weight_mean", "is_truncated_fraction")
+                   "is_weight_mean", "is_truncated_fraction", "is_masked_fraction")
 
 
 # --------------------------------------------------------------------------- log-probs over vocab shards
@@ -142,18 +142,25 @@ def compute_rl_loss(logits: torch.Tensor, mb: PackedBatch, loss_cfg: PolicyLossC
     if old_logprobs_from_forward:
         _store(mb.values["old_logprobs"], logprobs.detach() * mask)
     values = {k: v.to(device).reshape(-1) for k, v in mb.values.items()}
-    entropy = vocab_parallel_entropy(logits, temperature).reshape(-1) if loss_cfg.needs_entropy else None
+    entropy = None
+    if loss_cfg.needs_entropy:  # without a bonus it is only reported: no graph
+        with torch.set_grad_enabled(torch.is_grad_enabled() and loss_cfg.entropy_weight != 0):
+            entropy = vocab_parallel_entropy(logits, temperature).reshape(-1)
+    seq_ids = mb.seq_ids.to(device).reshape(-1)
     token_loss, stats = compute_token_loss(
         loss_cfg, logprobs, values["old_logprobs"], values["advantages"], mask,
         ref_logprobs=values.get("ref_logprobs"), inference_logprobs=values.get("inference_logprobs"),
-        entropy=entropy)
-    loss = aggregate_loss(token_loss, mask, aggregation, normalizers, seq_ids=mb.seq_ids.to(device).reshape(-1))
+        entropy=entropy, seq_ids=seq_ids)
+    loss = aggregate_loss(token_loss, mask, aggregation, normalizers, seq_ids=seq_ids)
     n = mask.sum().detach().double()
     # [loss * N_global, n_local] summed over micro-batches and ranks gives [loss_total * N, N].
     report = {"rl loss": torch.stack([loss.detach().double() * float(normalizers.num_tokens), n])}
     for key in _WEIGHTED_STATS:
         if key in stats:
             report[key] = torch.stack([stats[key].double() * n, n])
+    if "num_rejected" in stats:  # sequence rejection: the share of sequences dropped
+        report["is_rejected_fraction"] = torch.stack([stats["num_rejected"].double(),
+                                                      stats["num_sequences"].double()])
     return loss, report
 
 

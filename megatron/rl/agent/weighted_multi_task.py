@@ -1,9 +1,12 @@
 """WeightedMultiTaskAgent: several environments behind one agent, mixed by weight.
 
-Each training step's ``num_groups`` prompt groups are split across the weighted environments with
-:func:`allocate_groups` (largest remainder, at least one group each, the rounding carried over to the next
-step so the mix follows the weights over time); evaluation-only environments get no
-training groups but take part in :meth:`WeightedMultiTaskAgent.evaluate`. Usually built from a YAML file by
+Each request's ``num_groups`` prompt groups are split across the weighted environments with
+:func:`allocate_groups` (largest remainder, at least one group each when there are enough groups, the
+rounding carried over to the next request so the mix follows the weights over time); evaluation-only
+environments get no training groups but take part in :meth:`WeightedMultiTaskAgent.evaluate`. A request for
+fewer groups than there are environments (asynchronous rollouts submitted group by group ask for one at a
+time) goes to the environments furthest behind their share: over consecutive requests the groups follow the
+weights as closely as whole groups can (1:3 over requests of one group: 1 of every 4 to the first). Usually built from a YAML file by
 :func:`megatron.rl.agent.env_config.build_agent_from_config`.
 """
 from __future__ import annotations
@@ -23,24 +26,25 @@ __all__ = ["WeightedMultiTaskAgent", "TaskEntry", "allocate_groups", "next_carry
 
 
 def allocate_groups(total: int, weights: list[float], carry: list[Fraction] | None = None) -> list[int]:
-    """Split ``total`` groups by ``weights`` (largest remainder), giving each positive weight at least one.
+    """Split ``total`` groups by ``weights`` (largest remainder), giving each positive weight at least one when
+    ``total`` allows it.
 
-    Quotas are ``total * w_i / sum(w)`` plus ``carry[i]`` (what earlier steps owe entry i: see
+    Quotas are ``total * w_i / sum(w)`` plus ``carry[i]`` (what earlier requests owe entry i: see
     :func:`next_carry`); each entry gets its floor (never below 0), leftovers go to the largest fractional
-    parts (ties: lower index). An entry with positive weight left at 0 then takes one group from the entry
-    that is furthest above its quota (among those with more than one). Zero weights get 0.
-    Raises ValueError on negative / non-finite weights, a zero sum, or ``total`` smaller than the number
-    of positive weights.
+    parts (ties: lower index). When ``total`` is at least the number of positive weights, an entry with positive
+    weight left at 0 then takes one group from the entry that is furthest above its quota (among those with
+    more than one). With fewer groups than positive weights the groups go by quota alone: the entries furthest
+    behind their share get them, and the carry serves the others at later requests. Zero weights get 0.
+    Raises ValueError on negative / non-finite weights or a zero sum.
     """
     if any(not math.isfinite(w) or w < 0 for w in weights):
         raise ValueError(f"weights must be finite and >= 0, got {weights}")
     wsum = sum(weights)
     if wsum <= 0:
         raise ValueError(f"weights sum to {wsum}: at least one environment needs a positive weight")
+    if total < 0:
+        raise ValueError(f"cannot allocate {total} groups")
     positive = [i for i, w in enumerate(weights) if w > 0]
-    if total < len(positive):
-        raise ValueError(f"{total} groups per step cannot give each of the {len(positive)} weighted environments "
-                         "at least one group; raise the number of prompts per step or set some weights to 0")
     quotas = _quotas(total, weights, carry)
     alloc = [max(math.floor(q), 0) for q in quotas]
     while sum(alloc) > total:  # only with carry: negative quotas clamped to 0 left too little for the rest
@@ -49,7 +53,7 @@ def allocate_groups(total: int, weights: list[float], carry: list[Fraction] | No
     order = sorted(positive, key=lambda i: (-(quotas[i] - alloc[i]), i))
     for k in range(total - sum(alloc)):
         alloc[order[k % len(order)]] += 1
-    for i in positive:
+    for i in positive if total >= len(positive) else ():
         if alloc[i] == 0:
             donor = max((j for j in range(len(alloc)) if alloc[j] > 1), key=lambda j: (alloc[j] - quotas[j], -j))
             alloc[donor] -= 1
@@ -58,11 +62,13 @@ def allocate_groups(total: int, weights: list[float], carry: list[Fraction] | No
 
 
 def next_carry(total: int, weights: list[float], carry: list[Fraction] | None, alloc: list[int]) -> list[Fraction]:
-    """What each entry is owed after a step allocated ``alloc``: its quota minus what it got, kept within (-1, 1).
+    """What each entry is owed after a request allocated ``alloc``: its quota minus what it got, kept within
+    [-1, 1].
 
-    Carrying the rounding over to the next step makes the groups each environment receives over many steps
-    follow the weights (1:1:1 with 16 groups per step: 6/5/5, 5/6/5, 5/5/6, ... instead of 6/5/5 forever).
-    The bound forgets what the at-least-one rule gives a tiny weight, so that debt cannot grow without end.
+    Carrying the rounding over to the next request makes the groups each environment receives over many requests
+    follow the weights (1:1:1 with 16 groups per step: 6/5/5, 5/6/5, 5/5/6, ... instead of 6/5/5 forever; 1:3
+    with one group per request: 0/1, 1/0, 0/1, 0/1, ...). The bound forgets what the at-least-one rule gives a
+    tiny weight, so that debt cannot grow without end.
     """
     quotas = _quotas(total, weights, carry)
     return [min(max(q - a, Fraction(-1)), Fraction(1)) if w > 0 else Fraction(0)

@@ -1,4 +1,4 @@
-"""RL algorithm math as pure tensor functions: advantages, policy losses, KL, entropy, IS, aggregation.
+"""RL algorithm math as pure tensor functions: advantages, policy losses, KL, entropy, IS corrections, aggregation.
 
 No process groups and no globals: callers pass tensors (and global counts they all-reduced) in.
 Variants are registered by name; the registries' ``names()`` serve as argparse choices.
@@ -9,20 +9,26 @@ from megatron.rl.algorithms.advantages import (ADVANTAGE_ESTIMATORS, compute_adv
 from megatron.rl.algorithms.aggregation import AGGREGATIONS, LossNormalizers, aggregate_loss, local_normalizers
 from megatron.rl.algorithms.entropy import (entropy_bonus, entropy_from_logits, entropy_from_partials,
                                            entropy_partials)
-from megatron.rl.algorithms.importance_sampling import logprob_gap_stats, truncated_is_weights
+from megatron.rl.algorithms.importance_sampling import (IS_CORRECTIONS, CorrectionParams, logprob_gap_stats,
+                                                       masked_is_weights, mismatch_sums, reject_sequences,
+                                                       sequence_is_weights, truncated_is_weights,
+                                                       trust_region_is_weights)
 from megatron.rl.algorithms.logprobs import logprob_temperature, token_logprobs
 from megatron.rl.algorithms.kl import KL_ESTIMATORS, kl_k1, kl_k2, kl_k3, kl_penalty
-from megatron.rl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossConfig, compute_token_loss, ppo_clip_loss
+from megatron.rl.algorithms.policy_loss import (POLICY_LOSSES, PolicyLossConfig, PolicyLossConfigError, cispo_loss,
+                                               compute_token_loss, gspo_loss, ppo_clip_loss, validate_policy_loss)
 from megatron.rl.base.registry import Registry
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "Registry",
+    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "IS_CORRECTIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "Registry",
     "compute_advantages", "grpo_advantages", "drgrpo_advantages", "rloo_advantages", "validate_rewards",
     "groups_with_same_reward",
     "LossNormalizers", "aggregate_loss", "local_normalizers",
     "entropy_from_logits", "entropy_partials", "entropy_from_partials", "entropy_bonus",
-    "logprob_gap_stats", "truncated_is_weights",
+    "CorrectionParams", "logprob_gap_stats", "truncated_is_weights", "masked_is_weights", "sequence_is_weights",
+    "trust_region_is_weights", "reject_sequences", "mismatch_sums",
     "logprob_temperature", "token_logprobs",
     "kl_k1", "kl_k2", "kl_k3", "kl_penalty",
-    "PolicyLossConfig", "compute_token_loss", "ppo_clip_loss",
+    "PolicyLossConfig", "PolicyLossConfigError", "compute_token_loss", "ppo_clip_loss", "gspo_loss", "cispo_loss",
+    "validate_policy_loss",
 ]

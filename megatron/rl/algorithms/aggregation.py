@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron.rl.algorithms.segments import segments_of
 from megatron.rl.base.registry import Registry
 
 
@@ -87,19 +88,11 @@ def aggregate_sequence(loss: torch.Tensor, mask: torch.Tensor, seq_ids: Optional
 
     Needs ``seq_ids``: a sequence's tokens must all be in this micro-batch (packing never splits one).
     """
-    if seq_ids is None:
-        raise ValueError("loss aggregation 'sequence' needs seq_ids (sequence index of every token)")
+    seg = segments_of(mask.reshape(-1), None if seq_ids is None else seq_ids.reshape(-1), "loss aggregation 'sequence'")
     denom = _require(norm.num_sequences, "num_sequences", "sequence")
-    loss, mask, seq_ids = loss.reshape(-1), mask.reshape(-1), seq_ids.reshape(-1)
-    sel = mask.bool()
-    if not bool(sel.any()):
+    if seg.count == 0:
         return loss.sum() * 0.0  # keeps the graph (and DDP's hooks) alive for an all-padding micro-batch
-    _, inverse = torch.unique(seq_ids[sel], return_inverse=True)
-    num = int(inverse.max()) + 1
-    sums = torch.zeros(num, dtype=loss.dtype, device=loss.device).index_add(0, inverse, loss[sel])
-    counts = torch.zeros(num, dtype=loss.dtype, device=loss.device).index_add(
-        0, inverse, torch.ones_like(loss[sel]))
-    return (sums / counts).sum() / denom
+    return seg.mean(loss.reshape(-1)).sum() / denom
 
 
 @AGGREGATIONS.register("drgrpo")

@@ -41,6 +41,20 @@ class ObserveConfig:
     warn_logprob_gap: float = flag(1.0, name="--rl-warn-logprob-gap",
                                    help="Warn when the mean train-inference log-prob gap (nats per generated token) "
                                         "exceeds this: the rollouts come from a different policy. inf disables.")
+    warn_off_policy_kl: float = flag(0.03, name="--rl-warn-off-policy-kl",
+                                     help="Asynchronous rollouts: warn when the k3 KL between the policy that generated "
+                                          "the trained tokens and the one being updated exceeds this (nats per token), "
+                                          "or more than one importance weight in twenty was truncated. inf disables.")
+    warn_reward_drop: float = flag(0.1, name="--rl-warn-reward-drop",
+                                   help="Warn when an environment's training reward over the last "
+                                        "--rl-warn-trend-window iterations is this far below its first window's. inf "
+                                        "disables.")
+    warn_entropy_drop: float = flag(0.25, name="--rl-warn-entropy-drop",
+                                    help="Warn when the policy's entropy (measured with asynchronous rollouts or an "
+                                         "entropy bonus) over the last window falls below this fraction of its first "
+                                         "window's. 0 disables.")
+    warn_trend_window: int = flag(20, name="--rl-warn-trend-window",
+                                  help="Iterations per window of the reward and entropy trend warnings.")
     warn_interval: int = flag(10, name="--rl-warn-interval",
                               help="Iterations between repeats of a warning whose condition persists; 0 disables the "
                                    "failure-point warnings.")
@@ -73,6 +87,11 @@ def resolve_observe(o: ObserveConfig, rl: Any, cfg: TrainingConfig) -> ObserveCo
     _need(o.warn_logprob_gap > 0 and not math.isnan(o.warn_logprob_gap),
           f"--rl-warn-logprob-gap={o.warn_logprob_gap}: must be > 0 (inf disables the warning).")
     _need(o.warn_interval >= 0, f"--rl-warn-interval={o.warn_interval}: must be >= 0 (0 disables warnings).")
+    for name, v in (("--rl-warn-off-policy-kl", o.warn_off_policy_kl), ("--rl-warn-reward-drop", o.warn_reward_drop)):
+        _need(v > 0 and not math.isnan(v), f"{name}={v}: must be > 0 (inf disables the warning).")
+    _need(0 <= o.warn_entropy_drop < 1, f"--rl-warn-entropy-drop={o.warn_entropy_drop}: must be a fraction in [0, 1) "
+                                        f"(0 disables the warning).")
+    _need(o.warn_trend_window >= 1, f"--rl-warn-trend-window={o.warn_trend_window}: must be >= 1.")
     given_ks = list(o.eval_ks) if o.eval_ks else None  # as typed, for the messages
     ks = sorted(set(o.eval_ks)) if o.eval_ks else []
     _need(all(k >= 1 for k in ks), f"--rl-eval-pass-at-k={given_ks}: every k must be >= 1.")

@@ -6,11 +6,17 @@
 * **length cap**: most responses stopped at the token budget (rambling, or a degenerate repetition);
 * **log-prob gap**: the trainer's log-probs of the sampled tokens are far from the inference backend's,
   i.e. the rollouts come from a different policy (a server serving other weights, another tokenizer or
-  chat template, a temperature mismatch).
+  chat template, a temperature mismatch). With asynchronous rollouts the gap of the tokens the trained
+  policy generated itself is checked (the stale tokens' gap is the policy's movement, by design);
+* **off-policy drift** (asynchronous rollouts): the policy moved far from the one that generated the trained
+  tokens (k3 KL between the two per token, the importance weights' mean and truncated share), where the
+  synchronous path trains at ~0; large per-step moves on stale data can feed on themselves;
+* **trends** over a window of iterations (:func:`check_trends`): an environment's reward fell below where the
+  run started, or the policy's entropy collapsed to a fraction of its starting level.
 
-:func:`check_failure_points` is pure (metrics and thresholds in, findings out); :class:`WarningLimiter`
-decides which findings to report, so a persisting condition is repeated only every ``interval``
-iterations and an iteration logs at most one warning record.
+:func:`check_failure_points` and :func:`check_trends` are pure (metrics and thresholds in, findings out);
+:class:`WarningLimiter` decides which findings to report, so a persisting condition is repeated only every
+``interval`` iterations and an iteration logs at most one warning record.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ import logging
 import math
 from typing import Sequence
 
-__all__ = ["Finding", "WarningThresholds", "check_failure_points", "WarningLimiter", "warning_metrics", "RunWarnings"]
+__all__ = ["Finding", "WarningThresholds", "check_failure_points", "check_trends", "WarningLimiter", "warning_metrics",
+           "RunWarnings"]
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +38,16 @@ class WarningThresholds:
     same_reward_share: float = 0.9
     length_cap_share: float = 0.5
     logprob_gap: float = 1.0
+    off_policy_kl: float = 0.03  # k3 KL(behaviour || trained policy) per token, asynchronous rollouts
+    is_truncated_share: float = 0.05  # share of tokens whose importance weight was truncated
+    reward_drop: float = 0.1  # an environment's windowed reward this far below its first window
+    entropy_drop: float = 0.25  # windowed entropy below this fraction of the first window's
+    trend_window: int = 20  # iterations per window of the trend checks
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    kind: str  # "same_reward" | "length_cap" | "logprob_gap"
+    kind: str  # "same_reward" | "length_cap" | "logprob_gap" | "off_policy" | "reward_drop/<env>" | "entropy_collapse"
     value: float
     threshold: float
     message: str
@@ -70,15 +82,84 @@ def check_failure_points(metrics: dict[str, float], thresholds: WarningThreshold
             f"{share:.0%} of responses stopped at the length cap{cap} (> {thresholds.length_cap_share:.0%}, "
             f"--rl-warn-length-cap-share): the policy rambles or repeats itself, and cut-off answers usually "
             f"score 0; raise the cap or look at the samples.{quoted}")))
-    gap = _finite(metrics, "logprob_gap_mean")
+    asynchronous = "staleness_mean" in metrics
+    # asynchronous: the tokens the trained policy generated itself (stale ones differ by design)
+    gap = _finite(metrics, "logprob_gap_fresh_mean" if asynchronous else "logprob_gap_mean")
     if gap is not None and gap > thresholds.logprob_gap:
-        worst = _finite(metrics, "logprob_gap_max")
+        worst = _finite(metrics, "logprob_gap_fresh_max" if asynchronous else "logprob_gap_max")
         worst_text = f", max {worst:.3g}" if worst is not None else ""
         out.append(Finding("logprob_gap", gap, thresholds.logprob_gap, (
             f"the train-inference log-prob gap is {gap:.3g} nats per generated token{worst_text} (> "
             f"{thresholds.logprob_gap:g}, --rl-warn-logprob-gap): the rollouts come from a different policy than "
             f"the one being trained. Check that the inference server serves the trained weights (refit), the "
             f"same tokenizer / chat template, and samples at --rl-default-temperature (the trainer scores at it).")))
+    if asynchronous:
+        out += _off_policy(metrics, thresholds)
+    return out
+
+
+def _off_policy(metrics: dict[str, float], thresholds: WarningThresholds) -> list[Finding]:
+    """Asynchronous rollouts: how far the trained tokens' policy is from the one being updated."""
+    kl, trunc = _finite(metrics, "mismatch_kl_k3"), _finite(metrics, "is_truncated_fraction")
+    if not ((kl is not None and kl > thresholds.off_policy_kl)
+            or (trunc is not None and trunc > thresholds.is_truncated_share)):
+        return []
+    weight, masked = _finite(metrics, "is_weight_mean"), _finite(metrics, "is_masked_fraction")
+    stale = _finite(metrics, "off_policy_token_share")
+    parts = [f"KL {kl:.3g} nats per token (k3)" if kl is not None else None,
+             f"importance weights mean {weight:.3f}" if weight is not None else None,
+             f"{trunc:.1%} truncated" if trunc else None, f"{masked:.1%} outside the trust region" if masked else None,
+             f"{stale:.0%} of the tokens stale" if stale is not None else None]
+    value = kl if kl is not None else trunc
+    return [Finding("off_policy", value, thresholds.off_policy_kl, (
+        f"asynchronous rollouts drift off-policy: the policy being updated is far from the one that generated the "
+        f"trained tokens ({', '.join(p for p in parts if p)}; > --rl-warn-off-policy-kl={thresholds.off_policy_kl:g}"
+        f" or more than {thresholds.is_truncated_share:.0%} truncated), where the synchronous path trains at ~0. "
+        f"Updates this large on stale tokens can feed on themselves (falling reward, collapsing entropy): lower --lr "
+        f"(or warm it up: Adam's first updates are its largest, --lr-warmup-iters) or --rl-generation-lag, and keep "
+        f"the update around the sampling policy (--rl-importance-sampling-mode trust_region, the default for "
+        f"asynchronous rollouts)."))]
+
+
+def _window_means(values: Sequence[float], window: int) -> tuple[float, float] | None:
+    """(mean of the first ``window`` values, mean of the last ``window``), once there are two whole windows."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if window < 1 or len(vals) < 2 * window:
+        return None
+    return sum(vals[:window]) / window, sum(vals[-window:]) / window
+
+
+def check_trends(history: dict[str, Sequence[float]], thresholds: WarningThresholds,
+                 asynchronous: bool = False) -> list[Finding]:
+    """Trend findings from a run's per-iteration history (``{metric: [value per iteration]}``).
+
+    ``reward_drop/<env>``: the mean of ``env/<env>/reward_mean`` over the last ``trend_window`` iterations is more
+    than ``reward_drop`` below its mean over the first window (``reward_mean`` for a run without per-environment
+    metrics). ``entropy_collapse``: the windowed ``entropy_mean`` fell below ``entropy_drop`` times its first
+    window's. ``asynchronous`` adds the asynchronous remedies to the messages.
+    """
+    w = thresholds.trend_window
+    hint = (" With asynchronous rollouts this is what the synchronous path usually does not do: compare a run "
+            "without --rl-generation-lag / --rl-partial-rollouts, or lower --lr." if asynchronous else "")
+    out = []
+    rewards = {k.split("/")[1]: v for k, v in history.items() if k.startswith("env/") and k.endswith("/reward_mean")}
+    if not rewards and "reward_mean" in history:
+        rewards = {"all": history["reward_mean"]}
+    for env, values in sorted(rewards.items()):
+        means = _window_means(values, w)
+        if means is not None and means[0] - means[1] > thresholds.reward_drop:
+            first, last = means
+            out.append(Finding(f"reward_drop/{env}", first - last, thresholds.reward_drop, (
+                f"the training reward of {env!r} fell from {first:.3f} (first {w} iterations) to {last:.3f} (last "
+                f"{w}), more than --rl-warn-reward-drop={thresholds.reward_drop:g} below where the run started: the "
+                f"policy got worse at it.{hint}")))
+    means = _window_means(history.get("entropy_mean", ()), w)
+    if means is not None and means[1] < thresholds.entropy_drop * means[0]:
+        first, last = means
+        out.append(Finding("entropy_collapse", last, thresholds.entropy_drop * first, (
+            f"the policy's entropy fell from {first:.3g} (first {w} iterations) to {last:.3g} (last {w}), below "
+            f"--rl-warn-entropy-drop={thresholds.entropy_drop:g} of where it started: it is collapsing onto a few "
+            f"answers.{hint}")))
     return out
 
 
@@ -134,6 +215,23 @@ class RunWarnings:
         self.limiter = WarningLimiter(interval)
         self.max_new_tokens = max_new_tokens
         self.reports = report
+        # the trend checks' history of each watched metric: its first window (where the run started) and a sliding
+        # window of the latest values
+        self._first: dict[str, list[float]] = {}
+        self._recent: dict[str, list[float]] = {}
+
+    def _record(self, metrics: dict[str, float]) -> dict[str, list[float]]:
+        w = self.thresholds.trend_window
+        for key, value in metrics.items():
+            if key in ("reward_mean", "entropy_mean") or (key.startswith("env/") and key.endswith("/reward_mean")):
+                first = self._first.setdefault(key, [])
+                if len(first) < w:
+                    first.append(value)
+                else:
+                    recent = self._recent.setdefault(key, [])
+                    recent.append(value)
+                    del recent[:-w]
+        return {k: v + self._recent.get(k, []) for k, v in self._first.items()}
 
     def check(self, metrics: dict[str, float], observations=None) -> list[Finding]:
         example = same_value = None
@@ -145,7 +243,8 @@ class RunWarnings:
                 for value, n in summary.same_reward_values.items():
                     counts[value] = counts.get(value, 0) + n
             same_value = max(sorted(counts), key=counts.__getitem__) if counts else None
-        return check_failure_points(metrics, self.thresholds, self.max_new_tokens, example, same_value)
+        return (check_failure_points(metrics, self.thresholds, self.max_new_tokens, example, same_value)
+                + check_trends(self._record(metrics), self.thresholds, asynchronous="staleness_mean" in metrics))
 
     def report(self, findings: Sequence[Finding], iteration: int) -> str | None:
         return self.limiter.report(findings, iteration) if self.reports else None

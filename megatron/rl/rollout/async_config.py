@@ -9,7 +9,8 @@ older policies (the *behaviour* policy, whose log-probs the backend returned). T
 against the *proximal* policy, the current weights before the update, whose log-probs the trainer recomputes in
 its scoring pass (so the shortcut of taking them from the training forward is off); the truncated importance
 weight ``min(exp(proximal - behaviour), --rl-importance-sampling-truncation-coef)`` corrects for the behaviour
-policy.
+policy, zeroed where the ratio already left the trust region around the behaviour policy in the direction the
+advantage pushes.
 """
 from __future__ import annotations
 
@@ -95,10 +96,19 @@ def needs_whole_batches(fn: Any) -> bool:
 
 
 def async_loss_config(loss: PolicyLossConfig, ac: AsyncRolloutConfig) -> PolicyLossConfig:
-    """Truncated IS against the behaviour log-probs is on whenever trained tokens can be off-policy."""
-    if ac.off_policy and not loss.is_correction:
-        return dataclasses.replace(loss, is_correction=True)
-    return loss
+    """Whenever trained tokens can be off-policy: an IS correction against the behaviour log-probs, by default the
+    trust region (``--rl-importance-sampling-mode`` picks another), and the entropy report the off-policy warnings
+    read (:mod:`megatron.rl.observe.warnings`).
+
+    Why the trust region and not truncated IS alone: the policy's early steps move it far (k3 KL of tenths of a nat
+    per token between consecutive versions on the quickstart), and a batch sampled before such a step, trained after
+    it, pushes its tokens again in the direction the step already took them; the correction bounds each token's
+    ratio to the policy that sampled it (PPO's clip, anchored at the sampler), so the stale update cannot repeat
+    the last one. Truncated IS alone let a two-environment mixture fall well below the synchronous run.
+    """
+    if not ac.off_policy:
+        return loss
+    return dataclasses.replace(loss, is_correction=True, is_mode=loss.is_mode or "trust_region", report_entropy=True)
 
 
 def validate_async_rollouts(ac: AsyncRolloutConfig, rl: RunFlags, cfg: TrainingConfig) -> None:

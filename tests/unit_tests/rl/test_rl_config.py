@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import types
 
 import pytest
@@ -207,12 +208,36 @@ def test_count_all_failed_resets_on_any_success():
     ("--grpo-clamp-eps-upper", "-0.1"), ("--grpo-clamp-eps-upper", "inf"),
     ("--grpo-entropy-term-weight", "nan"), ("--grpo-kl-beta", "inf"), ("--grpo-kl-beta", "nan"),
     ("--rl-default-top-p", "nan"), ("--rl-importance-sampling-truncation-coef", "inf"),
-    ("--inference-backend", "unknown"),
+    ("--inference-backend", "unknown"), ("--rl-importance-sampling-mask-low", "nan"),
+    ("--rl-importance-sampling-mask-low", "-0.5"), ("--rl-reject-sequence-max-log-ratio", "-1"),
+    ("--rl-reject-sequence-mean-log-ratio", "0"), ("--rl-warn-off-policy-kl", "0"),
+    ("--rl-warn-entropy-drop", "1"), ("--rl-warn-trend-window", "0"),
 ])
 def test_hostile_rl_flag_values_are_named_errors(env_yaml, flag, value):
     with pytest.raises(ConfigError) as e:
         _rl(env_yaml, flag, value)
     assert f"{flag}={value}" in str(e.value)
+
+
+@pytest.mark.parametrize("extra, flags", [
+    (["--rl-importance-sampling-mask-low", "2", "--rl-importance-sampling-mask-high", "1"],
+     ["--rl-importance-sampling-mask-low=2.0 > --rl-importance-sampling-mask-high=1.0"]),
+    (["--rl-importance-sampling-mode", "masked", "--rl-importance-sampling-mask-low", "1.1"],
+     ["--rl-importance-sampling-mask-low/-high", "excludes ratio 1"]),
+    (["--grpo-policy-loss", "gspo", "--grpo-clamp-eps-lower", "1"], ["--grpo-clamp-eps-lower=1.0", "gspo"]),
+])
+def test_off_policy_corrections_and_clip_ranges_are_named_errors(env_yaml, extra, flags):
+    with pytest.raises(ConfigError) as e:
+        _rl(env_yaml, *extra)
+    for flag in flags:
+        assert flag in str(e.value), str(e.value)
+
+
+def test_each_loss_gets_its_published_clip_range_and_cispo_may_drop_the_lower_bound(env_yaml):
+    assert _rl(env_yaml, "--grpo-policy-loss", "gspo").loss.clip_range == (3e-4, 4e-4)
+    assert _rl(env_yaml, "--grpo-policy-loss", "cispo").loss.clip_range == (1.0, 3.0)
+    assert _rl(env_yaml, "--grpo-policy-loss", "cispo", "--grpo-clamp-eps-lower", "1").loss.clip_range[0] == 1.0
+    assert _rl(env_yaml).loss.clip_range == (0.2, 0.2)
 
 
 def test_legal_edge_values_are_accepted(env_yaml):
@@ -239,12 +264,14 @@ def test_train_rl_bad_input_exits_2_with_one_line_before_building_anything(env_y
     argv = [*BASE, "--langrl-env-config", str(env_yaml), "--grpo-prompts-per-step", "4", "--grpo-group-size", "4",
             "--rl-max-new-tokens", "8"]
     for bad in (["--grpo-clamp-eps-lower", "2"], ["--inference-backend", "unknown"],
-                ["--rl-default-temperature", "inf"], ["--grpo-entropy-term-weight", "nan"]):
+                ["--rl-default-temperature", "inf"], ["--grpo-entropy-term-weight", "nan"],
+                ["--rl-importance-sampling-mask-low", "2"]):  # lo > hi (1.25)
         capsys.readouterr()
         assert train_rl.main([*argv, *bad]) == 2
         err = capsys.readouterr().err.splitlines()
-        assert [x for x in err if x.startswith("train_rl.py: error: ")][0].startswith(
-            "train_rl.py: error: ConfigError: " + bad[0]), err
+        # ConfigError or a section's subclass of it (PolicyLossConfigError), then the flag
+        assert re.match(r"train_rl\.py: error: \w*ConfigError: " + re.escape(bad[0]),
+                        [x for x in err if x.startswith("train_rl.py: error: ")][0]), err
     bad_env = env_yaml.parent / "bad.yaml"
     bad_env.write_text("- type: arithmetic\n  weight: -1\n")
     argv[argv.index(str(env_yaml))] = str(bad_env)

@@ -62,8 +62,7 @@ def test_allocation_properties_against_reference():
 
 
 @pytest.mark.parametrize("total, weights, match", [
-    (4, [1, -1], "finite and >= 0"), (4, [0, 0], "sum to 0"), (1, [1, 1], "at least one group"),
-    (4, [float("nan")], "finite"),
+    (4, [1, -1], "finite and >= 0"), (4, [0, 0], "sum to 0"), (4, [float("nan")], "finite"),
 ])
 def test_allocation_errors(total, weights, match):
     with pytest.raises(ValueError, match=match):
@@ -105,6 +104,44 @@ def test_tiny_weights_keep_one_group_and_the_carry_stays_bounded():
     for alloc in history:
         carry = next_carry(4, [100, 1], carry, alloc)
         assert all(-1 <= c <= 1 for c in carry)
+
+
+def test_requests_for_fewer_groups_than_environments_follow_the_weights_over_requests():
+    """Group-by-group requests (asynchronous rollouts submitted per group) go to the environment furthest behind
+    its share (ties: the first entry): 1:3 repeats [0, 1], [1, 0], [0, 1], [0, 1]; in general every prefix of requests is within one
+    group of the weights' quota for each environment."""
+    assert _run_steps(1, [1, 3], 8) == [[0, 1], [1, 0], [0, 1], [0, 1]] * 2
+    assert _run_steps(2, [1, 1, 2], 4) == [[1, 0, 1], [0, 1, 1]] * 2
+    rng = random.Random(3)
+    for _ in range(300):
+        weights = [rng.choice([0, 0.5, 1, 2, 3, 7.5, 100]) for _ in range(rng.randint(2, 5))]
+        positive = sum(w > 0 for w in weights)
+        if positive < 2:
+            continue
+        total, carry, got = rng.randint(1, positive - 1), None, [0] * len(weights)
+        for step in range(1, rng.randint(2, 60)):
+            alloc = allocate_groups(total, weights, carry)
+            carry = next_carry(total, weights, carry, alloc)
+            got = [g + a for g, a in zip(got, alloc)]
+            assert sum(alloc) == total and all(a == 0 for a, w in zip(alloc, weights) if w == 0)
+            quota = [Fraction(total * step) * Fraction(w) / sum(map(Fraction, weights)) for w in weights]
+            assert all(abs(g - q) <= 1 for g, q in zip(got, quota)), (weights, total, step, got, quota)
+
+
+def test_multi_task_agent_serves_one_group_per_request_and_resumes_the_share():
+    agent = build_agent_from_config(CONFIGS / "multi_task.yaml", seed=5)  # arithmetic 3 : countdown 1
+    request = GroupedRolloutRequest(num_groups=1, rollouts_per_group=1, inference_interface=FakeInference(),
+                                    generation_args=GenerationArgs(max_tokens=2, seed=1))
+
+    def env(a):
+        [group] = asyncio.run(a.generate_grouped_rollouts(request)).groups
+        return group.env_id
+
+    first = [env(agent) for _ in range(6)]
+    assert first == ["arithmetic", "arithmetic", "countdown", "arithmetic"] * 1 + ["arithmetic", "arithmetic"]
+    fresh = build_agent_from_config(CONFIGS / "multi_task.yaml", seed=5)
+    fresh.load_state_dict(json.loads(json.dumps(agent.state_dict())))
+    assert [env(fresh) for _ in range(6)] == [env(agent) for _ in range(6)]
 
 
 def test_multi_task_agent_carries_its_allocation_across_steps_and_checkpoints():

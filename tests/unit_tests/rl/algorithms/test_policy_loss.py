@@ -30,7 +30,7 @@ def _random_tokens(n, seed):
 
 
 def test_registered_policy_losses():
-    assert POLICY_LOSSES.names() == ["ppo_clip"]
+    assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo_clip"]
 
 
 @pytest.mark.parametrize("eps", [(0.2, 0.2), (0.2, 0.28), (0.1, 0.5)])

@@ -85,3 +85,69 @@ def test_run_warnings_quote_a_capped_sample_and_the_common_constant_reward():
     msg = {f.kind: f.message for f in findings}
     assert "most often 0" in msg["same_reward"] and "e.g. '        '" in msg["length_cap"]
     assert checks.report(findings, 1) is None  # not the reporting rank
+
+
+# ------------------------------------------------------------------ asynchronous rollouts: off-policy drift, trends
+ASYNC = {"staleness_mean": 0.6, "off_policy_token_share": 0.6}
+
+
+def test_off_policy_drift_fires_only_for_asynchronous_runs_above_the_kl_or_the_truncated_share():
+    assert kinds({**ASYNC, "mismatch_kl_k3": 0.03, "is_truncated_fraction": 0.05}) == []
+    assert kinds({**ASYNC, "mismatch_kl_k3": 0.0301, "is_truncated_fraction": 0.0}) == ["off_policy"]
+    assert kinds({**ASYNC, "mismatch_kl_k3": 0.001, "is_truncated_fraction": 0.0501}) == ["off_policy"]
+    # synchronous: the same numbers are the train-inference mismatch, which the log-prob gap check covers
+    assert kinds({"mismatch_kl_k3": 0.5, "is_truncated_fraction": 0.5}) == []
+    [f] = check_failure_points({**ASYNC, "mismatch_kl_k3": 0.35, "is_weight_mean": 0.916,
+                                "is_truncated_fraction": 0.011}, T)
+    assert "KL 0.35 nats per token" in f.message and "weights mean 0.916" in f.message and "1.1% truncated" in f.message
+    assert "--rl-warn-off-policy-kl=0.03" in f.message and "--rl-importance-sampling-mode" in f.message
+    assert "--lr-warmup-iters" in f.message
+
+
+def test_asynchronous_runs_check_the_gap_of_the_tokens_the_trained_policy_generated():
+    stale_only = {**ASYNC, "logprob_gap_mean": 3.0, "logprob_gap_stale_mean": 3.0}
+    assert kinds(stale_only) == []  # the policy moved since: by design
+    assert kinds({**stale_only, "logprob_gap_fresh_mean": 2.0, "logprob_gap_fresh_max": 9.0}) == ["logprob_gap"]
+
+
+def _trend(values_by_key, **kw):
+    from megatron.rl.observe.warnings import check_trends
+
+    t = WarningThresholds(trend_window=5, **kw)
+    return [f.kind for f in check_trends(values_by_key, t)]
+
+
+def test_reward_drop_compares_the_last_window_with_the_first():
+    rising = [0.4, 0.45, 0.5, 0.5, 0.55] + [0.6] * 10
+    falling = [0.5] * 5 + [0.45] * 5 + [0.35, 0.3, 0.3, 0.3, 0.3]  # last window 0.31, first 0.5
+    assert _trend({"env/arith/reward_mean": rising, "env/sub/reward_mean": falling}) == ["reward_drop/sub"]
+    assert _trend({"env/sub/reward_mean": falling[:9]}) == []  # not two whole windows yet
+    assert _trend({"env/sub/reward_mean": [0.5] * 5 + [0.41] * 5}) == []  # 0.09 <= 0.1
+    assert _trend({"reward_mean": falling}) == ["reward_drop/all"]  # no per-environment metrics
+    assert _trend({"env/sub/reward_mean": falling}, reward_drop=float("inf")) == []
+
+
+def test_entropy_collapse_is_a_fraction_of_the_first_window():
+    assert _trend({"entropy_mean": [0.6] * 5 + [0.16] * 5}) == []  # 0.16 >= 0.25 x 0.6 = 0.15
+    assert _trend({"entropy_mean": [0.6] * 5 + [0.14] * 5}) == ["entropy_collapse"]
+    assert _trend({"entropy_mean": [0.6] * 5 + [0.01] * 5}, entropy_drop=0.0) == []
+
+
+def test_run_warnings_follow_a_collapsing_asynchronous_run_and_stay_quiet_on_a_learning_one():
+    """The history the warnings keep: an arithmetic reward that rises from 0.45 (a learning run) stays quiet; one that
+    falls to 0.2 while the policy moves far per step (the collapse) warns about both, once per interval."""
+    def run(rewards, kls):
+        checks = RunWarnings(WarningThresholds(trend_window=10), interval=50, max_new_tokens=8, report=False)
+        found = []
+        for it, (reward, kl) in enumerate(zip(rewards, kls), 1):
+            metrics = {**ASYNC, "env/arith/reward_mean": reward, "env/sub/reward_mean": 0.2, "mismatch_kl_k3": kl,
+                       "is_weight_mean": 0.99, "entropy_mean": 0.5 - 0.001 * it}
+            found.append({f.kind for f in checks.check(metrics)})
+        return found
+
+    learning = run([0.45 + 0.002 * i for i in range(60)], [0.01] * 60)
+    assert all(not f for f in learning)
+    collapse = run([0.5] * 20 + [0.5 - 0.01 * i for i in range(30)] + [0.2] * 10, [0.01] * 30 + [0.08] * 30)
+    first_drop = next(i for i, f in enumerate(collapse) if "reward_drop/arith" in f)
+    assert 20 < first_drop < 50 and all("reward_drop/arith" in f for f in collapse[first_drop:])
+    assert all("off_policy" in f for f in collapse[30:]) and not any("off_policy" in f for f in collapse[:30])

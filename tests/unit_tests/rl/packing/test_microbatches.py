@@ -72,3 +72,27 @@ def test_shared_shapes_are_equal_on_every_data_parallel_rank():
     assert token_slots(info, dist, True, shared=True) == 2 * sum(r * n for r, n in shared)
     with pytest.raises(ValueError, match="micro-batch shapes"):
         get_microbatch_dataloader(batch, 2, dynamic_shapes=True, shapes=shared[:1])
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_sequence_never_spans_two_microbatches_or_ranks(dynamic):
+    """Sequence-level losses (GSPO, sequence IS, rejection, the sequence aggregation) reduce per sequence inside
+    one micro-batch: every sequence's tokens must all land in one micro-batch of one rank, whatever the packing."""
+    import random
+
+    rng = random.Random(4)
+    for _ in range(30):
+        lengths = [rng.randint(2, 14) for _ in range(rng.randint(1, 25))]
+        info = plan_packing(lengths, 16, rng.randint(1, 6))
+        dp, mbs = rng.randint(1, 3), rng.randint(1, 3)
+        dist = distribute_bins(info.num_bins, dp, mbs)
+        tokens = [list(range(1, n + 1)) for n in lengths]
+        masks = [[0] + [1] * (n - 1) for n in lengths]
+        owner: dict[int, tuple[int, int]] = {}
+        for rank in range(dp):
+            batch = build_rank_batch(info, dist, rank, tokens, masks, 0)
+            for m, mb in enumerate(get_microbatch_dataloader(batch, mbs, dynamic_shapes=dynamic)):
+                for sid in torch.unique(mb.seq_ids[mb.seq_ids >= 0]).tolist():
+                    assert owner.setdefault(sid, (rank, m)) == (rank, m), (sid, owner[sid], (rank, m))
+                    assert int((mb.seq_ids == sid).sum()) == lengths[sid]  # whole, not split across rows
+        assert sorted(owner) == list(range(len(lengths)))

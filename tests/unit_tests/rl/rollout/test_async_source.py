@@ -56,16 +56,21 @@ def test_defaults_are_the_synchronous_path(env_yaml):
 
 
 @pytest.mark.parametrize("extra", [["--rl-generation-lag", "1"], ["--rl-partial-rollouts"]])
-def test_off_policy_turns_on_truncated_is_and_off_the_forward_shortcut(env_yaml, extra):
+def test_off_policy_turns_on_the_trust_region_and_off_the_forward_shortcut(env_yaml, extra):
     rl = _rl(env_yaml, *extra)
     assert rl.async_rollouts.enabled and rl.async_rollouts.off_policy
-    assert rl.loss.is_correction  # decoupled PPO: IS weight against the behaviour (inference) log-probs
+    # decoupled PPO: IS weight against the behaviour (inference) log-probs, inside a trust region around it
+    assert rl.loss.is_correction and rl.loss.correction == "trust_region"
+    assert rl.loss.needs_entropy and rl.loss.entropy_weight == 0  # measured for the warnings, no bonus
     assert not old_logprobs_from_training_forward(rl, 1)  # proximal log-probs from their own scoring pass
+    # another correction is the user's to choose
+    assert _rl(env_yaml, *extra, "--rl-importance-sampling-mode", "truncated").loss.correction == "truncated"
 
 
 def test_lag_zero_with_other_granularity_uses_the_pipeline_on_policy(env_yaml):
     rl = _rl(env_yaml, "--rl-consumption-granularity", "G")
     assert rl.async_rollouts.enabled and not rl.async_rollouts.off_policy and not rl.loss.is_correction
+    assert rl.loss.correction is None and not rl.loss.needs_entropy
 
 
 @pytest.fixture
@@ -337,3 +342,28 @@ def test_dp2_lag_one_partial_rollouts(tmp_path):
     assert all(r["num_sequences"] == 16 and r["env/HashReward/groups"] == 4 for r in records)
     assert all(0 <= r["staleness_max"] <= 1 and "is_weight_mean" in r for r in records)
     assert any(r["off_policy_token_share"] > 0 for r in records)
+
+
+@pytest.mark.slow
+def test_a_weighted_mixture_serves_group_by_group_submission(tmp_path):
+    """Two environments weighted 3:1, lag 1, partial rollouts, one agent call per group (G submission) and G
+    consumption: the mixture is asked for one group at a time and shares them out over the calls (it refused such
+    a request before: "1 groups per step cannot give each of the 2 weighted environments at least one group")."""
+    env = tmp_path / "env.yaml"
+    env.write_text(f'environments: [{{type: "{AGENTS}:HashReward", name: a, weight: 3}}, '
+                   f'{{type: "{AGENTS}:HashReward", name: b, weight: 1}}]\n')
+    out = tmp_path / "mix.jsonl"
+    flags = list(FLAGS)
+    flags[flags.index("--train-iters") + 1] = "4"  # 16 groups trained
+    cmd = [sys.executable, str(REPO_ROOT / "train_rl.py"), *flags, "--langrl-env-config", str(env),
+           "--rl-metrics-jsonl", str(out), "--rl-generation-lag", "1", "--rl-partial-rollouts",
+           "--rl-submission-granularity", "G", "--rl-consumption-granularity", "G"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    records = [r for r in map(json.loads, out.read_text().splitlines()) if "reward_mean" in r]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]
+    groups = [(r.get("env/a/groups", 0), r.get("env/b/groups", 0)) for r in records]
+    assert all(a + b == 4 for a, b in groups), groups
+    # 24 groups were submitted (16 trained + up to 8 ahead), 1 in 4 to b; the 16 trained hold 3 to 5 of them
+    assert 3 <= sum(b for _, b in groups) <= 5, groups
