@@ -18,6 +18,7 @@ from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.observe.metrics import format_env_line
+from megatron.rl.observe.run_summary import run_summary
 from megatron.rl.observe.samples import samples_markdown
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, generation_split, rl_iteration
 from megatron.rl.observe.warnings import RunWarnings, WarningThresholds, warning_metrics
@@ -35,7 +36,9 @@ _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss
               ("packing_efficiency", "packing"), ("prompt_tokens_shared", "shared"),
               ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
-              ("time_train_s", "t train"), ("time_refit_s", "t refit"))
+              ("time_train_s", "t train"), ("time_refit_s", "t refit"), ("staleness_mean", "stale"),
+              ("staleness_max", "stale max"), ("off_policy_token_share", "off-policy"),
+              ("is_truncated_fraction", "is trunc"))
 
 
 @dataclasses.dataclass
@@ -162,9 +165,7 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     history: list[dict[str, float]] = []
     evals: list[dict[str, float]] = []
     eval_on = bool(t.eval_interval) and rl.prompts_per_eval > 0
-    log.info("RL: %d iterations from %d; %d prompts x %d rollouts per iteration, %d optimizer step(s) each, "
-             "backend %s", t.train_iters, iteration, rl.prompts_per_step, rl.group_size,
-             rl.grpo_iterations * rl.rollouts_per_step // t.global_batch_size, rl.inference_backend)
+    log.info(run_summary(cfg, rl, start))
     if eval_on and iteration == 0:
         run_eval(0)
     control = LoopControl.from_config(cfg, save, last_saved=iteration if c.load else None)
