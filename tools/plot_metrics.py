@@ -8,9 +8,9 @@
 One panel per metric, x = iteration. JSONL records are dicts with an ``iteration`` key (training records
 and evaluation records may be interleaved; each metric is plotted where it is present).
 
-``--smooth W`` draws an exponential moving average over iterations (weight W per iteration, so evaluations
-every 10 iterations are smoothed over the same span of iterations as per-iteration metrics) over the raw line,
-which stays faint. ``--envs`` compares the environments of one run: a panel per metric (``reward_mean``,
+``--smooth W`` draws an exponential moving average over iterations (weight W per iteration: 0.9 averages over
+about 10 iterations) over the raw line, which stays faint; sparse series (evaluations, under 30 points) are drawn
+as they are, with markers. ``--envs`` compares the environments of one run: a panel per metric (``reward_mean``,
 ``response_length_mean``, ``failed_rollouts``, ``pass@1`` by default; the run's ``env/<name>/<metric>`` and
 ``eval/<name>/<metric>`` series), one line per environment.
 """
@@ -109,10 +109,13 @@ def env_panels(series: dict[str, list[tuple[int, float]]], metrics=ENV_METRICS) 
     return panels
 
 
+_SPARSE = 30  # fewer points (evaluations): drawn with markers, never smoothed (each point is already an average)
+
+
 def _draw(ax, points, label, color, smooth: float, many: bool) -> None:
     xs, ys = zip(*sorted(points))
-    marker = "o" if len(xs) < 30 else None
-    if smooth > 0 and len(xs) > 2:
+    marker = "o" if len(xs) < _SPARSE else None
+    if smooth > 0 and len(xs) >= _SPARSE:
         ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1, marker=marker, markersize=2)
         sx, sy = zip(*ema(sorted(points), smooth))
         ax.plot(sx, sy, color=color, linewidth=1.8, label=label)
@@ -159,11 +162,11 @@ def figure(series: dict[str, list[tuple[int, float]]], metrics: list[str], title
     for ax, (name, lines) in zip(axes[:, 0], panels):
         for env, points in lines.items():
             _draw(ax, points, env or None, colors[names.index(env) % len(colors)], smooth, len(lines) > 1)
-        ax.set_ylabel(name)
+        ax.set_title(name, loc="left", fontsize=10)  # above the panel: long names never run into the next one
         ax.grid(alpha=0.3)
     if envs:
         handles = [plt.Line2D([], [], color=colors[i % len(colors)], linewidth=2) for i in range(len(names))]
-        fig.legend(handles, names, loc="outside upper right", ncols=min(len(names), 4), title="environment")
+        fig.legend(handles, names, loc="outside lower center", ncols=min(len(names), 5), title="environment")
     axes[-1, 0].set_xlabel("iteration" + (f"  (lines: EMA {smooth:g} per iteration, faint: raw)" if smooth else ""))
     if title:
         fig.suptitle(title)
