@@ -91,4 +91,7 @@ def setup_server_logging(level: str) -> None:
     :func:`quiet_dependencies` (the servers also turn uvicorn's per-request access log off unless at debug)."""
     level_no = logging.getLevelName(level.upper())
     logging.basicConfig(level=level_no, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level_no > logging.DEBUG:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_CoreRootInfoFilter())
     quiet_dependencies(level_no)
