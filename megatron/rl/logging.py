@@ -87,11 +87,7 @@ def setup_distributed_logging(level: str | int = "INFO", all_ranks: bool = False
 
 
 def setup_server_logging(level: str) -> None:
-    """Logging of a server process (one rank): ``level`` for our loggers, the dependencies quieted as in
-    :func:`quiet_dependencies` (the servers also turn uvicorn's per-request access log off unless at debug)."""
-    level_no = logging.getLevelName(level.upper())
-    logging.basicConfig(level=level_no, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if level_no > logging.DEBUG:
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(_CoreRootInfoFilter())
-    quiet_dependencies(level_no)
+    """Logging of a server process: :func:`setup_distributed_logging` at ``level`` (the one handler a megatron
+    backend's own set-up then reuses, so no line is printed twice). The servers also turn uvicorn's per-request
+    access log off unless at debug."""
+    setup_distributed_logging(level.upper())
