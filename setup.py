@@ -46,10 +46,14 @@ setup(
         "wandb": ["wandb"],
         "math": ["sympy"],
         "data": ["datasets"],  # Parquet / Arrow / JSON files for HuggingFaceDatasetAgent (JSONL needs nothing)
+        # environment libraries: reasoning-gym's generated tasks (type: reasoning_gym); OpenEnv environments
+        # (type: openenv) pull gradio and fastmcp, so they have an extra of their own (not in dev)
+        "envs": ["reasoning-gym>=0.1.25"],
+        "openenv": ["openenv-core>=0.3.0"],
         "plot": ["matplotlib"],
         # benchmarks/grpo_vs_trl.py: TRL's GRPOTrainer as the peer (pulls datasets/accelerate; keeps torch)
         "bench": ["trl", "datasets"],
         "dev": ["pytest>=7", "hypothesis", "transformers>=4.40", "tokenizers", "safetensors", "sympy", "datasets",
-                "matplotlib", "jinja2"],
+                "matplotlib", "jinja2", "reasoning-gym>=0.1.25"],
     },
 )

@@ -27,6 +27,7 @@ from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from megatron.rl.layout.groups import InferenceLayoutConfig, validate_inference_layout
 from megatron.rl.observe.config import ObserveConfig, resolve_observe
 from megatron.rl.rollout.pipeline import AsyncRolloutConfig
+from megatron.rl.routing.config import REPLAY_MODES, validate_router_replay
 from megatron.rl.sequence_packing_utils import PACKING_ALGOS
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
@@ -134,6 +135,13 @@ class RLConfig:
              "default each micro-batch drops its padding-only rows and positions (pipeline parallelism always keeps "
              "the fixed shape).")
     deterministic_forward: bool = derived(True)  # no dropout: a training forward scores what a scoring pass would
+    router_replay: str = flag(
+        "off", name="--rl-router-replay", choices=REPLAY_MODES,
+        help="MoE only. rollout = the in-process engine records the experts each token was routed to at every MoE "
+             "layer, and the trainer's forwards (scoring and training) route those tokens to the same experts, so "
+             "a near tie that rounds the other way in the trainer no longer sends a token through other experts "
+             "(megatron.rl.routing.replay). Costs layers x top-k x 2 bytes per rollout token. off (default) = the "
+             "trainer's routers choose.")
     # asynchronous rollouts (issue 14); the defaults keep the synchronous collection
     async_rollouts: AsyncRolloutConfig = section(AsyncRolloutConfig)
 
@@ -245,6 +253,10 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
     _need(cfg.parallel.virtual_pipeline_model_parallel_size is None,
           "train_rl.py does not support the interleaved pipeline schedule yet; drop "
           "--num-layers-per-virtual-pipeline-stage.")
+    m = cfg.model
+    validate_router_replay(rl.router_replay, num_experts=m.num_experts, inference_backend=rl.inference_backend,
+                           recompute_granularity=m.recompute_granularity,
+                           load_balancing=m.moe_router_load_balancing_type)
     # --- separate inference layout (issue 12) ---
     validate_inference_layout(rl.inference_layout, cfg, rl.inference_backend)
     if rl.inference_layout.enabled:

@@ -32,7 +32,8 @@ _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss
               ("response_length_mean", "resp len"), ("clip_fraction_low", "clip lo"),
               ("clip_fraction_high", "clip hi"), ("kl_mean", "kl"), ("entropy_mean", "entropy"),
               ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"),
-              ("logprob_gap_max", "lp gap max"), ("grad_norm", "grad norm"),
+              ("logprob_gap_max", "lp gap max"), ("router_replay_disagreement", "route diff"),
+              ("grad_norm", "grad norm"),
               ("packing_efficiency", "packing"), ("prompt_tokens_shared", "shared"),
               ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
@@ -97,6 +98,12 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
     model, optimizer, scheduler, tokenizer = run.model, run.optimizer, run.scheduler, run.tokenizer
+    if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
+        from megatron.rl.routing.replay import install_router_replay
+
+        for chunks in (model, run.ref_model):
+            if chunks is not None:
+                install_router_replay(chunks)
     start = run.resume()
     iteration, run_state = start.iteration, start.run_state
     if not start.from_checkpoint and not c.pretrained_checkpoint:

@@ -23,6 +23,7 @@ from megatron.rl.algorithms.entropy import entropy_from_partials, entropy_partia
 from megatron.rl.algorithms.logprobs import logprob_temperature
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.packing.packed_forward import isolate_sequences
+from megatron.rl.routing.replay import replaying
 from megatron.rl.sequence_packing_utils import PackedBatch
 
 # Per-token stats reported token-weighted as [value * n, n] pairs (see megatron.rl.training.loop).
@@ -80,14 +81,16 @@ def model_forward(model, mb: PackedBatch, device: torch.device, use_thd: bool,
     that itself for THD; the [rows, S] path needs :func:`~megatron.rl.packing.packed_forward.isolate_sequences`, which
     also computes the attention as ``packed_attention`` says (``--rl-packed-attention``: one masked product per
     row, per sequence length bit-identical to one sequence per row, or per group of similar lengths; "auto"
-    picks the cheaper of masked and grouped per micro-batch).
+    picks the cheaper of masked and grouped per micro-batch). A micro-batch carrying ``routes`` (MoE routing
+    replay) routes its tokens by them (:func:`~megatron.rl.routing.replay.replaying`).
     """
     tokens, positions = mb.tokens.to(device), mb.position_ids.to(device)
-    if use_thd:
-        return model(tokens.reshape(1, -1), positions.reshape(1, -1), None,
-                     packed_seq_params=mb.packed_seq_params())
-    with isolate_sequences(model, positions, mb.sequence_spans(), packed_attention) as needs_mask:
-        return model(tokens, positions, mb.attention_mask().to(device) if needs_mask else None)
+    with replaying(model, mb.token_values.get("routes"), use_thd):  # MoE: the rollouts' routes (--rl-router-replay)
+        if use_thd:
+            return model(tokens.reshape(1, -1), positions.reshape(1, -1), None,
+                         packed_seq_params=mb.packed_seq_params())
+        with isolate_sequences(model, positions, mb.sequence_spans(), packed_attention) as needs_mask:
+            return model(tokens, positions, mb.attention_mask().to(device) if needs_mask else None)
 
 
 def _logits(output: torch.Tensor, mb: PackedBatch) -> torch.Tensor:

@@ -40,6 +40,7 @@ from megatron.rl.rollout.async_source import staleness_metrics
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
+from megatron.rl.routing.replay import RouterReplayError, disagreement_share, router_replay_of
 from megatron.rl.observe.metrics import RolloutObservations, observe_rollouts
 from megatron.rl.rollout.sequences import CollectionStats, TrainingSequence, groups_to_sequences, split_evenly
 from megatron.rl.packing.microbatches import (
@@ -214,6 +215,7 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
         raise RLDataError("--rl-inference-logprobs-is-correction needs log-probs from the inference backend, "
                           "but some rollouts have none (does the server return logprobs?)")
     max_per_bin = rl.max_sequences_per_bin if rl.use_sequence_packing else 1
+    routes = replay_routes(sequences, rl)
     dynamic, multiple, shared = microbatch_shapes(ctx, rl)
     share = sharing_applies(rl.share_prompt_prefix, rl.use_sequence_packing, ctx.use_thd, _pipeline_size())
     steps = []
@@ -234,7 +236,8 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
             per_token["inference_logprobs"] = [torch.tensor(s.inference_logprobs[1:]) for s in chunk]
         batch = build_rank_batch(info, dist_plan, dp_rank, [s.token_ids for s in chunk],
                                  [s.loss_mask for s in chunk], ctx.pad_token_id, per_token=per_token,
-                                 per_sequence={"advantages": torch.tensor([s.advantage for s in chunk])})
+                                 per_sequence={"advantages": torch.tensor([s.advantage for s in chunk])},
+                                 token_aligned={"routes": [routes[i] for i in rng]} if routes else None)
         num_tokens = sum(sum(s.loss_mask[1:]) for s in chunk)
         num_seqs = sum(1 for s in chunk if any(s.loss_mask[1:]))
         steps.append(StepBatch(batch, dist_plan.num_microbatches,
@@ -248,6 +251,31 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
                                shapes=shared_microbatch_shapes(info, dist_plan, multiple) if dynamic and shared
                                else None))
     return steps
+
+
+def replay_routes(sequences: list[TrainingSequence], rl: RLConfig) -> list[torch.Tensor] | None:
+    """Each sequence's MoE routes ([L, layers, k]) with ``--rl-router-replay rollout``; None when off."""
+    if rl.router_replay == "off":
+        return None
+    missing = [s for s in sequences if s.routes is None]
+    if missing:
+        envs = sorted({s.env_id for s in missing})
+        raise RouterReplayError(f"--rl-router-replay rollout: {len(missing)} of {len(sequences)} rollouts carry no MoE "
+                                f"routes (environments {envs}); only the in-process engine records them, and an agent "
+                                f"must pass InferenceResponse.routes on to its TokenRollout (RewardOnlyAgent does)")
+    return [s.routes for s in sequences]
+
+
+def replay_metrics(model: list) -> dict[str, float]:
+    """Since the last call, over all ranks ({} without replay; collective): ``router_replay_routes``, the (token, MoE
+    layer) routes replayed, and ``router_replay_disagreement``, the share of them whose experts the trainer's own
+    router would have chosen otherwise."""
+    replay = router_replay_of(model)
+    if replay is None:
+        return {}
+    counts = torch.tensor(replay.take_disagreement(), dtype=torch.float64)
+    parallel_utils.all_reduce_sum(counts)
+    return {"router_replay_disagreement": disagreement_share(counts.tolist()), "router_replay_routes": float(counts[1])}
 
 
 # --------------------------------------------------------------------------- 4-5. scoring and training
@@ -372,12 +400,13 @@ def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch]) -> dic
     t1 = time.perf_counter()
     need_ref = rl.loss.needs_ref_logprobs
     from_forward = old_logprobs_from_training_forward(rl, len(steps))
+    replay_metrics(ctx.model)  # MoE routing replay: count from here (the policy that sampled, before any update)
     for step in steps:
         if not from_forward:
             score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
         if need_ref:
             score(ctx.ref_model, step, "ref_logprobs", rl.temperature, ctx)
-    metrics = {} if from_forward else logprob_gap(steps)
+    metrics = {} if from_forward else {**logprob_gap(steps), **replay_metrics(ctx.model)}
     t_lp = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -401,6 +430,7 @@ def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch]) -> dic
             skipped += int(was_skipped)
     if from_forward:  # the training forward filled old_logprobs (before its update): the same gap
         metrics.update(logprob_gap(steps))
+        metrics.update(replay_metrics(ctx.model))
     t_train = time.perf_counter() - t2
 
     for key in reports[0]:

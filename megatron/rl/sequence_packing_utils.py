@@ -268,6 +268,8 @@ class PackedBatch:
     with ``labels`` (advantages, old/ref/inference log-probs, ...). bin_ids: the global bin of each
     row (``None`` = empty padding bin). row_segments: lengths of the attention segments of each row
     (its sequences, then the padding as one extra segment if any); they sum to ``seq_length``.
+    token_values: per-token values aligned with ``tokens`` ([num_rows, seq_length, ...], any dtype, ``-1`` on
+    padding), e.g. ``routes`` (the MoE routes a forward replays).
     """
 
     tokens: torch.Tensor
@@ -279,6 +281,7 @@ class PackedBatch:
     bin_ids: tuple[Optional[int], ...]
     row_segments: tuple[tuple[int, ...], ...]
     info: PackingInfo = field(repr=False)
+    token_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -293,7 +296,8 @@ class PackedBatch:
         return PackedBatch(self.tokens[start:stop], self.labels[start:stop], self.position_ids[start:stop],
                            self.loss_mask[start:stop], self.seq_ids[start:stop],
                            {k: v[start:stop] for k, v in self.values.items()}, self.bin_ids[start:stop],
-                           self.row_segments[start:stop], self.info)
+                           self.row_segments[start:stop], self.info,
+                           {k: v[start:stop] for k, v in self.token_values.items()})
 
     def crop(self, num_rows: int, length: int) -> "PackedBatch":
         """The first ``num_rows`` rows cut to their first ``length`` positions (views, no copies).
@@ -315,14 +319,15 @@ class PackedBatch:
         return PackedBatch(self.tokens[:num_rows, :length], self.labels[:num_rows, :length],
                            self.position_ids[:num_rows, :length], self.loss_mask[:num_rows, :length],
                            self.seq_ids[:num_rows, :length], {k: v[:num_rows, :length] for k, v in self.values.items()},
-                           self.bin_ids[:num_rows], tuple(segments), self.info)
+                           self.bin_ids[:num_rows], tuple(segments), self.info,
+                           {k: v[:num_rows, :length] for k, v in self.token_values.items()})
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         """A copy with every tensor on ``device`` (plans and segment lengths are host-side metadata)."""
         return PackedBatch(self.tokens.to(device), self.labels.to(device), self.position_ids.to(device),
                            self.loss_mask.to(device), self.seq_ids.to(device),
                            {k: v.to(device) for k, v in self.values.items()}, self.bin_ids, self.row_segments,
-                           self.info)
+                           self.info, {k: v.to(device) for k, v in self.token_values.items()})
 
     def cu_seqlens(self) -> torch.Tensor:
         """int32 [num_segments + 1]: cumulative segment lengths over the flattened rows (``[1, rows * S]``)."""
@@ -421,6 +426,7 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
                        loss_masks: Sequence[Sequence[int]], pad_token_id: int, *,
                        per_token: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
                        per_sequence: Optional[Mapping[str, torch.Tensor]] = None,
+                       token_aligned: Optional[Mapping[str, Sequence[torch.Tensor]]] = None,
                        dtype: torch.dtype = torch.float32) -> PackedBatch:
     """Build the rows ``bin_ids`` (global bin indices; ``None`` = empty padding row) of a packed batch.
 
@@ -435,6 +441,8 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
             ``old_logprobs``, ``inference_logprobs``, ``ref_logprobs``.
         per_sequence: name -> tensor [num_seqs], broadcast to every position of the sequence (e.g.
             ``advantages``).
+        token_aligned: name -> [num_seqs] tensors aligned with the tokens ([L_s, ...], kept in their dtype, whole
+            like ``token_ids``), placed at the tokens' positions (``-1`` elsewhere): ``PackedBatch.token_values``.
     Returns: PackedBatch with ``len(bin_ids)`` rows of ``info.bin_capacity`` positions.
     """
     _check_lengths("token_ids", token_ids, info, 0)
@@ -446,6 +454,9 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
     for name, vals in per_sequence.items():
         if vals.shape != (info.num_sequences,):
             raise ValueError(f"per_sequence[{name!r}] must have shape [{info.num_sequences}], got {tuple(vals.shape)}")
+    token_aligned = dict(token_aligned or {})
+    for name, vals in token_aligned.items():
+        _check_lengths(f"token_aligned[{name!r}]", vals, info, 0)
     if set(per_token) & set(per_sequence):
         raise ValueError(f"names used twice: {sorted(set(per_token) & set(per_sequence))}")
 
@@ -500,10 +511,18 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
         flat = torch.zeros(rows * s_len, dtype=dtype)
         flat[where] = torch.repeat_interleave(v.to(dtype)[order_t], lengths)
         values[k] = flat.view(rows, s_len)
+    aligned = {}
+    for k, v in token_aligned.items():
+        stored = [_stored(v[s], n) for s, n in zip(order, skip)]
+        like = v[0] if len(v) else torch.zeros(0, dtype=torch.long)  # trailing shape and dtype of every sequence's
+        flat = torch.full((rows * s_len, *like.shape[1:]), -1, dtype=like.dtype)
+        if stored:
+            flat[where] = torch.cat(stored).to(like.dtype)
+        aligned[k] = flat.view(rows, s_len, *like.shape[1:])
     segments = [tuple(ls + ([s_len - u] if u < s_len else [])) for ls, u in zip(row_lengths, used)]
     return PackedBatch(tokens.view(rows, s_len), labels.view(rows, s_len), position_ids.view(rows, s_len),
                        loss_mask.view(rows, s_len), seq_ids.view(rows, s_len), values, tuple(bin_ids),
-                       tuple(segments), info)
+                       tuple(segments), info, aligned)
 
 
 def _stored(item: Sequence, skipped: int) -> Sequence:

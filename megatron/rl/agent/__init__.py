@@ -36,6 +36,10 @@ _EXPORTS = {
     "build_agent_from_config": "megatron.rl.agent.env_config",
     "HuggingFaceDatasetAgent": "megatron.rl.agent.huggingface_dataset_agent",
     "RemoteAgent": "megatron.rl.agent.remote_agent",
+    "ModelRewardAgent": "megatron.rl.agent.model_reward",
+    "JudgeConfig": "megatron.rl.agent.judge",
+    "RewardModelConfig": "megatron.rl.agent.reward_model",
+    "TokenEpisode": "megatron.rl.agent.token_episode",
 }
 
 __all__ = sorted(_EXPORTS)

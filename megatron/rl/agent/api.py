@@ -157,10 +157,13 @@ BUILTIN_AGENT_MODULES = {
     "huggingface_dataset": "megatron.rl.agent.huggingface_dataset_agent",
     "weighted_multi_task": "megatron.rl.agent.weighted_multi_task",
     "remote": "megatron.rl.agent.remote_agent",
+    "model_reward": "megatron.rl.agent.model_reward",
     "arithmetic": "megatron.rl.environments.arithmetic",
     "countdown": "megatron.rl.environments.countdown",
     "math": "megatron.rl.environments.math_task",
     "calculator": "megatron.rl.environments.calculator",
+    "reasoning_gym": "megatron.rl.environments.reasoning_gym_env",
+    "openenv": "megatron.rl.environments.openenv_env",
 }
 
 

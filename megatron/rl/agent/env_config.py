@@ -211,6 +211,8 @@ def load_env_config(config: str | Path | dict | list, allow_imports: bool = Fals
             raise EnvConfigError(f"{where}: key 'args': {_format_validation(e)[:2000]}") from None
         except (ValueError, TypeError, OSError) as e:
             raise EnvConfigError(f"{where}: key 'args': {str(e)[:2000]}") from e
+        except ImportError as e:  # an optional package the agent type needs (the message names the extra)
+            raise EnvConfigError(f"{where}: {str(e)[:2000]}") from e
         entries.append(TaskEntry(name=name, agent=agent, weight=float(weight), evaluation_only=eval_only))
 
     names = [e.name for e in entries]

@@ -37,6 +37,7 @@ from megatron.rl.agent.api import (Agent, EvaluationRequest, EvaluationResponse,
 from megatron.rl.agent.prompt_stream import PromptStream
 from megatron.rl.inference.api import (ChatMessage, GenerationArgs, InferenceInterface, InferenceRequest,
                                        InferenceResponse)
+from megatron.rl.base.routes import Routes
 from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,14 @@ def derive_seed(seed: int | None, *parts: int) -> int | None:
     return h
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def merge_turn_tokens(prev_tokens: Sequence[int], prev_mask: Sequence[int], prev_logprobs: Sequence[float] | None,
                       response: InferenceResponse) -> tuple[list[int], list[int], list[float] | None, int]:
     """Combine the episode so far with the response to the next turn's prompt.
@@ -80,10 +89,7 @@ def merge_turn_tokens(prev_tokens: Sequence[int], prev_mask: Sequence[int], prev
     """
     ids = list(response.token_ids)
     pl = response.prompt_length
-    common = 0
-    limit = min(len(prev_tokens), pl)
-    while common < limit and prev_tokens[common] == ids[common]:
-        common += 1
+    common = common_prefix(prev_tokens, ids[:pl])
     mask = list(prev_mask[:common]) + [0] * (pl - common) + [1] * (len(ids) - pl)
     num_lost = sum(prev_mask) - sum(prev_mask[:common])
     if prev_logprobs is None or response.logprobs is None:
@@ -214,13 +220,14 @@ class RewardOnlyAgent(Agent):
             raise _RewardTimeout(f"took longer than reward_timeout_s={self.reward_timeout_s}") from None
 
     async def _score(self, problem: Problem, pid: str, prompt: Prompt, turns: list[Turn], tokens: list[int],
-                     mask: list[int], logprobs: list[float] | None, prompt_length: int, **metadata: Any) -> Rollout:
+                     mask: list[int], logprobs: list[float] | None, prompt_length: int, routes: Routes | None = None,
+                     **metadata: Any) -> Rollout:
         completion = _transcript(turns)
         try:
             reward = float(await self._off_loop(self.compute_episode_reward, problem, turns))
             rollout = TokenRollout(prompt=prompt, completion=completion, reward=reward, env_id=self.name,
                                    problem_id=pid, token_ids=tokens, generation_mask=mask, logprobs=logprobs,
-                                   prompt_length=prompt_length,
+                                   prompt_length=prompt_length, routes=routes,
                                    metadata={"finish_reasons": [t.finish_reason for t in turns],
                                              "num_turns": len(turns), **metadata})
         except _RewardTimeout as e:
@@ -246,7 +253,7 @@ class RewardOnlyAgent(Agent):
             logprobs = None if resp.logprobs is None else [0.0] * resp.prompt_length + list(resp.logprobs)
             turns = [Turn(text=resp.text, finish_reason=resp.finish_reason)]
             out.append(self._score(problem, pid, prompt, turns, list(resp.token_ids), mask, logprobs,
-                                   resp.prompt_length))
+                                   resp.prompt_length, resp.routes))
         return list(await asyncio.gather(*out))  # the group's rewards are computed concurrently
 
     @staticmethod
@@ -261,6 +268,7 @@ class RewardOnlyAgent(Agent):
         tokens: list[int] = []
         mask: list[int] = []
         logprobs: list[float] | None = []
+        routes: Routes | None = None
         prompt_length = 0
         lost = 0
         for turn in range(self.max_turns):
@@ -270,7 +278,10 @@ class RewardOnlyAgent(Agent):
                                     _transcript(turns))
             if turn == 0:
                 prompt_length = resp.prompt_length
+            kept = common_prefix(tokens, resp.token_ids[:resp.prompt_length])
             tokens, mask, logprobs, n_lost = merge_turn_tokens(tokens, mask, logprobs, resp)
+            # MoE routes: earlier turns' tokens keep the routing they were generated with (as their log-probs do)
+            routes = Routes.merged(routes, resp.routes, kept)
             lost += n_lost
             turns.append(Turn(text=resp.text, finish_reason=resp.finish_reason))
             if turn == self.max_turns - 1:
@@ -290,7 +301,7 @@ class RewardOnlyAgent(Agent):
             else:
                 current = list(current) + [{"role": "assistant", "content": resp.text},
                                            {"role": "user", "content": obs}]
-        return await self._score(problem, pid, prompt, turns, tokens, mask, logprobs, prompt_length,
+        return await self._score(problem, pid, prompt, turns, tokens, mask, logprobs, prompt_length, routes,
                                  untrained_generated_tokens=lost)
 
     async def _group(self, iface: InferenceInterface, index: int, validation: bool, ga: GenerationArgs,

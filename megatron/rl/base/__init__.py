@@ -7,7 +7,8 @@
   round-trip through JSON as their registered subclass (agents, requests, rollouts);
 * :mod:`.types`: the rollout types agents hand to the trainer (``Rollout``, ``TokenRollout``,
   ``RolloutGroup``);
-* :mod:`.chat`: chat messages and the built-in chat template.
+* :mod:`.chat`: chat messages and the built-in chat template;
+* :mod:`.optional`: importing an optional package, or one line naming the pip extra that installs it.
 
 Import the submodules; this package imports none of them, so ``megatron.rl.base.registry`` stays free
 of pydantic for the pure-math packages.

@@ -13,6 +13,9 @@ Token-level conventions (one episode, ``L = len(token_ids)``):
 * ``logprobs`` [L] or None: the inference backend's log-prob of each token at positions where the mask is
   1 (temperature-scaled, see :mod:`megatron.rl.inference.api`), 0.0 elsewhere. Aligned with ``token_ids``
   so they can be sliced and packed together.
+* ``routes`` or None: for MoE policies served by the in-process engine with ``--rl-router-replay rollout``, the
+  experts each token was routed to at every MoE layer (:class:`~megatron.rl.base.routes.Routes`,
+  ``[layers, L, k]``), which the trainer replays.
 
 Failed episodes (backend error, reward function raised, ...) have ``status="failed"`` and a
 ``failure_reason``; their ``reward`` is 0.0 but the trainer is expected to count and drop them, never to
@@ -26,6 +29,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 
 from megatron.rl.base.chat import ChatMessage  # re-exported: part of the agents' vocabulary
+from megatron.rl.base.routes import Routes
 from megatron.rl.base.type_lookupable import TypeLookupable
 
 __all__ = ["Rollout", "TokenRollout", "RolloutGroup", "ChatMessage", "RolloutStatus"]
@@ -80,13 +84,14 @@ class TokenRollout(Rollout):
     """A :class:`Rollout` plus the token-level view the trainer needs (see the module docstring).
 
     token_ids [L], generation_mask [L] of 0/1, logprobs [L] or None, prompt_length: number of leading
-    prompt tokens (first turn).
+    prompt tokens (first turn), routes: MoE routing ``[layers, L, k]`` or None.
     """
 
     token_ids: list[int]
     generation_mask: list[int]
     logprobs: list[float] | None = None
     prompt_length: int = Field(ge=0)
+    routes: Routes | None = None
 
     @model_validator(mode="after")
     def _check_alignment(self) -> "TokenRollout":
@@ -107,6 +112,8 @@ class TokenRollout(Rollout):
                    if m and not (math.isfinite(lp) and lp <= 1e-6)]
             if bad:
                 raise ValueError(f"logprobs must be finite and <= 0 at generated positions; bad at {bad[:5]}")
+        if self.routes is not None and self.routes.num_tokens != n:
+            raise ValueError(f"routes cover {self.routes.num_tokens} tokens but token_ids has {n}")
         return self
 
     @property

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from typing import Any, Callable, ClassVar, Iterator, Literal, Sequence, TypeVar
+from typing import Annotated, Any, Callable, ClassVar, Iterator, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from megatron.rl.algorithms.logprobs import logprob_temperature
 from megatron.rl.base.registry import Registry
 from megatron.rl.base.chat import ChatMessage  # re-exported: requests carry chat messages
+from megatron.rl.base.routes import Routes
 from megatron.rl.inference.validation import (SEED_MAX, MaxTokens, NumSamples, Seed, StopString,
                                               Temperature, Text, TopK, TopP, request_error, sample_count)
 
@@ -90,10 +91,17 @@ class InferenceRequest(BaseModel):
 
     Chat messages are rendered to text by the backend with the tokenizer's chat template (see
     :mod:`megatron.rl.inference.chat_template`); an agent never handles tokenizers itself.
+
+    prefix_token_ids (token in): token ids placed before the prompt exactly as given, never re-tokenized; the
+    text ``prompt`` is then tokenized on its own (no special tokens) and appended, and may be empty. A
+    multi-turn episode passes the engine's own tokens so far plus the environment's next observation as the
+    prompt, so the tokens it trains on are exactly the tokens the policy saw and generated. Text prompts only;
+    a backend that cannot take token prompts (an OpenAI-compatible server) fails such a request alone.
     """
 
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
+    prefix_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     generation_args: GenerationArgs = Field(default_factory=GenerationArgs)
 
     @model_validator(mode="after")
@@ -102,6 +110,13 @@ class InferenceRequest(BaseModel):
             raise ValueError("InferenceRequest needs exactly one of `prompt` or `messages` "
                              f"(got prompt={'set' if self.prompt is not None else 'None'}, "
                              f"messages={'set' if self.messages is not None else 'None'})")
+        if self.prefix_token_ids is not None:
+            if self.messages is not None:
+                raise ValueError("InferenceRequest.prefix_token_ids goes with a text `prompt` (the text after the "
+                                 "prefix), not with chat `messages`")
+            if not self.prefix_token_ids:
+                raise ValueError("InferenceRequest.prefix_token_ids is empty: leave it None for a text-only prompt")
+            return self
         if self.prompt is not None and self.prompt == "":
             raise ValueError("InferenceRequest.prompt is empty: give at least one character of prompt text")
         if self.messages is not None and len(self.messages) == 0:
@@ -123,6 +138,8 @@ class InferenceResponse(BaseModel):
     error: human-readable reason when ``finish_reason == "error"`` (an addition to the contract).
     policy_versions: the policy version (trainer iteration) that generated each generated token, from backends
       whose weights change under in-flight requests (asynchronous partial rollouts); None otherwise.
+    routes: the MoE experts every token of ``token_ids`` was routed to, ``[layers, len(token_ids), k]``
+      (:class:`~megatron.rl.base.routes.Routes`), from the in-process engine when it records them; None otherwise.
     """
 
     text: str
@@ -133,6 +150,7 @@ class InferenceResponse(BaseModel):
     prompt_text: str | None = None
     error: str | None = None
     policy_versions: list[int] | None = None
+    routes: Routes | None = None
 
     @property
     def generated_token_ids(self) -> list[int]:

@@ -83,7 +83,7 @@ class FakeInference(InferenceInterface):
     def _generate_one(self, req: InferenceRequest, index: int) -> InferenceResponse:
         ga = req.generation_args
         prompt_text = req.prompt if req.prompt is not None else builtin_chat_template(req.messages or [])
-        prompt_ids = self.tokenize(prompt_text)
+        prompt_ids = list(req.prefix_token_ids or []) + self.tokenize(prompt_text)
         if len(prompt_ids) >= self.max_seq_len:
             return InferenceResponse.failed(
                 f"prompt is {len(prompt_ids)} tokens, the model's maximum sequence length is {self.max_seq_len}; "

@@ -130,6 +130,9 @@ class HuggingFaceInference(InferenceInterface):
         if req.messages is not None:
             prompt_text = render_chat(req.messages, self.tokenizer)
             prompt_ids = self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]  # template has specials
+        elif req.prefix_token_ids is not None:  # token in: the prefix as given, the text after it on its own
+            prompt_text = req.prompt
+            prompt_ids = list(req.prefix_token_ids) + self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         else:
             prompt_text = req.prompt
             prompt_ids = self.tokenizer(prompt_text)["input_ids"]

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from typing import Any, Iterator
 
 import torch.distributed as dist
@@ -136,10 +137,11 @@ class MegatronInference(InferenceInterface):
         """The RL run's backend over the trainer's model; with ``--rl-inference-*`` layout flags, over a copy."""
         from megatron.rl.training.config import ConfigError
 
+        record_routes = rl.router_replay == "rollout"  # MoE routing replay: the engine records every token's routes
         if rl.inference_layout.enabled:  # an inference copy at its own layout (megatron.rl.layout.refit)
             from megatron.rl.layout.refit import build_layout_inference
 
-            return build_layout_inference(cfg, rl.inference_layout, model, tokenizer)
+            return build_layout_inference(cfg, rl.inference_layout, model, tokenizer, record_routes=record_routes)
         if len(model) != 1:
             raise ConfigError("--inference-backend megatron needs a single model chunk per rank "
                               "(megatron-core inference does not support the interleaved pipeline schedule)")
@@ -148,7 +150,8 @@ class MegatronInference(InferenceInterface):
         from megatron.core.utils import unwrap_model
 
         limit = unwrap_model(model[0]).max_sequence_length
-        return cls(model[0], tokenizer, max_sequence_length=min(limit, cfg.model.seq_length))
+        settings = dataclasses.replace(EngineSettings.for_device(setup_runtime().device), record_routes=record_routes)
+        return cls(model[0], tokenizer, settings=settings, max_sequence_length=min(limit, cfg.model.seq_length))
 
     # ------------------------------------------------------------------ inference mode
 
@@ -259,9 +262,10 @@ class MegatronInference(InferenceInterface):
                 prompt_text = render_chat(request.messages, self.tokenizer)
             else:
                 prompt_text = request.prompt
-            if not prompt_text:
+            if not prompt_text and not request.prefix_token_ids:
                 raise _RequestError("empty prompt: give at least one character of prompt text (or one chat message)")
-            ids = [int(t) for t in self.tokenizer.tokenize(prompt_text)]
+            # token in: a prefix is used as given, only the text after it is tokenized
+            ids = list(request.prefix_token_ids or []) + [int(t) for t in self.tokenizer.tokenize(prompt_text)]
         except ValidationError as e:
             raise _with_prompt(_RequestError(f"invalid generation_args: {e}"), prompt_text) from e
         except _RequestError as e:

@@ -150,6 +150,9 @@ class OpenAIInference(InferenceInterface):
         import openai
 
         problem = request_error(req)
+        if problem is None and req.prefix_token_ids is not None:
+            problem = ("prefix_token_ids (a token-in prompt) cannot be sent to an OpenAI-compatible server; "
+                       "generate with an in-process backend (megatron, huggingface)")
         if problem is not None:  # never sent: fails alone, like on the in-process backends
             return [InferenceResponse.failed(f"invalid request: {problem}") for _ in range(sample_count(req))]
         client, sem = self._state()

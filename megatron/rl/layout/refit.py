@@ -241,9 +241,10 @@ class LayoutInference(InferenceInterface):
 
 
 def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, train_model: list, tokenizer,
-                           vocab_size: int | None = None) -> LayoutInference:
-    """Groups, inference copy and backend for ``layout`` (collective over the world). No refit yet."""
-    from megatron.rl.inference.megatron import MegatronInference
+                           vocab_size: int | None = None, record_routes: bool = False) -> LayoutInference:
+    """Groups, inference copy and backend for ``layout`` (collective over the world). No refit yet.
+    ``record_routes``: the copy's engine records MoE routes (``--rl-router-replay rollout``)."""
+    from megatron.rl.inference.megatron import EngineSettings, MegatronInference
     from megatron.rl.runtime import setup_runtime
     from megatron.rl.training.model_provider import padded_vocab_size
 
@@ -259,7 +260,8 @@ def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, t
     log.info("inference copy: TP=%d PP=%d EP=%d, %d replica(s) (this rank: replica %d); weights %.1f MB on this "
              "rank, %.1f MB over all ranks; refit via megatron-core %s", s.tp, s.pp, s.ep, groups.num_replicas,
              groups.replica_rank, model_bytes(copy_model) / 2**20, float(size[0]) / 2**20, method)
-    backend = MegatronInference(copy_model[0], tokenizer, process_groups=groups)
+    settings = dataclasses.replace(EngineSettings.for_device(runtime.device), record_routes=record_routes)
+    backend = MegatronInference(copy_model[0], tokenizer, settings=settings, process_groups=groups)
     return LayoutInference(backend, copy, groups)
 
 

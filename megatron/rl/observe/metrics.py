@@ -45,13 +45,22 @@ class EnvSummary:
     scored_groups: int = 0  # groups with >= 2 ok rollouts
     same_reward_groups: int = 0
     same_reward_values: dict[float, int] = dataclasses.field(default_factory=dict)  # constant reward -> groups
+    # metadata["reward_components"] of ok rollouts (name -> [sum, count]); metadata["failure_kind"] of failed ones
+    components: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    failure_kinds: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def add(self, other: "EnvSummary") -> None:
         for f in dataclasses.fields(self):
-            if f.name != "same_reward_values":
+            if f.name not in ("same_reward_values", "components", "failure_kinds"):
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         for v, c in other.same_reward_values.items():
             self.same_reward_values[v] = self.same_reward_values.get(v, 0) + c
+        for name, (value_sum, count) in other.components.items():
+            mine = self.components.setdefault(name, [0.0, 0])
+            mine[0] += value_sum
+            mine[1] += count
+        for kind, c in other.failure_kinds.items():
+            self.failure_kinds[kind] = self.failure_kinds.get(kind, 0) + c
 
 
 def is_length_capped(rollout, max_new_tokens: int) -> bool:
@@ -78,6 +87,14 @@ def summarize_groups(groups: Sequence[RolloutGroup], max_new_tokens: int) -> dic
             s.length_sum += getattr(r, "num_generated_tokens", 0)
             s.turns_sum += int((r.metadata or {}).get("num_turns", 1))
             s.length_capped += is_length_capped(r, max_new_tokens)
+            for name, value in ((r.metadata or {}).get("reward_components") or {}).items():
+                acc = s.components.setdefault(str(name), [0.0, 0])
+                acc[0] += float(value)
+                acc[1] += 1
+        for r in g.rollouts:
+            kind = None if r.ok else (r.metadata or {}).get("failure_kind")
+            if kind:
+                s.failure_kinds[str(kind)] = s.failure_kinds.get(str(kind), 0) + 1
         if len(ok) >= 2:
             s.scored_groups += 1
             if all(r.reward == ok[0].reward for r in ok):
@@ -101,7 +118,8 @@ def _mean(total: float, count: int) -> float:
 
 def summary_metrics(summaries: dict[str, EnvSummary]) -> dict[str, float]:
     """Flat metrics: ``env/<name>/{groups,reward_mean,response_length_mean,failed_rollouts,turns_mean,
-    length_capped_fraction}`` per environment, and run-wide ``turns_per_episode_mean``,
+    length_capped_fraction}`` per environment (plus ``reward/<component>``: the mean of each reward component
+    agents report, and ``failures/<kind>``: failed rollouts by the kind agents report), and run-wide ``turns_per_episode_mean``,
     ``length_capped_fraction``, ``same_reward_groups``, ``same_reward_group_fraction``."""
     out: dict[str, float] = {}
     total = EnvSummary()
@@ -115,6 +133,10 @@ def summary_metrics(summaries: dict[str, EnvSummary]) -> dict[str, float]:
         out[p + "failed_rollouts"] = float(s.failed)
         out[p + "turns_mean"] = _mean(s.turns_sum, s.ok)
         out[p + "length_capped_fraction"] = _mean(s.length_capped, s.ok)
+        for name, (value_sum, count) in sorted(s.components.items()):
+            out[f"{p}reward/{name}"] = _mean(value_sum, int(count))
+        for kind, count in sorted(s.failure_kinds.items()):
+            out[f"{p}failures/{kind}"] = float(count)
     out["turns_per_episode_mean"] = _mean(total.turns_sum, total.ok)
     out["length_capped_fraction"] = _mean(total.length_capped, total.ok)
     out["same_reward_groups"] = float(total.same_reward_groups)

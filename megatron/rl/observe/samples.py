@@ -1,11 +1,11 @@
 """Sample completions for the logs (``--rl-log-samples N``): which rollouts to show and how to render them.
 
 Pure functions. A sample is a JSON-able dict (``env``, ``problem_id``, ``reward``, ``status``,
-``failure_reason``, ``response_tokens``, ``turns``, ``finish_reasons``, ``prompt``, ``completion``);
-long texts are cut in the middle so both the start and the end stay visible. The choice is deterministic:
-the ``N`` samples are dealt round-robin over the environments (sorted by name), and within an environment
-spread evenly over its rollouts sorted by reward (failed ones first), so the lowest and the highest reward
-both show, and a run that collapsed shows it in every sample.
+``failure_reason``, ``reward_components``, ``response_tokens``, ``turns``, ``finish_reasons``, ``prompt``,
+``completion``); long texts are cut in the middle so both the start and the end stay visible. The choice is
+deterministic: the ``N`` samples are dealt round-robin over the environments (sorted by name), and within an
+environment spread evenly over its rollouts sorted by reward (failed ones first), so the lowest and the
+highest reward both show, and a run that collapsed shows it in every sample.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def rollout_sample(rollout, env: str) -> dict[str, Any]:
         "reward": float(rollout.reward),
         "status": rollout.status,
         "failure_reason": rollout.failure_reason,
+        "reward_components": meta.get("reward_components"),
         "response_tokens": getattr(rollout, "num_generated_tokens", None),
         "turns": meta.get("num_turns"),
         "finish_reasons": meta.get("finish_reasons"),
@@ -125,6 +126,8 @@ def samples_markdown(samples: Sequence[dict]) -> str:
             head += f" turns {s['turns']}"
         if s.get("finish_reasons"):
             head += f" finish {','.join(s['finish_reasons'])}"
+        if s.get("reward_components"):
+            head += "  \ncomponents: " + ", ".join(f"{k} {v:.4g}" for k, v in s["reward_components"].items())
         if s.get("failure_reason"):
             head += f"  \nfailure: {s['failure_reason']}"
         parts.append(f"{head}\n\nprompt:\n\n{_fence(s['prompt'])}\n\ncompletion:\n\n{_fence(s['completion'])}")

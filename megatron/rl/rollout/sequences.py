@@ -25,6 +25,7 @@ class TrainingSequence:
 
     loss_mask: 1 at tokens the policy generated (trained), 0 at prompt/observation tokens.
     inference_logprobs: the backend's log-prob at generated tokens (0.0 elsewhere), or None.
+    routes: the engine's MoE routes, token-major ``[L, layers, k]`` (``-1`` = none), or None (``--rl-router-replay``).
     """
 
     token_ids: list[int]
@@ -35,6 +36,7 @@ class TrainingSequence:
     group_index: int
     env_id: str
     policy_versions: list[int] | None = None  # per token (-1 where not generated); asynchronous rollouts only
+    routes: torch.Tensor | None = None
 
     @property
     def num_generated(self) -> int:
@@ -98,7 +100,8 @@ def groups_to_sequences(groups: Sequence[RolloutGroup], estimator: str = "grpo",
             sequences.append(TrainingSequence(token_ids=list(r.token_ids), loss_mask=list(r.generation_mask),
                                               inference_logprobs=None if r.logprobs is None else list(r.logprobs),
                                               advantage=float(adv), reward=float(r.reward), group_index=gi,
-                                              env_id=r.env_id, policy_versions=r.metadata.get(VERSIONS_KEY)))
+                                              env_id=r.env_id, policy_versions=r.metadata.get(VERSIONS_KEY),
+                                              routes=None if r.routes is None else r.routes.tensor().permute(1, 0, 2)))
     return sequences, stats
 
 

@@ -458,3 +458,33 @@ def test_build_packed_batch_equals_a_loop_over_sequences(seed):
     for name, t in ref_values.items():
         assert torch.equal(batch.values[name], t) and batch.values[name].dtype == dtype, name
     assert batch.row_segments == ref_segments and batch.bin_ids == tuple(rows)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_token_aligned_routes_follow_their_tokens_through_shared_prefixes_and_cropped_microbatches(seed):
+    """Every real position holds the routes of the token it holds (its sequence's token at its position id: members
+    of a shared-prompt cluster count on from the prefix they skip), padding holds -1; the same in cropped
+    micro-batches of several data-parallel ranks."""
+    from megatron.rl.packing.prefix_sharing import plan_shared_packing
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 50) for _ in range(rng.randint(1, 9))] for _ in range(4)]
+    tokens, masks = [], []
+    for p in prompts:
+        for _ in range(rng.randint(1, 4)):
+            gen = [rng.randrange(1, 50) for _ in range(rng.randint(1, 7))]
+            tokens.append(p + gen)
+            masks.append([0] * len(p) + [1] * len(gen))
+    routes = [torch.randint(0, 8, (len(t), 3, 2), dtype=torch.int16) for t in tokens]  # [L, layers, k]
+    info = plan_shared_packing(tokens, masks, 24, 4)
+    assert any(info.shared_prefix) or all(len(t) == 1 for t in tokens)
+    dist_plan = distribute_bins(info.num_bins, 2, 2)
+    for rank in range(2):
+        batch = build_rank_batch(info, dist_plan, rank, tokens, masks, 0, token_aligned={"routes": routes})
+        for mb in get_microbatch_dataloader(batch, 2, dynamic_shapes=True):
+            got = mb.token_values["routes"]
+            assert got.dtype == torch.int16 and got.shape == (*mb.tokens.shape, 3, 2)
+            for r, p in itertools.product(range(mb.num_rows), range(mb.seq_length)):
+                s = int(mb.seq_ids[r, p])
+                want = routes[s][int(mb.position_ids[r, p])] if s >= 0 else torch.full((3, 2), -1, dtype=torch.int16)
+                assert torch.equal(got[r, p], want), (rank, r, p, s)

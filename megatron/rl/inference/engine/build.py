@@ -29,6 +29,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 from megatron.core.utils import get_model_config
 
 from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
+from megatron.rl.inference.engine.route_recorder import RouteRecorder
 from megatron.rl.inference.sampling import NoiseStream, sample_tokens, tempered_log_probs
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 
@@ -59,6 +60,8 @@ class EngineSettings:
     keep_cpu_kv_buffer: on CPU, a stopped engine's KV buffer is kept for the next engine of the same shape
         (:mod:`megatron.rl.inference.engine.kv_reuse`: a fresh buffer page-faults every cache page it writes);
         False = freed at exit. GPU buffers are always freed.
+    record_routes: record every processed token's MoE routes into ``InferenceResponse.routes``
+        (:mod:`megatron.rl.inference.engine.route_recorder`; ``--rl-router-replay rollout``). MoE models only.
 
     Defaults: :meth:`for_device`. On CPU, small blocks and a buffer sized for the batch matter most
     (the stock 256-token blocks and 16 384-token steps gather far more cache than a short request uses).
@@ -74,6 +77,7 @@ class EngineSettings:
     cpu_fast_steps: bool = True
     share_prompt_prefill: bool = True
     keep_cpu_kv_buffer: bool = True
+    record_routes: bool = False
 
     @classmethod
     def for_device(cls, device: str | torch.device) -> "EngineSettings":
@@ -142,6 +146,7 @@ class SamplingController(TextGenerationController):
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
         self._step_log_probs: torch.Tensor | None = None
+        self.route_recorder: RouteRecorder | None = None  # set by build_engine with EngineSettings.record_routes
 
     def make_generator(self, seed: int) -> NoiseStream:
         g = torch.Generator(device=self._sampled_tokens_cuda.device)
@@ -149,6 +154,16 @@ class SamplingController(TextGenerationController):
         return NoiseStream(g)
 
     # --- overrides of megatron-core 0.16.1 TextGenerationController private steps ---
+
+    def _dynamic_step_context_init(self, *args: Any, **kwargs: Any):
+        if self.route_recorder is not None:  # the routers record this step's forward
+            self.route_recorder.before_forward()
+        return super()._dynamic_step_context_init(*args, **kwargs)
+
+    def _dynamic_step_context_bookkeeping(self):
+        if self.route_recorder is not None:  # before update_requests moves requests between slots
+            self.route_recorder.harvest(self.inference_wrapped_model.inference_context)
+        return super()._dynamic_step_context_bookkeeping()
 
     def _dynamic_step_sample_bookkeeping(self):
         # The stock bucketing by (temperature, top_k, top_p) is not used: we sample per row.
@@ -254,8 +269,28 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     wrapped = GPTInferenceWrapper(model, wrapper_config, context, pg_collection=pg_collection)
     controller = SamplingController(wrapped, tokenizer, seed=settings.seed,
                                     pp_group=None if pg_collection is None else pg_collection.pp)
+    if settings.record_routes:
+        controller.route_recorder = route_recorder(model, config, pg_collection)
     engine = DynamicInferenceEngine(controller, context, random_seed=settings.seed, pg_collection=pg_collection)
     log.debug("dynamic inference engine: %d KV blocks of %d tokens, max_requests=%d, max_tokens=%d",
               context.block_allocator.total_count, context.block_size_tokens, context.max_requests,
               context.max_tokens)
     return engine, context, controller
+
+
+def route_recorder(model: torch.nn.Module, config: Any, pg_collection: Any = None) -> RouteRecorder:
+    """A :class:`RouteRecorder` over ``model``'s routers, combining over its model-parallel group when its pipeline
+    stages or sequence-parallel ranks each see part of a step's routes."""
+    from megatron.core import parallel_state as ps
+
+    from megatron.rl.routing.replay import install_router_replay
+
+    if pg_collection is None:
+        tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+        tp_rank, group = ps.get_tensor_model_parallel_rank(), ps.get_model_parallel_group()
+    else:
+        tp, pp = pg_collection.tp.size(), pg_collection.pp.size()
+        tp_rank, group = pg_collection.tp.rank(), pg_collection.mp
+    sp = tp > 1 and bool(config.sequence_parallel)
+    return RouteRecorder(install_router_replay(model), group if (pp > 1 or sp) else None,
+                         tp_rank if sp else 0, tp if sp else 1)

@@ -84,6 +84,8 @@ class EngineStepper:
         controller.specs[job.seq] = SampleSpec(job.temperature, job.top_k, job.top_p, generator)
         self._jobs[job.seq] = job
         self._version_marks[job.seq] = [(self._version.current, 0)]
+        if controller.route_recorder is not None:
+            controller.route_recorder.begin(job.seq, len(job.prompt_ids) + 1)
         # The engine does not sample (SamplingController does); it only needs lengths, the EOS id and
         # one log-prob slot per generated token.
         params = _scalar_sampling_params()(temperature=1.0, top_k=0, top_p=0.0, return_log_probs=True,
@@ -119,7 +121,10 @@ class EngineStepper:
         job = self._jobs.pop(record.request_id)
         marks = self._version_marks.pop(record.request_id)
         self.controller.specs.pop(record.request_id, None)
+        recorder = self.controller.route_recorder
         if record.requests[-1].status == Status.FAILED:
+            if recorder is not None:
+                recorder.drop(record.request_id)
             reasons = [type(ev.payload).__name__ for r in record.requests for ev in r.events if ev.payload is not None]
             response = InferenceResponse.failed(
                 f"the inference engine rejected this request ({', '.join(reasons) or 'no reason given'}); "
@@ -133,6 +138,8 @@ class EngineStepper:
             if self._version.tracked:  # asynchronous rollouts: the version of each token (marks are in order)
                 response.policy_versions = [[v for v, start in marks if start <= i][-1]
                                             for i in range(len(response.generated_token_ids))]
+            if recorder is not None:  # the MoE routes of every token (-1 for the last, never run through the model)
+                response.routes = recorder.finish(record.request_id, len(response.token_ids))
         return job, response
 
     def _should_stop_early(self, job: Job, rid: int) -> bool:

@@ -43,7 +43,7 @@ class SharedPromptPrefill:
         state = self.__dict__.get("_rl_shared_prefill")
         if state is None:
             state = self.__dict__["_rl_shared_prefill"] = {"leaders": {}, "src": [], "dst": [], "plan": None,
-                                                            "shared_tokens": 0}
+                                                            "pairs": [], "shared_tokens": 0}
         return state
 
     def _clear_shared(self) -> None:
@@ -51,7 +51,13 @@ class SharedPromptPrefill:
         state["leaders"].clear()
         state["src"].clear()
         state["dst"].clear()
+        state["pairs"].clear()
         state["plan"] = None
+
+    def shared_prefill_pairs(self) -> list[tuple[int, int, int]]:
+        """This step's followers: (follower slot, leader slot, prompt positions whose keys and values it takes from
+        the leader), until the step's ``update_requests`` (MoE route recording reads them after the forward)."""
+        return list(self._shared_state()["pairs"])
 
     @property
     def shared_prefill_tokens(self) -> int:
@@ -83,6 +89,7 @@ class SharedPromptPrefill:
         state["src"].append(self._cache_slots(leader, positions))
         state["dst"].append(self._cache_slots(index, positions))
         state["plan"] = None
+        state["pairs"].append((index, leader, length - 1))
         state["shared_tokens"] += length - 1
 
     def _cache_slots(self, index: int, positions: torch.Tensor) -> torch.Tensor:

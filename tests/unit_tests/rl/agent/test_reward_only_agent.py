@@ -310,3 +310,37 @@ def test_rewards_queued_behind_overrunning_ones_fail_instead_of_waiting(monkeypa
     assert any(r and "every reward thread is held" in r for r in reasons.values()), reasons
     pool.shutdown(wait=True)
     assert roa._overrunning == [0]  # the overrun is accounted back once the thread returns
+
+
+class RoutingBackend(InferenceInterface):
+    """The fake backend plus MoE routes, as the in-process engine returns them: the route of position p in turn t's
+    request is t * 1000 + p (one layer, top-1), and the response's last token has none (-1)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def agenerate(self, requests):
+        from megatron.rl.base.routes import Routes
+
+        out = await self.inner.agenerate(requests)
+        for req, resp in zip([r for r in requests for _ in range(r.generation_args.n)], out):
+            turn = req.prompt.count("OBS")
+            values = np.array([turn * 1000 + p for p in range(len(resp.token_ids) - 1)] + [-1])
+            resp.routes = Routes.from_tensor(values.reshape(1, -1, 1), num_experts=4000)
+        return out
+
+
+def test_multi_turn_rollouts_keep_each_tokens_route_from_the_first_turn_that_ran_it():
+    agent = EchoToolAgent()
+    backend = RoutingBackend(FakeInference(eos_bias=-50.0))
+    out = asyncio.run(agent.generate_grouped_rollouts(_request(backend, groups=2, size=2, max_tokens=6)))
+    for r in (r for g in out.groups for r in g.rollouts):
+        assert r.ok and r.metadata["num_turns"] == 3
+        routes = r.routes.tensor()[0, :, 0].tolist()
+        text = bytes(r.token_ids).decode()
+        # turn t's response ends where its generation did: before "\nOBS t+1\n", or one token into it when the
+        # turn stopped at its "\n" (the policy's stop token)
+        reasons = r.metadata["finish_reasons"]
+        ends = [text.index(f"\nOBS {t + 1}\n") + (reasons[t] == "stop") for t in (0, 1)] + [len(text)]
+        expected = [next(t for t, end in enumerate(ends) if p < end - 1) * 1000 + p for p in range(len(text) - 1)]
+        assert routes == expected + [-1]

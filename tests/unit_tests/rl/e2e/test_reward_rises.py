@@ -23,6 +23,21 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def run_tiny_grpo(env: Path, metrics: Path, extra: tuple[str, ...] = (), iters: int = 12):
+    """The real train_rl.py CLI: a randomly initialised tiny GPT, GRPO for ``iters`` iterations on the env config
+    ``env`` (its ``imports:`` find modules in this folder); asserts it exits 0."""
+    cmd = [sys.executable, str(REPO_ROOT / "train_rl.py"),
+           "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+           "--max-position-embeddings", "32", "--micro-batch-size", "8", "--global-batch-size", "64",
+           "--train-iters", str(iters), "--lr", "2e-2", "--lr-decay-style", "constant", "--clip-grad", "1.0",
+           "--seed", "3", "--langrl-env-config", str(env), "--langrl-allow-imports",
+           "--grpo-prompts-per-step", "8", "--grpo-group-size", "8", "--rl-max-new-tokens", "6",
+           "--rl-use-sequence-packing", "--log-interval", "1", "--rl-metrics-jsonl", str(metrics), *extra]
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}{os.pathsep}{REPO_ROOT}"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+
+
 # bf16 (~30 s of CPU) is the same recipe at another precision: opt-in, to keep the default suite in budget.
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_reward_rises_in_a_few_grpo_iterations(tmp_path, precision):
@@ -30,17 +45,7 @@ def test_reward_rises_in_a_few_grpo_iterations(tmp_path, precision):
     env = tmp_path / "env.yaml"
     env.write_text("imports: [digit_agents]\nenvironments:\n  - type: digits_please\n    weight: 1\n")
     metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, str(REPO_ROOT / "train_rl.py"),
-           "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-           "--max-position-embeddings", "32", "--micro-batch-size", "8", "--global-batch-size", "64",
-           "--train-iters", "12", "--lr", "2e-2", "--lr-decay-style", "constant", "--clip-grad", "1.0",
-           "--seed", "3", "--langrl-env-config", str(env), "--langrl-allow-imports",
-           "--grpo-prompts-per-step", "8", "--grpo-group-size", "8", "--rl-max-new-tokens", "6",
-           "--rl-use-sequence-packing", "--log-interval", "1", "--rl-metrics-jsonl", str(metrics)]
-    cmd += ["--bf16"] if precision == "bf16" else []
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}{os.pathsep}{REPO_ROOT}"}
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    run_tiny_grpo(env, metrics, ("--bf16",) if precision == "bf16" else ())
     records = [r for r in _records(metrics) if "reward_mean" in r]
     rewards = [r["reward_mean"] for r in records]
     assert len(rewards) == 12

@@ -9,6 +9,7 @@ import os
 import random
 
 import pytest
+import torch
 
 from megatron.rl.base.types import RolloutGroup, TokenRollout
 from megatron.rl.rollout.bank import (MAGIC, BankSession, GroupRecord, RolloutBank, RolloutBankCorruptError,
@@ -324,3 +325,35 @@ def test_crash_and_resume_trains_every_completed_group_once_over_random_schedule
         assert not set(kept) & left, ctx
         assert len(set(produced.values())) == len(produced), ("a prompt was drawn twice", ctx)
     assert restored_total > 100 and crashes_total > 100  # the schedules did crash and restore
+
+
+def test_routes_survive_the_bank_and_a_resumed_run_packs_the_same_routes(tmp_path):
+    """MoE routing replay after a crash: a restored group's rollouts carry their routes bit for bit, so the resumed
+    run's trainer replays exactly what the lost run would have."""
+    import numpy as np
+
+    from megatron.rl.base.routes import Routes
+    from megatron.rl.rollout.sequences import groups_to_sequences
+    from megatron.rl.sequence_packing_utils import build_packed_batch, plan_packing
+
+    rng = np.random.default_rng(0)
+    group = _group(0)
+    for r in group.rollouts:  # [layers, tokens, k], -1 for the last token
+        r.routes = Routes.from_tensor(np.concatenate([rng.integers(0, 300, (4, 2, 2)), -np.ones((4, 1, 2), int)], 1),
+                                      num_experts=300)
+    s = BankSession(RolloutBank(tmp_path / "b.log"), Agent(), LAYOUT)
+    s.start(0, resuming=False)
+    s.completed("g0", 0, 0, 0, 0, group)
+    s.close()  # killed before the group was consumed
+    restored, _ = BankSession(RolloutBank(tmp_path / "b.log"), Agent(), LAYOUT).start(0, resuming=True)
+    assert [g.uid for g in restored] == ["g0"]
+    assert [r.routes for r in restored[0].group.rollouts] == [r.routes for r in group.rollouts]
+
+    def packed(groups):
+        seqs, _ = groups_to_sequences(groups)
+        info = plan_packing([len(q.token_ids) for q in seqs], 8, 4)
+        return build_packed_batch(info, list(range(info.num_bins)), [q.token_ids for q in seqs],
+                                  [q.loss_mask for q in seqs], 0,
+                                  token_aligned={"routes": [q.routes for q in seqs]}).token_values["routes"]
+
+    assert torch.equal(packed([restored[0].group]), packed([group]))

@@ -19,6 +19,11 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 def test_one_line_on_rank_0_and_torchruns_report_shows_it(tmp_path, monkeypatch):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+    import torch.distributed as dist
+
+    # The rank comes from $RANK here: a one-process world that an earlier in-process test left open would
+    # otherwise answer 0 for every rank this test plays.
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     monkeypatch.setenv("RANK", "0")

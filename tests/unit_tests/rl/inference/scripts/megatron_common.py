@@ -34,8 +34,11 @@ def init_distributed(tp: int = 1) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def tiny_gpt(tp: int = 1, hidden: int = 64, layers: int = 2, heads: int = 4, seq: int = SEQ, vocab: int = VOCAB):
-    """A tiny fp32 GPTModel (local spec, RoPE, RMSNorm, SwiGLU, GQA with 2 KV heads), same weights for any TP."""
+def tiny_gpt(tp: int = 1, hidden: int = 64, layers: int = 2, heads: int = 4, seq: int = SEQ, vocab: int = VOCAB,
+             experts: int | None = None, topk: int = 2, **moe: object):
+    """A tiny fp32 GPTModel (local spec, RoPE, RMSNorm, SwiGLU, GQA with 2 KV heads), same weights for any TP;
+    ``experts``: every layer's MLP a mixture of that many experts, ``topk`` per token (local spec, EP = 1), ``moe``:
+    more ``TransformerConfig`` MoE fields."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -47,8 +50,11 @@ def tiny_gpt(tp: int = 1, hidden: int = 64, layers: int = 2, heads: int = 4, seq
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         cross_entropy_loss_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         normalization="RMSNorm", gated_linear_unit=True, tensor_model_parallel_size=tp,
-        init_method_std=0.1)  # a larger init than usual so untrained logits are far from uniform
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        init_method_std=0.1,  # a larger init than usual so untrained logits are far from uniform
+        **({} if experts is None else dict(num_moe_experts=experts, moe_router_topk=topk, moe_aux_loss_coeff=0.0,
+                                           moe_router_load_balancing_type="none", moe_permute_fusion=False,
+                                           moe_token_dispatcher_type="alltoall", **moe)))
+    spec = get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm")
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq,
                     position_embedding_type="rope")
 

@@ -1,0 +1,179 @@
+"""``type: reasoning_gym``: any reasoning-gym task (procedural generators with their own answer scoring).
+
+reasoning-gym (``pip install 'megatron-rl[envs]'``) builds each task's problems locally from a seed, so
+nothing is downloaded. One YAML entry names a task and its config::
+
+    - type: reasoning_gym
+      weight: 2
+      args:
+        task: basic_arithmetic                   # any name of reasoning_gym.factory.DATASETS
+        config: {min_terms: 2, max_terms: 3}     # the task's own config fields
+        size: 10000                              # training problems (an epoch; reshuffled after it)
+        validation_size: 200
+        instruction: "Answer with the number only."
+        answer_regex: "(-?\\d+)"                 # group 1 (else the match) is the answer; default: the whole text
+
+Prompts are ``{question}`` (plus the instruction on its own line), or ``prompt_template`` with fields
+``{question}``, ``{instruction}`` and ``{metadata[KEY]}`` (the task's metadata, e.g. the expression of an
+arithmetic problem, to match the format a model was pretrained on); ``prompt_replacements`` edit the task's
+texts before they fill it. The reward is the task's own ``score_answer(answer, entry)`` on the extracted
+answer (``None`` when the regex does not match; the task then scores it, usually 0). Problems come from a :class:`PromptStream` like every built-in agent (sharded by
+data-parallel rank, position checkpointed); validation problems come from a second dataset with its own
+seed, so evaluation-only entries work too. Small task spaces (single-digit sums) repeat problems across the
+two seeds, as any generated task of that size does.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import string
+from typing import Any
+
+from pydantic import Field, PrivateAttr, field_validator
+
+from megatron.rl.agent.api import Agent
+from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
+from megatron.rl.base.optional import import_optional
+
+__all__ = ["ReasoningGymAgent", "extract_answer", "render_prompt"]
+
+_FIELD = re.compile(r"question|instruction|metadata\[[A-Za-z0-9_]+\]")
+
+
+def extract_answer(completion: str, pattern: re.Pattern | None) -> str | None:
+    """The answer in ``completion``: the stripped text without a pattern; else group 1 of the first match (the
+    whole match when the pattern has no group), stripped; None when nothing matches."""
+    if pattern is None:
+        return completion.strip()
+    m = pattern.search(completion)
+    if m is None:
+        return None
+    return (m.group(1) if pattern.groups else m.group(0)).strip()
+
+
+def render_prompt(template: str, entry: dict[str, Any], instruction: str,
+                  replacements: dict[str, str] | None = None) -> str:
+    """``template`` with ``{question}``, ``{instruction}`` and ``{metadata[KEY]}`` filled from ``entry``; the
+    task's texts (question, metadata strings) first get ``replacements`` (literal, in order)."""
+    def fix(text: Any) -> Any:
+        if isinstance(text, str):
+            for old, new in (replacements or {}).items():
+                text = text.replace(old, new)
+        return text
+
+    metadata = {k: fix(v) for k, v in (entry.get("metadata") or {}).items()}
+    return template.format_map({"question": fix(entry["question"]), "instruction": instruction, "metadata": metadata})
+
+
+def _check_template(template: str) -> str:
+    for _, name, spec, conv in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if not _FIELD.fullmatch(name) or spec or conv:
+            raise ValueError(f"prompt_template field {{{name}}} is not allowed: use {{question}}, {{instruction}} "
+                             "or {metadata[KEY]}")
+    return template
+
+
+@Agent.register_subclass("reasoning_gym")
+class ReasoningGymAgent(PassAtEvaluationAgent):
+    """A reasoning-gym task as an environment (see the module docstring).
+
+    task: the reasoning-gym dataset name. config: its config fields (not ``seed`` / ``size``: see below).
+    size / validation_size: problems in the training epoch / validation split. instruction: appended to the
+    question on its own line (None: none). prompt_template: the whole prompt (None: question + instruction).
+    prompt_replacements: literal ``{old: new}`` replacements applied to the task's texts before they fill the
+    prompt, in order (e.g. ``{" ": ""}`` writes ``3 + 5`` as ``3+5``, the format a small model was pretrained on).
+    answer_regex: how the answer is cut from the completion. chat: send the prompt as one user message
+    (rendered with the model's chat template) instead of plain text.
+    """
+
+    task: str
+    config: dict[str, Any] = Field(default_factory=dict)
+    size: int = Field(default=10_000, ge=1)
+    validation_size: int = Field(default=200, ge=1)
+    instruction: str | None = None
+    prompt_template: str | None = None
+    prompt_replacements: dict[str, str] = Field(default_factory=dict)
+    answer_regex: str | None = None
+    chat: bool = False
+
+    _datasets: dict[tuple[int, bool], Any] = PrivateAttr(default_factory=dict)
+    _pattern: re.Pattern | None = PrivateAttr(default=None)
+
+    @field_validator("config")
+    @classmethod
+    def _no_seed_or_size(cls, v: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted({"seed", "size"} & set(v))
+        if taken:
+            raise ValueError(f"config must not set {taken}: use the agent's seed / size / validation_size fields")
+        return v
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_fields(cls, v: str | None) -> str | None:
+        return None if v is None else _check_template(v)
+
+    @field_validator("answer_regex")
+    @classmethod
+    def _compiles(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"answer_regex {v!r} does not compile: {e}") from None
+        return v
+
+    def model_post_init(self, context: Any) -> None:
+        # Fail at configuration time: the package is missing, the task unknown or its config invalid.
+        rg = import_optional("reasoning_gym", "envs", "type: reasoning_gym")
+        names = sorted(getattr(getattr(rg, "factory", None), "DATASETS", {}) or [])
+        if names and self.task not in names:
+            close = [n for n in names if self.task.lower() in n or n in self.task.lower()][:8]
+            raise ValueError(f"reasoning-gym has no task {self.task!r}" + (f" (close: {close})" if close else "")
+                             + f"; {len(names)} tasks, e.g. {names[:6]}")
+        self._pattern = re.compile(self.answer_regex) if self.answer_regex else None
+        sample = self._build(self.seed, size=1)[0]
+        if self.prompt_template is not None:
+            try:
+                render_prompt(self.prompt_template, sample, self.instruction or "")
+            except (KeyError, IndexError, TypeError) as e:
+                raise ValueError(f"prompt_template {self.prompt_template!r} does not fit task {self.task!r}: no "
+                                 f"{e} (its metadata keys: {sorted(sample.get('metadata') or {})})") from None
+
+    def _build(self, seed: int, size: int) -> Any:
+        import reasoning_gym
+
+        try:
+            return reasoning_gym.create_dataset(self.task, seed=seed, size=size, **self.config)
+        except (TypeError, ValueError, AssertionError, KeyError) as e:
+            raise ValueError(f"reasoning-gym task {self.task!r} rejected config {self.config}: "
+                             f"{type(e).__name__}: {e}") from None
+
+    def _dataset(self, validation: bool) -> Any:
+        # Built on first use for the current seed: the env config may set the seed after construction.
+        key = (self.seed, validation)
+        if key not in self._datasets:
+            seed = self.seed
+            if validation:
+                seed = int(hashlib.sha256(f"{self.seed}:validation".encode()).hexdigest()[:8], 16)
+            self._datasets[key] = self._build(seed, self.validation_size if validation else self.size)
+        return self._datasets[key]
+
+    def dataset_size(self, validation: bool) -> int | None:
+        return self.validation_size if validation else self.size
+
+    def get_problem(self, index: int, validation: bool) -> dict:
+        entry = self._dataset(validation)[index]
+        split = "val" if validation else "train"
+        template = self.prompt_template or ("{question}\n{instruction}" if self.instruction else "{question}")
+        prompt = render_prompt(template, entry, self.instruction or "", self.prompt_replacements)
+        return {"prompt": prompt, "id": f"{split}-{index}", "entry": entry}
+
+    def make_prompt(self, problem: dict) -> str | list[dict[str, str]]:
+        return [{"role": "user", "content": problem["prompt"]}] if self.chat else problem["prompt"]
+
+    def compute_reward(self, problem: dict, completion: str) -> float:
+        answer = extract_answer(completion, self._pattern)
+        return float(self._dataset(problem["id"].startswith("val"))
+                     .score_answer(answer=answer, entry=problem["entry"]))

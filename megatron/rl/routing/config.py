@@ -1,0 +1,34 @@
+"""``--rl-router-replay``: its modes and the checks that need no model (run before any model is built)."""
+from __future__ import annotations
+
+from megatron.rl.training.config import ConfigError
+
+__all__ = ["REPLAY_MODES", "RouterReplayConfigError", "validate_router_replay"]
+
+REPLAY_MODES = ("off", "rollout")
+
+
+class RouterReplayConfigError(ConfigError):
+    """``--rl-router-replay`` asked for with flags it cannot work with (exit status 2 at the command line)."""
+
+
+def validate_router_replay(mode: str, *, num_experts: int | None, inference_backend: str,
+                           recompute_granularity: str | None, load_balancing: str) -> None:
+    """Raise :class:`RouterReplayConfigError` for what ``--rl-router-replay rollout`` cannot work with: a dense model,
+    a backend without routes (HF, OpenAI, fake), full activation recomputation, sinkhorn routing."""
+    if mode == "off":
+        return
+    flag = f"--rl-router-replay {mode}"
+    problem = None
+    if num_experts is None:
+        problem = f"{flag} replays MoE routing, but the model is dense (no --num-experts): drop {flag}."
+    elif inference_backend != "megatron":
+        problem = (f"{flag} needs the routes the in-process engine records, but --inference-backend="
+                   f"{inference_backend} returns none: use --inference-backend megatron or drop {flag}.")
+    elif recompute_granularity == "full":
+        problem = (f"{flag} with --recompute-granularity full is not supported: the backward pass re-runs the routers "
+                   f"after the replayed routes are cleared. Use --recompute-granularity selective or none.")
+    elif load_balancing == "sinkhorn":
+        problem = f"{flag} cannot replay --moe-router-load-balancing-type sinkhorn (not a top-k routing)."
+    if problem:
+        raise RouterReplayConfigError(problem)

@@ -1,0 +1,247 @@
+"""MoE routing replay (``--rl-router-replay rollout``): the trainer routes each rollout token to the experts the
+inference engine chose for it.
+
+A MoE policy's log-probs depend on which experts each token visits, and that choice is a top-k over router logits:
+a rounding difference between the engine's forward and the trainer's (another batch, another kernel) flips a near
+tie, and the token then runs through other experts. Its log-prob differs by far more than the dense model's
+train-inference gap, and so do the log-probs of every later token that attends to it. Replay records the engine's
+choice for every token it processes (:mod:`megatron.rl.inference.engine.route_recorder`), carries it with the
+rollout (:class:`~megatron.rl.base.routes.Routes`) and makes the trainer's routers use it.
+
+Built on megatron-core 0.16.1's router replay hook: ``TopKRouter`` hands its top-k to its ``router_replay`` object
+(``RouterReplay.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)``) whenever one is
+set; ``TransformerConfig.moe_enable_routing_replay`` makes the router create one. We set our own
+:class:`RolloutRouterReplay` (a ``RouterReplay`` subclass) on each router of the models that need it instead,
+because megatron-core's instances register in one process-wide list (every model built in the process: trainer,
+reference, inference copy), so its class-level ``set_replay_data`` cannot address one model, and its replay takes
+every row from the target (we need rows without a recorded route, padding and each sequence's last token, to keep
+the router's own choice) and cannot say how often the router would have chosen otherwise.
+
+Token order. A router sees its layer's tokens flattened from ``[s, b, h]``: for the trainer's ``[rows, S]``
+micro-batch, row-major over ``(s, row)``; for THD, ``(row, s)``; with sequence parallelism each tensor-parallel
+rank routes its contiguous ``1 / TP`` share of that order (:func:`router_token_order`).
+
+Not supported (refused up front by :func:`~megatron.rl.routing.config.validate_router_replay`): full activation
+recomputation (the backward pass re-runs the routers after the targets are cleared), sinkhorn routing (not a top-k
+the hook sees).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Sequence
+
+import torch
+
+__all__ = ["RolloutRouterReplay", "RouterReplaySet", "RouterReplayError", "install_router_replay",
+           "router_replay_of", "moe_layer_numbers", "router_token_order", "replaying", "disagreement_share"]
+
+_ATTR = "_rl_router_replay"
+
+
+class RouterReplayError(RuntimeError):
+    """Routing replay cannot run on this data or model (rollouts without routes, routes of another model)."""
+
+
+def _replay_base() -> type:
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    return RouterReplay
+
+
+class RolloutRouterReplay(_replay_base()):
+    """One router's replay slot: records its top-k (engine) or replays targets where given (trainer).
+
+    ``target_topk_idx`` [tokens, k]: expert indices in the router's token order, rows of ``-1`` = no target (the
+    router chooses itself). While replaying it counts, over rows with a target, how many the router's own top-k
+    would have sent elsewhere (``differ`` of ``compared``), without a host synchronisation.
+    """
+
+    def __init__(self) -> None:
+        # Not RouterReplay.__init__: it appends the instance to megatron-core's process-wide list.
+        self.target_topk_idx: torch.Tensor | None = None
+        self.recorded_topk_idx: torch.Tensor | None = None
+        self.router_replay_action = None
+        self.replay_backward_list: list[torch.Tensor] = []
+        self.differ: torch.Tensor | int = 0
+        self.compared: torch.Tensor | int = 0
+
+    def set_target_indices(self, topk_indices: torch.Tensor) -> None:
+        self.target_topk_idx = topk_indices  # no backward list: activation recomputation is refused
+
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
+                        group_topk: int | None = None, default_compute_topk: Any = None):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+            return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        target = self.target_topk_idx
+        if target is None or tuple(target.shape) != tuple(own.shape):
+            raise RouterReplayError(f"replay targets of shape {None if target is None else tuple(target.shape)} for "
+                                    f"a router that routes {tuple(own.shape)} (tokens, top-k): the routes do not "
+                                    f"match this forward's tokens")
+        target = target.to(device=own.device, dtype=own.dtype)
+        given = target[:, :1] >= 0
+        chosen = torch.where(given, target, own)
+        moved = (own.sort(dim=-1).values != chosen.sort(dim=-1).values).any(dim=-1)
+        self.differ = self.differ + moved.sum()
+        self.compared = self.compared + given.sum()
+        return scores.gather(1, chosen), chosen
+
+
+def moe_layer_numbers(config: Any) -> list[int]:
+    """The (1-based) layer numbers of a model's MoE layers, from ``num_layers`` and ``moe_layer_freq``
+    (an int: every n-th layer from the first; a list: 1 = MoE per layer), as megatron-core's layer specs read it."""
+    if config.num_moe_experts is None:
+        return []
+    freq = getattr(config, "moe_layer_freq", 1)
+    pattern = [int(i % freq == 0) for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
+    return [i + 1 for i, moe in enumerate(pattern) if moe]
+
+
+@dataclasses.dataclass
+class RouterReplaySet:
+    """The replay slots of one model's MoE routers on this rank, in layer order.
+
+    layers[i]: the index (into a route's layer dimension, over the whole model's MoE layers) of ``replays[i]``;
+    num_layers: MoE layers in the whole model (every pipeline stage); topk, num_experts: the routers'.
+    """
+
+    replays: list[RolloutRouterReplay]
+    layers: list[int]
+    num_layers: int
+    topk: int
+    num_experts: int
+
+    def record(self) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for r in self.replays:
+            r.recorded_topk_idx = None
+            r.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def recorded(self) -> list[torch.Tensor | None]:
+        """Each local router's top-k of its last forward ([tokens, k]), in layer order."""
+        return [r.get_recorded_indices() for r in self.replays]
+
+    def replay(self, targets: torch.Tensor) -> None:
+        """Route the next forward by ``targets`` [tokens, num_layers, k] (router token order, ``-1`` rows: none)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if targets.shape[1:] != (self.num_layers, self.topk):
+            raise RouterReplayError(f"routes of {targets.shape[1]} MoE layers x top-{targets.shape[2]} for a model "
+                                    f"with {self.num_layers} MoE layers x top-{self.topk}: they were recorded on "
+                                    f"another model")
+        for r, layer in zip(self.replays, self.layers):
+            r.set_target_indices(targets[:, layer])
+            r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def stop(self) -> None:
+        """Back to the router's own choice; drop targets and records."""
+        for r in self.replays:
+            r.clear_router_replay_action()
+            r.clear_indices()
+
+    def take_disagreement(self) -> tuple[float, float]:
+        """(rows whose own top-k differed from the replayed one, rows replayed) summed over this rank's routers
+        since the last call; resets the counts."""
+        differ = sum(float(r.differ) for r in self.replays)
+        compared = sum(float(r.compared) for r in self.replays)
+        for r in self.replays:
+            r.differ, r.compared = 0, 0
+        return differ, compared
+
+
+def _unwrap(model: Any) -> torch.nn.Module:
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise RouterReplayError(f"routing replay needs one model chunk per rank, got {len(model)}")
+        model = model[0]
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module
+    return model
+
+
+def install_router_replay(model: Any) -> RouterReplaySet:
+    """Set a :class:`RolloutRouterReplay` on every MoE router of ``model`` (idempotent: a second call returns the
+    same set). Raises :class:`RouterReplayError` for a model without MoE routers."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.utils import get_model_config
+
+    gpt = _unwrap(model)
+    existing = getattr(gpt, _ATTR, None)
+    if existing is not None:
+        return existing
+    config = get_model_config(gpt)
+    numbers = moe_layer_numbers(config)
+    routers = sorted((m for m in gpt.modules() if isinstance(m, TopKRouter)), key=lambda m: m.layer_number)
+    if not numbers:
+        raise RouterReplayError("routing replay needs a MoE model (--num-experts), this one is dense")
+    if config.moe_router_load_balancing_type == "sinkhorn":
+        raise RouterReplayError("routing replay cannot replay sinkhorn routing (not a top-k megatron-core hands to "
+                                "its replay hook): use another --moe-router-load-balancing-type")
+    layers = []
+    for router in routers:
+        if router.layer_number not in numbers:
+            raise RouterReplayError(f"router of layer {router.layer_number} is not among the MoE layers {numbers}")
+        layers.append(numbers.index(router.layer_number))
+        router.router_replay = RolloutRouterReplay()
+    replay_set = RouterReplaySet([r.router_replay for r in routers], layers, len(numbers), config.moe_router_topk,
+                                 config.num_moe_experts)
+    setattr(gpt, _ATTR, replay_set)
+    return replay_set
+
+
+def router_replay_of(model: Any) -> RouterReplaySet | None:
+    """The replay set :func:`install_router_replay` put on ``model`` (None: not installed)."""
+    try:
+        return getattr(_unwrap(model), _ATTR, None)
+    except RouterReplayError:
+        return None
+
+
+def router_token_order(routes: torch.Tensor, thd: bool, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
+    """Per-position routes [rows, S, layers, k] -> [tokens, layers, k] in the order this rank's routers see them.
+
+    ``thd``: the rows are flattened into one sequence (``[1, rows * S]``), else the model gets ``[rows, S]`` and its
+    layers work on ``[S, rows]``. With sequence parallelism (``sp_size`` = the TP size) rank ``sp_rank`` routes the
+    ``sp_rank``-th contiguous share of that order.
+    """
+    rows, s = routes.shape[:2]
+    flat = routes.reshape(rows * s, *routes.shape[2:]) if thd else routes.transpose(0, 1).reshape(
+        rows * s, *routes.shape[2:])
+    if sp_size == 1:
+        return flat
+    if flat.shape[0] % sp_size:
+        raise RouterReplayError(f"{flat.shape[0]} tokens cannot be split over {sp_size} sequence-parallel ranks")
+    share = flat.shape[0] // sp_size
+    return flat[sp_rank * share:(sp_rank + 1) * share]
+
+
+@contextlib.contextmanager
+def replaying(model: Any, routes: torch.Tensor | None, thd: bool) -> Iterator[None]:
+    """Route ``model``'s next forward by ``routes`` ([rows, S, layers, k] at the micro-batch's positions, ``-1`` =
+    the router's own choice); nothing to do when ``routes`` is None or replay is not installed on ``model``."""
+    replay_set = router_replay_of(model) if routes is not None else None
+    if replay_set is None:
+        yield
+        return
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    sp = bool(getattr(get_model_config(_unwrap(model)), "sequence_parallel", False))
+    tp = ps.get_tensor_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    rank = ps.get_tensor_model_parallel_rank() if tp > 1 else 0
+    device = next(_unwrap(model).parameters()).device
+    replay_set.replay(router_token_order(routes, thd, rank, tp if sp else 1).to(device, torch.long))
+    try:
+        yield
+    finally:
+        replay_set.stop()
+
+
+def disagreement_share(counts: Sequence[float]) -> float:
+    """Share of replayed (token, layer) routes the trainer's own router would have chosen differently."""
+    differ, compared = counts
+    return differ / compared if compared else 0.0
