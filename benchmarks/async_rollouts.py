@@ -8,9 +8,9 @@ python benchmarks/async_rollouts.py --alpha 1.0     # the lighter tail of the fi
 
 Workload (:class:`LongTailAgent`): every prompt asks for an answer whose length budget follows a Pareto
 distribution (tail index ``--alpha``, default 0.8, from 4 tokens, capped at 256), stratified so that each
-iteration's batch holds the same lengths: with 16 prompts, 4 4 4 5 6 6 7 8 10 12 15 19 26 40 77 256 tokens (the
-issue's "answers of 4-256 tokens", median 9). The first version used alpha 1, whose 16 quantiles stop at 128
-tokens (4 ... 42 128): a lighter tail than the issue asks for. A random-weight policy almost never emits EOS, so a
+iteration's batch holds the same lengths: with 16 prompts, 4 4 4 5 6 6 7 8 10 12 15 19 26 40 77 256 tokens
+(answers of 4-256 tokens, median 9). Alpha 1 would give 16 quantiles that stop at 128 tokens (4 ... 42 128): a
+lighter tail than the one this benchmark is for. A random-weight policy almost never emits EOS, so a
 rollout is as long as its budget; the reward is a hash of the answer (it varies, so every iteration trains).
 
 Each setting runs ``train_rl.py`` with the same seed and model, one after the other in one invocation, so the

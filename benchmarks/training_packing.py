@@ -109,7 +109,7 @@ def run(a) -> dict:
         rl, step = layouts[name]
         fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
                                     grad_scale=float(step.num_microbatches), device=ctx.device, use_thd=False,
-                                    packed_attention=rl.packed_attention_mode)
+                                    packed_attention=rl.packed_attention)
         loader = step.microbatches(ctx.micro_batch_size)
         return C.timed_wall_cpu(lambda: train_step(fwd, iter(loader), ctx.model, ctx.optimizer, ctx.scheduler,
                                                    step.num_microbatches, **schedule_shape(ctx)))

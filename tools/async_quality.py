@@ -1,5 +1,5 @@
 """Quality of asynchronous rollouts: the quickstart's GRPO recipe run synchronously and with a generation lag,
-from one pretrained checkpoint, with held-out pass@1 side by side (issue 14's quality bar: lag 1 + partial
+from one pretrained checkpoint, with held-out pass@1 side by side (the quality bar: lag 1 + partial
 rollouts within 0.05 of the synchronous run at the same iteration).
 
     python tools/async_quality.py --out runs/async_quality                      # pretrains once, then the runs

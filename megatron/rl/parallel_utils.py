@@ -104,19 +104,3 @@ def broadcast_object_from_last_pipeline_stage(obj):
         return obj
     return broadcast_object(obj, ps.get_pipeline_model_parallel_last_rank(),
                             group=ps.get_pipeline_model_parallel_group())
-
-
-def last_pipeline_stage_rank() -> int:
-    """Global rank of the last pipeline stage in this rank's pipeline (megatron-core parallel_state)."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_pipeline_model_parallel_last_rank()
-
-
-def broadcast_from_last_pipeline_stage(tensor: torch.Tensor) -> torch.Tensor:
-    """Give every stage of this pipeline the last stage's ``tensor`` (in place; same shape/dtype everywhere)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        broadcast(tensor, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return tensor

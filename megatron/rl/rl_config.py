@@ -1,8 +1,11 @@
 """RL flags for ``train_rl.py``: parsed with the Megatron flags, then checked together up front.
 
 :class:`RLConfig` declares every RL flag on its field (and its sections: :class:`PolicyLossConfig`,
-:class:`InferenceLayoutConfig`, :class:`ObserveConfig`); to add a flag, add a field with ``flag(...)`` there
-(see :mod:`megatron.rl.base.flags`) and its check to :func:`validate_rl_config`. :func:`add_rl_args` is
+:class:`InferenceLayoutConfig`, :class:`ObserveConfig`, :class:`AsyncRolloutConfig`); to add a flag, add a field
+with ``flag(...)`` there (see :mod:`megatron.rl.base.flags`) and its check beside that config's fields
+(:func:`validate_rl_config` here; :func:`~megatron.rl.layout.groups.validate_inference_layout`,
+:func:`~megatron.rl.rollout.async_config.validate_async_rollouts` and
+:func:`~megatron.rl.observe.config.resolve_observe` beside their sections). :func:`add_rl_args` is
 the ``extra_args_provider`` generated from it for :func:`megatron.rl.training.config.parse_args`;
 :func:`rl_config_from_args` turns the parsed namespace into the frozen :class:`RLConfig` and validates the
 combination with the training flags (batch arithmetic, group size, lengths) with errors that name the flags.
@@ -23,14 +26,16 @@ from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
+from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
+from megatron.rl.inference import api
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from megatron.rl.layout.groups import InferenceLayoutConfig, validate_inference_layout
 from megatron.rl.observe.config import ObserveConfig, resolve_observe
-from megatron.rl.rollout.pipeline import AsyncRolloutConfig
+from megatron.rl.packing.plan import PACKING_ALGOS
+from megatron.rl.rollout.async_config import AsyncRolloutConfig, async_loss_config, validate_async_rollouts
 from megatron.rl.routing.config import REPLAY_MODES, validate_router_replay
-from megatron.rl.sequence_packing_utils import PACKING_ALGOS
+from megatron.rl.server.policy_server import parse_address
 from megatron.rl.training.config import ConfigError, TrainingConfig
-from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +45,8 @@ class RLConfig:
     """Typed RL settings; each field declares its ``train_rl.py`` flag (``name=``), nested sections included."""
 
     _flag_group = "reinforcement learning (GRPO / PPO)"
+    _removed_flags = {"--rl-packed-attention-per-sequence": "--rl-packed-attention exact (the same per-sequence "
+                                                            "attention)"}
 
     perform_rl_step: bool = flag(False, name="--perform-rl-step",
                                  help="Accepted for Megatron-LM compatibility; train_rl.py always performs RL steps.")
@@ -62,10 +69,7 @@ class RLConfig:
                                            "sequences).")
     max_sequences_per_bin: int = flag(16, name="--rl-sequence-packing-max-sequences-per-bin")
     packing_algo: str = flag("fifo", name="--rl-sequence-packing-algo", choices=registry_choices(PACKING_ALGOS))
-    # packed rows computed as if each sequence ran alone (megatron.rl.packing.packed_forward; issue 15 items 3 and 5)
-    packed_attention_per_sequence: bool = flag(
-        False, name="--rl-packed-attention-per-sequence",
-        help="Same as --rl-packed-attention exact (kept for existing scripts).")
+    # packed rows computed as if each sequence ran alone (megatron.rl.packing.packed_forward)
     packed_attention: str = flag(
         "auto", name="--rl-packed-attention", choices=("auto", "masked", "grouped", "exact"),
         help="Local attention spec, packed rows: masked = one product over each whole row, sequences kept apart "
@@ -119,7 +123,7 @@ class RLConfig:
                                          help="Mean |trainer - inference| log-prob per generated token above which the "
                                               "run stops: the server is not serving the trainer's policy (unless "
                                               "--rl-off-policy-server).")
-    # separate inference layout (issue 12); the default (no flags) generates with the training model itself
+    # separate inference layout; the default (no flags) generates with the training model itself
     inference_layout: InferenceLayoutConfig = section(InferenceLayoutConfig)
     # samples, per-environment metrics, warnings, pass@k, --eval-only
     observe: ObserveConfig = section(ObserveConfig)
@@ -142,17 +146,12 @@ class RLConfig:
              "a near tie that rounds the other way in the trainer no longer sends a token through other experts "
              "(megatron.rl.routing.replay). Costs layers x top-k x 2 bytes per rollout token. off (default) = the "
              "trainer's routers choose.")
-    # asynchronous rollouts (issue 14); the defaults keep the synchronous collection
+    # asynchronous rollouts; the defaults keep the synchronous collection
     async_rollouts: AsyncRolloutConfig = section(AsyncRolloutConfig)
 
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
-
-    @property
-    def packed_attention_mode(self) -> str:
-        """--rl-packed-attention, with the older --rl-packed-attention-per-sequence meaning "exact"."""
-        return "exact" if self.packed_attention_per_sequence else self.packed_attention
 
 
 def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -170,7 +169,6 @@ def _need(cond: bool, msg: str) -> None:
 
 def _known_backends() -> list[str]:
     """Built-in backend names plus any registered so far, without importing the backends' modules."""
-    from megatron.rl.inference import api
 
     return api.InferenceInterface._registry.names()
 
@@ -183,8 +181,6 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
     _need(Path(a.langrl_env_config).is_file(), f"--langrl-env-config={a.langrl_env_config}: no such file.")
     raw = from_namespace(RLConfig, a, deterministic_forward=cfg.model.hidden_dropout == 0
                          and cfg.model.attention_dropout == 0)
-    from megatron.rl.rollout.async_source import async_loss_config
-
     rl = dataclasses.replace(raw, observe=resolve_observe(raw.observe, raw, cfg),
                              loss=async_loss_config(raw.loss, raw.async_rollouts))
     validate_rl_config(rl, cfg)
@@ -197,9 +193,6 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
         log.warning("--hidden-dropout=%s / --attention-dropout=%s: with dropout the policy being trained differs "
                     "from the one that scored the old log-probs, so PPO ratios are noisy (train_rl.py defaults "
                     "both to 0)", cfg.model.hidden_dropout, cfg.model.attention_dropout)
-    _need(not rl.packed_attention_per_sequence or rl.packed_attention in ("auto", "exact"),
-          f"--rl-packed-attention-per-sequence asks for exact per-sequence attention, but --rl-packed-attention="
-          f"{rl.packed_attention} asks for another; give one of the two.")
     dp = cfg.parallel.data_parallel_size
     gbs = cfg.train.global_batch_size
     for flag, value in (("--grpo-prompts-per-step", rl.prompts_per_step), ("--grpo-group-size", rl.group_size),
@@ -216,8 +209,8 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
           f"--grpo-prompts-per-step x --grpo-group-size = {rl.prompts_per_step} x {rl.group_size} = "
           f"{rl.rollouts_per_step} rollouts per iteration must be a multiple of --global-batch-size={gbs} "
           f"(each optimizer step trains on --global-batch-size sequences).")
-    # Hostile / mistyped values (issue 10): every float flag finite, every range checked here, before any model
-    # is built, instead of after the checkpoint is loaded or one iteration in.
+    # Hostile / mistyped values: every float flag finite, every range checked here, before any model is built,
+    # not after the checkpoint is loaded or one iteration in.
     for flag, value in (("--rl-default-temperature", rl.temperature), ("--rl-default-top-p", rl.top_p),
                         ("--rl-eval-temperature", rl.eval_temperature),
                         ("--grpo-clamp-eps-lower", rl.loss.eps_lower), ("--grpo-clamp-eps-upper", rl.loss.eps_upper),
@@ -257,7 +250,6 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
     validate_router_replay(rl.router_replay, num_experts=m.num_experts, inference_backend=rl.inference_backend,
                            recompute_granularity=m.recompute_granularity,
                            load_balancing=m.moe_router_load_balancing_type)
-    # --- separate inference layout (issue 12) ---
     validate_inference_layout(rl.inference_layout, cfg, rl.inference_backend)
     if rl.inference_layout.enabled:
         replicas = rl.inference_layout.sizes(cfg).dp
@@ -265,9 +257,6 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
               f"--grpo-prompts-per-step={rl.prompts_per_step} must be divisible by the {replicas} inference "
               f"replicas of the inference layout (world size / (inference TP x PP)): each replica generates an "
               f"equal share of the prompt groups.")
-    # --- end separate inference layout ---
-    from megatron.rl.rollout.async_source import validate_async_rollouts  # asynchronous rollouts (issue 14)
-
     validate_async_rollouts(rl.async_rollouts, rl, cfg)
 
 
@@ -276,7 +265,6 @@ def _validate_serving(rl: RLConfig, cfg: TrainingConfig) -> None:
     _need(rl.max_policy_logprob_gap > 0, f"--rl-max-policy-logprob-gap={rl.max_policy_logprob_gap}: must be > 0.")
     if rl.serve_inference is None:
         return
-    from megatron.rl.server.policy_server import parse_address
 
     try:
         parse_address(rl.serve_inference)

@@ -20,9 +20,13 @@ from typing import Sequence
 
 from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent, EvaluationRequest
+from megatron.rl.agent.env_config import build_agent_from_config
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
+from megatron.rl.layout.refit import build_run_inference
 from megatron.rl.rl_config import RLConfig
+from megatron.rl.rollout.collection import data_parallel, derive_seed, generation_split
 from megatron.rl.training.config import ConfigError, TrainingConfig
+from megatron.rl.training.run import EVAL_ONLY, TrainingRun, resolve_load_dir
 
 __all__ = ["evaluation_request", "merge_eval_metrics", "evaluate", "format_eval_line", "format_eval_table",
            "eval_environments", "run_eval_only"]
@@ -36,8 +40,6 @@ def evaluation_request(rl: RLConfig, seed: int, dp_rank: int, dp_size: int,
                        inference: InferenceInterface | None = None) -> EvaluationRequest:
     """This DP rank's request: ``--rl-prompts-per-eval / DP`` prompts (at least one), the pass@k settings.
     At temperature 0 the one sample is the greedy decode, so no separate greedy pass is asked for."""
-    from megatron.rl.rl_utils import derive_seed
-
     o = rl.observe
     args = GenerationArgs(temperature=rl.eval_temperature, max_tokens=rl.max_new_tokens,
                           seed=derive_seed(seed, "eval", dp_rank))
@@ -79,16 +81,12 @@ def merge_eval_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]
 
 def evaluate(agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int) -> dict[str, float]:
     """Evaluate (all ranks; collective over the DP group); returns the merged ``eval/`` metrics."""
-    from megatron.core import parallel_state as ps
-
-    from megatron.rl.rl_utils import generation_split, inference_session
-
     shard, rank, size = generation_split(inference)
     request = evaluation_request(rl, seed, rank, size, inference)
-    with inference_session(inference):
+    with inference.rollout_phase():
         response = run_sync(agent.evaluate(request))
     gathered = (shard.gather(response.metrics) if shard is not None
-                else parallel_utils.all_gather_object(response.metrics, ps.get_data_parallel_group()))
+                else parallel_utils.all_gather_object(response.metrics, data_parallel()[0]))
     return merge_eval_metrics(gathered)
 
 
@@ -159,10 +157,6 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     :data:`~megatron.rl.training.run.EVAL_ONLY` policy (the training build and load, checkpoint flags
     included, without optimizer or DDP). Returns the merged ``eval/`` metrics (all ranks).
     """
-    from megatron.rl.agent.env_config import build_agent_from_config
-    from megatron.rl.inference.api import build_training_inference
-    from megatron.rl.rl_utils import generation_split
-    from megatron.rl.training.run import EVAL_ONLY, TrainingRun, resolve_load_dir
 
     c = cfg.checkpoint
     if resolve_load_dir(cfg, required=False) is None and not c.pretrained_checkpoint:
@@ -171,11 +165,9 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     run = TrainingRun.build(cfg, EVAL_ONLY)
     loaded = run.resume().loaded
-    inference = build_training_inference(cfg, rl, run.model, run.tokenizer)
+    inference = build_run_inference(cfg, rl, run.model, run.tokenizer)
     agent.set_data_parallel(*generation_split(inference)[1:])
-    if rl.inference_layout.enabled:
-        inference.refit_if_stale()  # the copy starts from the loaded weights
-    agent.bind_inference(inference)
+    agent.bind_inference(inference)  # an inference copy is refit from the loaded weights by its rollout phase
     try:
         metrics = evaluate(agent, inference, rl, cfg.train.seed)
     finally:

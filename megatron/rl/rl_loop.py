@@ -10,20 +10,28 @@ import dataclasses
 import logging
 import math
 import time
+from typing import Any
 
 from megatron.rl import parallel_utils
-from megatron.rl.rollout.async_source import build_async_rollouts
-from megatron.rl.inference.api import build_training_inference
-from megatron.rl.observe.policy_gap import check_policy_gap
-from megatron.rl.rl_config import RLConfig
-from megatron.rl.rl_eval import evaluate, format_eval_line
+from megatron.rl.agent.env_config import build_agent_from_config
+from megatron.rl.base.errors import ConfigError, RLError
+from megatron.rl.layout.refit import build_run_inference, start_inference_copy
 from megatron.rl.observe.metrics import format_env_line
+from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.observe.run_summary import run_summary
 from megatron.rl.observe.samples import samples_markdown
-from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, generation_split, rl_iteration
 from megatron.rl.observe.warnings import RunWarnings, WarningThresholds, warning_metrics
-from megatron.rl.training.config import ConfigError, TrainingConfig
+from megatron.rl.rl_config import RLConfig
+from megatron.rl.rl_eval import evaluate, format_eval_line
+from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
+from megatron.rl.rollout.collection import generation_split
+from megatron.rl.rollout.source import build_rollout_source
+from megatron.rl.runtime import flush_denormals
+from megatron.rl.server.policy_server import serve_policy
+from megatron.rl.training.config import TrainingConfig
+from megatron.rl.training.loop_control import LoopControl
 from megatron.rl.training.metrics import MetricsJsonl
+from megatron.rl.training.run import RL_RESUME, Resumed, TrainingRun
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,7 @@ def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: fl
     return " | ".join(parts) + " |"
 
 
-class AllRolloutsFailedError(RuntimeError):
+class AllRolloutsFailedError(RLError, RuntimeError):
     """Every rollout failed for ``--rl-max-all-failed-iterations`` iterations in a row."""
 
 
@@ -78,34 +86,80 @@ def count_all_failed(previous: int, metrics: dict[str, float], rollouts_per_step
 
 def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     """Run ``--train-iters`` RL iterations (all ranks). Initialises megatron; returns the metrics."""
-    from megatron.rl.runtime import flush_denormals
-
     with flush_denormals():
         return _run_rl(cfg, rl)
 
 
 def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
-    from megatron.rl.agent.env_config import build_agent_from_config
-    from megatron.rl.training.loop_control import LoopControl
-    from megatron.rl.training.run import RL_RESUME, TrainingRun
+    t = cfg.train
+    check_run_flags(cfg, rl)
+    run, ctx, iteration = build_run(cfg, rl)
+    loop = _Loop(cfg, rl, run, ctx, iteration)
+    if loop.evaluates and iteration == 0:
+        loop.evaluate(0)
+    control = LoopControl.from_config(cfg, loop.save, last_saved=iteration if cfg.checkpoint.load else None)
+    while iteration < t.train_iters:
+        result = rl_iteration(ctx, rl, iteration)
+        iteration += 1
+        loop.record(iteration, result)
+        if loop.evaluates and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
+            loop.evaluate(iteration)
+        if control.after_iteration(iteration):
+            break
+    control.finish(iteration)
+    run.close()
+    ctx.rollouts.close()  # cancels groups generated ahead
+    ctx.inference.close()  # frees the in-process engine's KV cache / the HTTP client
+    return RLRunResult(iteration, loop.history, loop.evals)
 
-    t, c = cfg.train, cfg.checkpoint
-    if t.train_iters is None:
+
+def check_run_flags(cfg: TrainingConfig, rl: RLConfig) -> None:
+    """What a training run needs beyond valid flags, before any model is built."""
+    if cfg.train.train_iters is None:
         raise ConfigError("--train-iters is required: the number of RL iterations to run.")
-    if rl.loss.needs_ref_logprobs and not c.pretrained_checkpoint:  # before any model is built
+    if rl.loss.needs_ref_logprobs and not cfg.checkpoint.pretrained_checkpoint:
         raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
                           f"model's weights (the policy you start from).")
+
+
+def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepContext, int]:
+    """Agents, model, optimizer and resumed state, the generating backend and the rollout source (all ranks);
+    returns them with the iteration to start at."""
+    t, c = cfg.train, cfg.checkpoint
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
-    model, optimizer, scheduler, tokenizer = run.model, run.optimizer, run.scheduler, run.tokenizer
     if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
-        from megatron.rl.routing.replay import install_router_replay
+        from megatron.rl.routing.replay import install_router_replay  # heavy: megatron-core's RouterReplay
 
-        for chunks in (model, run.ref_model):
+        for chunks in (run.model, run.ref_model):
             if chunks is not None:
                 install_router_replay(chunks)
     start = run.resume()
-    iteration, run_state = start.iteration, start.run_state
+    _log_start(cfg, start)
+    backend = build_run_inference(cfg, rl, run.model, run.tokenizer)
+    agent.set_data_parallel(*generation_split(backend)[1:])
+    if start.run_state.get("agent"):
+        agent.load_state_dict(start.run_state["agent"])
+    inference = backend
+    if rl.serve_inference:  # remote environments (and any OpenAI client) generate with the trained policy
+        inference = serve_policy(backend, rl.serve_inference, rl.serve_inference_wait_s)
+    agent.bind_inference(inference)
+    ctx = StepContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, agent=agent,
+                      inference=inference, pad_token_id=run.tokenizer.pad, seq_length=cfg.model.seq_length,
+                      micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
+                      device=run.runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
+                      ref_model=run.ref_model, packed_attention=rl.packed_attention)
+    # A durable rollout bank restores what a resumed run lost.
+    ctx.rollouts = build_rollout_source(agent, inference, rl, t.seed, start.iteration, save=c.save,
+                                        resuming=start.from_checkpoint or bool(c.load))
+    if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
+        start_inference_copy(ctx, rl, backend)
+    log.info(run_summary(cfg, rl, start, ctx.rollouts.describe()))
+    return run, ctx, start.iteration
+
+
+def _log_start(cfg: TrainingConfig, start: Resumed) -> None:
+    c = cfg.checkpoint
     if not start.from_checkpoint and not c.pretrained_checkpoint:
         if c.load:
             log.info("--load %s holds no checkpoint yet: starting a new run", c.load)
@@ -113,104 +167,76 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
             log.warning("no --pretrained-checkpoint: RL starts from randomly initialised weights")
     if c.load is None and c.save is None:
         log.info("no --save: this run will not be resumable")
-    backend = build_training_inference(cfg, rl, model, tokenizer)
-    agent.set_data_parallel(*generation_split(backend)[1:])
-    if run_state.get("agent"):
-        agent.load_state_dict(run_state["agent"])
-    inference = backend
-    if rl.serve_inference:  # remote environments (and any OpenAI client) generate with the trained policy
-        from megatron.rl.server.policy_server import serve_policy
 
-        inference = serve_policy(backend, rl.serve_inference, rl.serve_inference_wait_s)
-    agent.bind_inference(inference)
-    ctx = StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=agent, inference=inference,
-                      pad_token_id=tokenizer.pad, seq_length=cfg.model.seq_length,
-                      micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
-                      device=run.runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
-                      ref_model=run.ref_model, packed_attention=rl.packed_attention_mode)
-    # asynchronous rollouts (issue 14); None: synchronous. A durable rollout bank restores what a resumed run lost.
-    ctx.rollouts = build_async_rollouts(ctx, rl, iteration, save=c.save,
-                                        resuming=start.from_checkpoint or bool(c.load))
-    if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
-        from megatron.rl.layout.refit import refit_after_iteration, start_inference_copy
 
-        start_inference_copy(ctx, rl, backend)
-    writer = run.writer
-    jsonl = MetricsJsonl(rl.metrics_jsonl, iteration) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
-    o = rl.observe
-    checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share, o.warn_logprob_gap),
-                         o.warn_interval, rl.max_new_tokens, report=parallel_utils.is_rank0())
+class _Loop:
+    """What the loop does around each iteration: record, report and check its metrics, evaluate, save."""
 
-    def emit(record: dict) -> None:
-        if writer is not None:
-            writer.log_scalars({k: v for k, v in record.items() if k != "iteration"}, record["iteration"])
-        if jsonl is not None:
-            jsonl.write(record)
+    def __init__(self, cfg: TrainingConfig, rl: RLConfig, run: TrainingRun, ctx: StepContext, start: int):
+        self.cfg, self.rl, self.run, self.ctx = cfg, rl, run, ctx
+        self.writer = run.writer
+        # on resume, the JSONL drops the lines past the start iteration
+        self.jsonl = MetricsJsonl(rl.metrics_jsonl, start) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
+        o = rl.observe
+        self.checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share,
+                                                    o.warn_logprob_gap),
+                                  o.warn_interval, rl.max_new_tokens, report=parallel_utils.is_rank0())
+        self.evaluates = bool(cfg.train.eval_interval) and rl.prompts_per_eval > 0
+        self.history: list[dict[str, float]] = []
+        self.evals: list[dict[str, float]] = []
+        self.all_failed = 0
 
-    def emit_samples(it: int, result: IterationResult) -> None:
+    def record(self, iteration: int, result: IterationResult) -> None:
+        """Warnings, history, the iteration line, TensorBoard / W&B / JSONL, and the checks that stop a run."""
+        rl, metrics = self.rl, result.metrics
+        findings = self.checks.check(metrics, result.observations)
+        metrics.update(warning_metrics(findings))
+        record = {"iteration": iteration, **metrics}
+        self.history.append(record)
+        finite_or_raise(metrics)
+        train_iters = self.cfg.train.train_iters
+        if iteration % self.cfg.logging.log_interval == 0 or iteration == train_iters:
+            lr = float(self.ctx.optimizer.param_groups[0]["lr"])
+            log.info(format_rl_line(iteration, train_iters, metrics, lr))
+        self.checks.report(findings, iteration)
+        self.emit(record)
+        ledger = self.ctx.rollouts.ledger()
+        if ledger is not None and self.jsonl is not None:  # rollout bank: this rank's group uids, for audits
+            self.jsonl.write({"iteration": iteration, "rollout_groups": ledger})
+        self.all_failed = count_all_failed(self.all_failed, metrics, rl.rollouts_per_step)
+        if rl.max_all_failed_iterations and self.all_failed >= rl.max_all_failed_iterations:
+            raise AllRolloutsFailedError(
+                f"every rollout failed in {self.all_failed} consecutive iterations (up to iteration {iteration}); "
+                f"the warnings above give each failure's reason (backend or environment errors). Fix the cause, "
+                f"or raise --rl-max-all-failed-iterations (0 never stops).")
+        check_policy_gap(metrics, iteration, rl.max_policy_logprob_gap,
+                         rl.off_policy_server or rl.async_rollouts.off_policy,
+                         rl.inference_backend, first=len(self.history) == 1)
+        self.emit_samples(iteration, result)
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.writer.log_scalars({k: v for k, v in record.items() if k != "iteration"}, record["iteration"])
+        if self.jsonl is not None:
+            self.jsonl.write(record)
+
+    def emit_samples(self, iteration: int, result: IterationResult) -> None:
         samples = result.observations.samples if result.observations is not None else []
         if not samples:
             return
-        if writer is not None:
-            writer.log_text("rl/samples", samples_markdown(samples), it)
-        if jsonl is not None:
-            jsonl.write({"iteration": it, "samples": samples})
+        if self.writer is not None:
+            self.writer.log_text("rl/samples", samples_markdown(samples), iteration)
+        if self.jsonl is not None:
+            self.jsonl.write({"iteration": iteration, "samples": samples})
 
-    def run_eval(it: int) -> None:
+    def evaluate(self, iteration: int) -> None:
         start = time.perf_counter()
-        result = {"iteration": it, **evaluate(ctx.agent, ctx.inference, rl, ctx.seed)}
-        evals.append(result)
-        emit(result)
-        log.info(" evaluation at iteration %d | %s | %.1fs", it, format_eval_line(result),
+        result = {"iteration": iteration, **evaluate(self.ctx.agent, self.ctx.inference, self.rl, self.ctx.seed)}
+        self.evals.append(result)
+        self.emit(result)
+        log.info(" evaluation at iteration %d | %s | %.1fs", iteration, format_eval_line(result),
                  time.perf_counter() - start)
 
-    def save(it: int) -> None:
-        run.save(it, {"iteration": it, "agent": agent.state_dict()})
-        if ctx.rollouts is not None:  # the rollout bank forgets what this checkpoint trained
-            ctx.rollouts.checkpoint_saved(it)
-
-    history: list[dict[str, float]] = []
-    evals: list[dict[str, float]] = []
-    eval_on = bool(t.eval_interval) and rl.prompts_per_eval > 0
-    log.info(run_summary(cfg, rl, start))
-    if eval_on and iteration == 0:
-        run_eval(0)
-    control = LoopControl.from_config(cfg, save, last_saved=iteration if c.load else None)
-    all_failed = 0
-    while iteration < t.train_iters:
-        result = rl_iteration(ctx, rl, iteration)
-        if rl.inference_layout.enabled:
-            refit_after_iteration(backend, result.metrics)  # before the next generation
-        iteration += 1
-        findings = checks.check(result.metrics, result.observations)
-        result.metrics.update(warning_metrics(findings))
-        record = {"iteration": iteration, **result.metrics}
-        history.append(record)
-        finite_or_raise(result.metrics)
-        if iteration % cfg.logging.log_interval == 0 or iteration == t.train_iters:
-            log.info(format_rl_line(iteration, t.train_iters, result.metrics, float(optimizer.param_groups[0]["lr"])))
-        checks.report(findings, iteration)
-        emit(record)
-        ledger = ctx.rollouts.ledger() if ctx.rollouts is not None else None
-        if ledger is not None and jsonl is not None:  # rollout bank: this rank's group uids, for audits
-            jsonl.write({"iteration": iteration, "rollout_groups": ledger})
-        all_failed = count_all_failed(all_failed, result.metrics, rl.rollouts_per_step)
-        if rl.max_all_failed_iterations and all_failed >= rl.max_all_failed_iterations:
-            raise AllRolloutsFailedError(
-                f"every rollout failed in {all_failed} consecutive iterations (up to iteration {iteration}); the "
-                f"warnings above give each failure's reason (backend or environment errors). Fix the cause, or "
-                f"raise --rl-max-all-failed-iterations (0 never stops).")
-        check_policy_gap(result.metrics, iteration, rl.max_policy_logprob_gap,
-                         rl.off_policy_server or rl.async_rollouts.off_policy,
-                         rl.inference_backend, first=len(history) == 1)
-        emit_samples(iteration, result)
-        if eval_on and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
-            run_eval(iteration)
-        if control.after_iteration(iteration):
-            break
-    control.finish(iteration)
-    run.close()
-    if ctx.rollouts is not None:
-        ctx.rollouts.close()  # cancels groups generated ahead
-    inference.close()  # frees the in-process engine's KV cache / the HTTP client
-    return RLRunResult(iteration, history, evals)
+    def save(self, iteration: int) -> None:
+        self.run.save(iteration, {"iteration": iteration, "agent": self.ctx.agent.state_dict()})
+        self.ctx.rollouts.checkpoint_saved(iteration)  # a rollout bank forgets what this checkpoint trained

@@ -4,8 +4,8 @@ The math lives in pure modules (:mod:`megatron.rl.algorithms`, :mod:`megatron.rl
 :mod:`megatron.rl.sequence_packing_utils`); the forward steps in :mod:`megatron.rl.rl_loss`. This module
 only moves data between them and the process groups:
 
-1. Every data-parallel rank asks the agent for its ``P / DP`` groups (all model-parallel ranks of a DP
-   rank run the same agent calls, so a model-parallel inference engine serves them in lockstep).
+1. Every data-parallel rank takes its ``P / DP`` groups from the run's rollout source
+   (:class:`~megatron.rl.rollout.source.RolloutSource`: generated now, or by a pipeline ahead of time).
 2. Each rank turns its groups into training sequences (advantages per group), then the sequences are
    all-gathered over the DP group, so every rank holds the same global list in the same order.
 3. The list is split into optimizer steps of ``--global-batch-size`` sequences; each step is packed
@@ -15,16 +15,15 @@ only moves data between them and the process groups:
    rollouts feed exactly one optimizer step and one pass, the old-policy log-probs are the training
    forward's own (detached; it runs before the update), so that pass is skipped
    (:func:`old_logprobs_from_training_forward`).
-5. ``--grpo-iterations`` passes of optimizer steps with the GRPO/PPO loss.
+5. ``--grpo-iterations`` passes of optimizer steps with the GRPO/PPO loss; then the rollout source brings the
+   updated weights to the generating backend (:meth:`~megatron.rl.rollout.source.RolloutSource.weights_updated`).
 
 Without pipeline parallelism every micro-batch runs at the shape its rows need (no padding-only rows or
 positions, :mod:`megatron.rl.packing.microbatches`); with it, at the fixed ``[micro_batch_size, seq_length]``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
 import statistics
@@ -34,15 +33,18 @@ from typing import Any
 import torch
 
 from megatron.rl import parallel_utils
-from megatron.rl.agent.api import Agent, GroupedRolloutRequest
+from megatron.rl.agent.api import Agent
 from megatron.rl.algorithms import LossNormalizers
-from megatron.rl.rollout.async_source import staleness_metrics
-from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
+from megatron.rl.inference.api import InferenceInterface
+from megatron.rl.inference.control import control_of
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
 from megatron.rl.routing.replay import RouterReplayError, disagreement_share, router_replay_of
 from megatron.rl.observe.metrics import RolloutObservations, observe_rollouts
-from megatron.rl.rollout.sequences import CollectionStats, TrainingSequence, groups_to_sequences, split_evenly
+from megatron.rl.rollout.collection import data_parallel
+from megatron.rl.rollout.sequences import (CollectionStats, TrainingSequence, groups_to_sequences, split_evenly,
+                                           staleness_metrics)
+from megatron.rl.rollout.source import RolloutSource
 from megatron.rl.packing.microbatches import (
     MicrobatchDataLoader,
     get_microbatch_dataloader,
@@ -52,25 +54,13 @@ from megatron.rl.packing.microbatches import (
 from megatron.rl.packing.prefix_sharing import plan_shared_packing, sharing_applies
 from megatron.rl.sequence_packing_utils import PackedBatch, build_rank_batch, distribute_bins, plan_packing
 from megatron.rl.training.loop import train_step
+from megatron.rl.base.errors import RLError
 
 log = logging.getLogger(__name__)
 
 
-class RLDataError(RuntimeError):
+class RLDataError(RLError, RuntimeError):
     """The agents produced nothing trainable (no prompts, every rollout failed, ...)."""
-
-
-def derive_seed(*parts: Any) -> int:
-    """A stable 63-bit seed from any parts (the same on every machine and Python version)."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()
-    return int(digest[:15], 16)
-
-
-@contextlib.contextmanager
-def inference_session(inference: InferenceInterface):
-    """Bracket a rollout phase with the backend's :meth:`~InferenceInterface.rollout_phase`."""
-    with inference.rollout_phase():
-        yield inference
 
 
 @dataclasses.dataclass
@@ -90,60 +80,22 @@ class StepContext:
     device: torch.device
     use_thd: bool = False
     ref_model: list | None = None  # only when --grpo-kl-beta > 0
-    rollouts: Any = None  # asynchronous rollouts (megatron.rl.rollout.async_source.AsyncRollouts); None: synchronous
+    rollouts: RolloutSource | None = None  # where rl_iteration's groups come from (megatron.rl.rollout.source)
     packed_attention: str = "auto"  # --rl-packed-attention (megatron.rl.packing.packed_forward.choose_attention)
-
-
-def _dp():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-
-
-def generation_split(inference: Any) -> tuple[Any, int, int]:
-    """How prompts are split for generation: (the backend's ``rollout_shard`` or None, this rank's share, shares).
-
-    By training DP rank, unless the backend's lockstep groups are not one per DP rank (a separate inference
-    layout's replicas, or expert parallelism at the training layout): then by its
-    :class:`~megatron.rl.layout.groups.RolloutShard`, whose results are regrouped by DP rank afterwards.
-    """
-    shard = getattr(inference, "rollout_shard", None)
-    if shard is not None:
-        return shard, shard.rank, shard.size
-    _, dp_rank, dp_size = _dp()
-    return None, dp_rank, dp_size
 
 
 # --------------------------------------------------------------------------- 1-2. rollouts
 
 
 def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
-    """This DP rank's ``P / DP`` rollout groups for ``iteration`` (deterministic given the seed).
-
-    When the backend splits prompts another way (its ``rollout_shard``: an in-process engine whose lockstep
-    groups are not one per DP rank, i.e. a separate inference layout's replicas, or expert parallelism at the
-    training layout), each lockstep group generates ``P / groups`` groups (every rank of it the same ones),
-    and the groups are then regrouped by training DP rank
-    (:class:`~megatron.rl.layout.groups.RolloutShard`).
-    """
-    if ctx.rollouts is not None:  # asynchronous rollouts: the pipeline's next batch (may be generated ahead)
-        return ctx.rollouts.collect(iteration)
-    shard, gen_rank, gen_size = generation_split(ctx.inference)
-    args = GenerationArgs(temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k,
-                          max_tokens=rl.max_new_tokens, seed=derive_seed(ctx.seed, "rollouts", iteration, gen_rank))
-    request = GroupedRolloutRequest(num_groups=rl.prompts_per_step // gen_size, rollouts_per_group=rl.group_size,
-                                    generation_args=args, inference_interface=ctx.inference)
-    with inference_session(ctx.inference):
-        response = run_sync(ctx.agent.generate_grouped_rollouts(request))
-    if shard is not None:
-        _, dp_rank, dp_size = _dp()
-        return shard.regroup_for_training(response.groups, dp_rank, dp_size)
-    return response.groups
+    """This DP rank's ``P / DP`` rollout groups for ``iteration``, from the run's rollout source (deterministic
+    given the seed)."""
+    return ctx.rollouts.collect(iteration)
 
 
 def gather_sequences(groups, rl: RLConfig) -> tuple[list[TrainingSequence], CollectionStats]:
     """Local groups -> global training sequences (same list, same order, on every rank) and global stats."""
-    dp_group, _, _ = _dp()
+    dp_group, _, _ = data_parallel()
     local_seqs, local_stats = groups_to_sequences(groups, rl.advantage_estimator, rl.filter_same_reward)
     gathered = parallel_utils.all_gather_object((local_seqs, local_stats), dp_group)
     sequences = [s for seqs, _ in gathered for s in seqs]
@@ -209,7 +161,7 @@ def microbatch_shapes(ctx: StepContext, rl: RLConfig) -> tuple[bool, int, bool]:
 def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: StepContext, num_steps: int,
                        need_ref: bool) -> list[StepBatch]:
     """Split the sequences into ``num_steps`` optimizer steps and lay out this rank's rows of each."""
-    _, dp_rank, dp_size = _dp()
+    _, dp_rank, dp_size = data_parallel()
     has_inference_lp = all(s.inference_logprobs is not None for s in sequences)
     if rl.loss.is_correction and not has_inference_lp:
         raise RLDataError("--rl-inference-logprobs-is-correction needs log-probs from the inference backend, "
@@ -339,18 +291,20 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
     cpu0 = time.process_time()
     groups = collect_local_groups(ctx, rl, iteration)
     t_gen = time.perf_counter() - t0
-    observed = observe_rollouts(groups, rl.max_new_tokens, rl.observe.log_samples, _dp()[0])
+    observed = observe_rollouts(groups, rl.max_new_tokens, rl.observe.log_samples, data_parallel()[0])
     sequences, stats = gather_sequences(groups, rl)
     if stats.groups == 0:
         raise RLDataError(f"the agents produced no prompt groups at iteration {iteration}: check "
                           f"--langrl-env-config={rl.env_config} (datasets, weights)")
-    metrics = {**_collection_metrics(stats, t_gen), **observed.metrics}
-    steps = getattr(ctx.inference, "engine_steps", None)
-    if isinstance(steps, int):  # in-process engine: steps run so far (batch occupancy = tokens / steps)
-        metrics["engine_steps_total"] = float(steps)
-    if ctx.rollouts is not None:  # off-policy accounting of asynchronous rollouts
-        metrics.update(staleness_metrics([s.policy_versions for s in sequences], iteration))
-    if not sequences:
+    metrics = {**_collection_metrics(stats, t_gen), **observed.metrics, **_engine_metrics(ctx.inference),
+               # off-policy accounting: the policy version of every generated token, where the source labels them
+               **staleness_metrics([s.policy_versions for s in sequences], iteration)}
+    if sequences:
+        num_steps = rl.rollouts_per_step // ctx.global_batch_size
+        steps = build_step_batches(sequences, rl, ctx, num_steps, rl.loss.needs_ref_logprobs)
+        metrics.update(update_policy(ctx, rl, steps))
+        metrics.update(num_sequences=float(len(sequences)), time_generate_s=t_gen)
+    else:
         log.warning("iteration %d: nothing to train on (%d groups: %d failed rollouts, %d groups with < 2 ok "
                     "rollouts, %d groups with identical rewards filtered); skipping the update%s", iteration,
                     stats.groups, stats.failed_rollouts, stats.dropped_groups_too_few_ok,
@@ -358,20 +312,25 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
                     f"; failures: {stats.failure_reasons}" if stats.failure_reasons else "")
         # The schedule counts RL iterations, skipped ones included, so resumed and uninterrupted runs agree.
         ctx.scheduler.step(increment=1)
-        if ctx.rollouts is not None:
-            ctx.rollouts.weights_updated(iteration + 1)
-        metrics.update(skipped_update=1.0, time_total_s=time.perf_counter() - t0,
-                       time_cpu_s=time.process_time() - cpu0)
-        return IterationResult(iteration, metrics, observed)
-
-    num_steps = rl.rollouts_per_step // ctx.global_batch_size
-    steps = build_step_batches(sequences, rl, ctx, num_steps, rl.loss.needs_ref_logprobs)
-    metrics.update(update_policy(ctx, rl, steps))
-    if ctx.rollouts is not None:  # partial rollouts: paused requests continue with the new weights
-        ctx.rollouts.weights_updated(iteration + 1)
-    metrics.update(num_sequences=float(len(sequences)), time_generate_s=t_gen, time_total_s=time.perf_counter() - t0,
-                   time_cpu_s=time.process_time() - cpu0)
+        metrics.update(skipped_update=1.0)
+    metrics.update(time_total_s=time.perf_counter() - t0, time_cpu_s=time.process_time() - cpu0)
+    # The weights reach the generating backend (a copy's refit); held partial rollouts continue after it.
+    refit_s = ctx.rollouts.weights_updated(iteration + 1, changed=bool(sequences))
+    metrics.update(refit_metrics(refit_s, metrics["time_total_s"]))
     return IterationResult(iteration, metrics, observed)
+
+
+def _engine_metrics(inference: InferenceInterface) -> dict[str, float]:
+    """Engine steps run so far by an in-process engine (batch occupancy = tokens / steps)."""
+    steps = control_of(inference).engine_steps
+    return {"engine_steps_total": float(steps)} if isinstance(steps, int) else {}
+
+
+def refit_metrics(refit_s: float | None, total_s: float) -> dict[str, float]:
+    """``time_refit_s`` and ``refit_fraction`` (of the iteration, refit included) when a refit ran."""
+    if refit_s is None:
+        return {}
+    return {"time_refit_s": refit_s, "refit_fraction": refit_s / max(total_s + refit_s, 1e-9)}
 
 
 def old_logprobs_from_training_forward(rl: RLConfig, num_steps: int) -> bool:
@@ -396,7 +355,7 @@ def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch]) -> dic
     Returns the training metrics (losses and loss stats, grad norm, log-prob gap, packing efficiency,
     timings), identical on every rank.
     """
-    _, _, dp_size = _dp()
+    _, _, dp_size = data_parallel()
     t1 = time.perf_counter()
     need_ref = rl.loss.needs_ref_logprobs
     from_forward = old_logprobs_from_training_forward(rl, len(steps))

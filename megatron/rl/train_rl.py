@@ -18,12 +18,15 @@ version) exits with status 2 and a one-line message naming what to fix, like ``p
 """
 import sys
 
+from megatron.rl.training.cli_errors import run_cli
+from megatron.rl.training.config import parse_args
+
 
 def _train_or_evaluate(argv=None) -> int:
+    # torch and the trainer load after the entry point is set up to report user errors
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_eval import run_eval_only
     from megatron.rl.rl_loop import run_rl
-    from megatron.rl.training.config import parse_args
 
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])
     rl = rl_config_from_args(cfg)
@@ -36,7 +39,6 @@ def _train_or_evaluate(argv=None) -> int:
 
 def main(argv=None) -> int:
     """Train (or evaluate); user errors are one line on stderr (and in torchrun's report) and status 2."""
-    from megatron.rl.training.cli_errors import run_cli
 
     return run_cli("train_rl.py", _train_or_evaluate, argv)
 

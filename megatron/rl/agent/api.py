@@ -24,6 +24,7 @@ from megatron.rl.base.registry import Registry
 from megatron.rl.base.type_lookupable import TypeLookupable, TypeLookupError
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, build_inference_interface
 from megatron.rl.base.types import Rollout, RolloutGroup
+from megatron.rl.base.errors import RLError
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ __all__ = [
 ]
 
 
-class AgentError(RuntimeError):
+class AgentError(RLError, RuntimeError):
     """An agent could not serve a request (bad configuration, unreachable remote environment, ...)."""
 
 

@@ -40,6 +40,7 @@ from pydantic import ValidationError
 from megatron.rl.agent.api import BUILTIN_AGENT_MODULES, Agent
 from megatron.rl.base.type_lookupable import TypeLookupError
 from megatron.rl.agent.weighted_multi_task import TaskEntry, WeightedMultiTaskAgent
+from megatron.rl.base.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ _WEIGHT_HINT = " (a string: write a plain number such as 0.5 or 1e-3, without qu
 _IMPORT_HINT = "pass allow_imports=True (train_rl.py: --langrl-allow-imports) to allow importing user code"
 
 
-class EnvConfigError(ValueError):
+class EnvConfigError(UserError, ValueError):
     """An invalid environment config; the message names the file, entry and key."""
 
 

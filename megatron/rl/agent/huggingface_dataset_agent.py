@@ -26,6 +26,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
+from megatron.rl.base.errors import RLError
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _SUFFIX_FORMAT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
-class DatasetFileError(ValueError):
+class DatasetFileError(RLError, ValueError):
     """A dataset file is missing, unreadable, or lacks a mapped field."""
 
 

@@ -30,6 +30,7 @@ from pydantic import Field, PrivateAttr, SerializeAsAny, field_validator, model_
 
 from megatron.rl.agent.api import (Agent, AgentError, EvaluationRequest, EvaluationResponse, GroupedRolloutRequest,
                                    GroupedRolloutResponse)
+from megatron.rl.agent.env_config import resolve_agent_type
 from megatron.rl.agent.judge import JudgeConfig, judge_completions, prompt_as_text
 from megatron.rl.agent.reward_model import RewardModel, RewardModelConfig, RewardModelError
 from megatron.rl.base.optional import import_optional
@@ -59,7 +60,6 @@ class ModelRewardAgent(Agent):
     @classmethod
     def _build_env(cls, v: Any) -> Any:
         if isinstance(v, dict) and "type" in v:  # the YAML form; a dump carries type_name instead
-            from megatron.rl.agent.env_config import resolve_agent_type
 
             unknown = sorted(set(v) - {"type", "args"})
             if unknown:

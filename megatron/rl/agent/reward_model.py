@@ -29,8 +29,10 @@ import math
 import threading
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from megatron.rl.agent.judge import check_template
 from megatron.rl.base.optional import import_optional
 
 __all__ = ["RewardModelConfig", "RewardModel", "RewardModelError"]
@@ -57,7 +59,6 @@ class RewardModelConfig(BaseModel):
     @field_validator("template")
     @classmethod
     def _fields(cls, v: str) -> str:
-        from megatron.rl.agent.judge import check_template
 
         return check_template(v, ("prompt", "completion"), "reward_model.template")
 
@@ -75,7 +76,6 @@ class RewardModel(BaseModel):
 
     def _load(self) -> None:
         import_optional("transformers", "hf", "a reward model")
-        import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         cfg = self.config
@@ -98,7 +98,6 @@ class RewardModel(BaseModel):
 
     def score_sync(self, texts: list[str]) -> list[float]:
         """Scores of ``texts``, in order; raises RewardModelError (load failure, non-finite score)."""
-        import torch
 
         with self._lock:
             if self._model is None:

@@ -15,6 +15,8 @@ from typing import Annotated, Literal, Mapping, Sequence
 
 from pydantic import AfterValidator, BaseModel
 
+from megatron.rl.base.errors import RLError
+
 __all__ = ["CHAT_ROLES", "ChatRole", "Text", "check_unicode", "ChatMessage", "ChatFormatError",
            "render_builtin_chat_template", "BUILTIN_CHAT_TEMPLATE_JINJA"]
 
@@ -43,7 +45,7 @@ class ChatMessage(BaseModel):
     content: Text
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(RLError, ValueError):
     """A chat message the built-in template cannot render."""
 
 

@@ -38,6 +38,9 @@ as one field ``feature: FeatureConfig = section(FeatureConfig)``. An old-style
 ``x_y: T = flag(D, name="--x-y", choices=C, help=H)`` (``name=`` only if the field is named otherwise;
 ``action="store_true"`` is ``bool = flag(False)``; ``default=None`` is ``T | None = flag(None)``), and its line
 in a hand-written namespace-to-config mapping goes away.
+
+A flag that no longer exists but that scripts may still pass is listed in the config's ``_removed_flags``
+(``{"--old-flag": "what to pass instead"}``): passing it raises ``ConfigError`` naming the replacement.
 """
 from __future__ import annotations
 
@@ -48,10 +51,13 @@ import types
 import typing
 from typing import Any, Callable, Iterator, Sequence
 
+from megatron.rl.base.errors import ConfigError
+
 __all__ = ["flag", "derived", "section", "registry_choices", "add_flags", "from_namespace", "flag_fields",
-           "FlagField", "dest_of", "option_of"]
+           "FlagField", "dest_of", "option_of", "refuse_removed_flags"]
 
 _FLAG, _DERIVED, _SECTION = "flag", "derived", "section"
+REMOVED_FLAGS = "megatron_rl_removed_flags"  # the parser attribute holding the configs' _removed_flags
 
 
 def flag(default: Any = dataclasses.MISSING, *, name: str | None = None, help: str | None = None,  # noqa: A002
@@ -163,7 +169,8 @@ def _argparse_kwargs(cls: type, f: dataclasses.Field) -> dict:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> argparse.ArgumentParser:
-    """Add the flags of ``cls`` (and of its nested sections) to ``parser``, one argument group per section."""
+    """Add the flags of ``cls`` (and of its nested sections) to ``parser``, one argument group per section, and
+    note its ``_removed_flags`` (see the module docstring and :func:`refuse_removed_flags`)."""
     groups: dict[str, Any] = {}
 
     def group(name: str):
@@ -183,7 +190,19 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
             group(meta["group"] or default_title).add_argument(option_of(f), **_argparse_kwargs(c, f))
 
     walk(cls, title or cls.__name__)
+    removed = getattr(parser, REMOVED_FLAGS, {})
+    setattr(parser, REMOVED_FLAGS, {**removed, **getattr(cls, "_removed_flags", {})})
     return parser
+
+
+def refuse_removed_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """ConfigError naming the replacement of the first flag in ``argv`` that a config of ``parser`` lists in its
+    ``_removed_flags`` (they are not parser options: ``--help`` does not show them)."""
+    removed = getattr(parser, REMOVED_FLAGS, {})
+    for arg in argv:
+        option = arg.split("=", 1)[0]
+        if option in removed:
+            raise ConfigError(f"{option} is not a flag of this version: use {removed[option]}.")
 
 
 def from_namespace(cls: type, ns: argparse.Namespace, **derived_values: Any) -> Any:

@@ -22,6 +22,8 @@ import importlib
 import logging
 from typing import Callable, Generic, Iterator, Mapping, TypeVar
 
+from megatron.rl.base.errors import RLError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["Registry", "RegistryError", "DuplicateNameError", "UnknownNameError"]
@@ -29,7 +31,7 @@ __all__ = ["Registry", "RegistryError", "DuplicateNameError", "UnknownNameError"
 T = TypeVar("T")
 
 
-class RegistryError(LookupError, ValueError):
+class RegistryError(RLError, LookupError, ValueError):
     """A registry name problem (base of :class:`DuplicateNameError` and :class:`UnknownNameError`)."""
 
 

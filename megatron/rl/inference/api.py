@@ -29,6 +29,8 @@ from megatron.rl.base.routes import Routes
 from megatron.rl.inference.validation import (SEED_MAX, MaxTokens, NumSamples, Seed, StopString,
                                               Temperature, Text, TopK, TopP, request_error, sample_count)
 
+from megatron.rl.base.errors import RLError
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -39,7 +41,6 @@ __all__ = [
     "InferenceInterface",
     "InferenceError",
     "build_inference_interface",
-    "build_training_inference",
     "backend_class",
     "registered_backends",
     "expand_requests",
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 
-class InferenceError(RuntimeError):
+class InferenceError(RLError, RuntimeError):
     """A backend could not serve a request at all (unreachable server, unknown backend, ...)."""
 
 
@@ -181,11 +182,11 @@ class InferenceInterface(abc.ABC):
     Subclasses implement :meth:`agenerate`; many concurrent requests are handed over in one call and
     batched by the backend, never serialised. Register a subclass with
     ``@InferenceInterface.register("name")`` and build it with ``build_inference_interface("name", ...)``.
-    Hooks with defaults: :meth:`build_for_training` (how an RL run builds it), :meth:`rollout_phase` (what
-    brackets a rollout phase), :meth:`from_cli`, :meth:`for_untrusted_spec`, and for asynchronous rollouts
-    :attr:`supports_weight_updates`, :meth:`set_policy_version`, :meth:`pause_generation`,
-    :meth:`resume_generation`. A wrapper that forwards to an inner backend must forward these explicitly
-    (a ``__getattr__`` never sees them: the defaults here are found first).
+    Hooks with defaults: :meth:`rollout_phase` (what brackets a rollout phase), :meth:`from_cli`,
+    :meth:`for_untrusted_spec`. This is generation only: what an RL trainer asks of the backend it generates
+    with (how to build it from the run's flags, pausing across weight updates, refits, policy versions) is
+    :class:`~megatron.rl.inference.control.TrainerControl`, which in-process backends implement too.
+    Wrappers derive from :class:`~megatron.rl.inference.forwarding.ForwardingInference`.
     """
 
     _registry: ClassVar[Registry[type["InferenceInterface"]]] = Registry(
@@ -195,10 +196,6 @@ class InferenceInterface(abc.ABC):
     #: dynamic engine). The inference server then forwards each HTTP request as soon as it arrives instead
     #: of collecting requests into one ``agenerate`` call.
     continuous_batching: ClassVar[bool] = False
-    #: True when the trainer's weight updates reach this backend (it generates with the trainer's weights, in
-    #: place or refitted), so that requests in flight at an update can continue with the new weights
-    #: (``--rl-partial-rollouts``). False for a server the trainer cannot update (and by default).
-    supports_weight_updates: ClassVar[bool] = False
 
     @classmethod
     def from_cli(cls, argv: list[str]) -> "InferenceInterface":
@@ -209,16 +206,6 @@ class InferenceInterface(abc.ABC):
         """
         raise NotImplementedError(f"inference backend {cls.name!r} takes no command-line flags; pass constructor "
                                   "arguments with --backend-arg KEY=VALUE instead")
-
-    @classmethod
-    def build_for_training(cls, cfg: Any, rl: Any, model: list, tokenizer: Any) -> "InferenceInterface":
-        """Build the backend an RL run generates with (``--inference-backend NAME``).
-
-        cfg / rl: the run's ``TrainingConfig`` and ``RLConfig`` (validated); model: the trainer's model
-        chunks; tokenizer: the run's tokenizer. The default calls the constructor without arguments; a
-        backend that serves the trainer's model or reads flags overrides this.
-        """
-        return cls()
 
     @classmethod
     def for_untrusted_spec(cls, **kwargs: Any) -> "InferenceInterface":
@@ -283,23 +270,6 @@ class InferenceInterface(abc.ABC):
         them here and frees them on the way out. Default: nothing to do.
         """
         yield self
-
-    # -- asynchronous rollouts: generation across weight updates (no-ops by default) -----------------------
-    def set_policy_version(self, version: int) -> None:
-        """The policy version (trainer iteration) of the weights generating from now on; a backend that records
-        it per token returns it in ``InferenceResponse.policy_versions``. Default: not recorded."""
-
-    def pause_generation(self) -> None:
-        """Hold the requests in flight (keeping their state) so that the trainer may update the weights; returns
-        once held. Default: nothing to hold (the backend does not generate with the trainer's weights)."""
-
-    def resume_generation(self, version: int) -> None:
-        """Continue the held requests with the updated weights, as policy ``version``. Default: nothing held."""
-
-    def refit_for_update(self) -> None:
-        """The trainer's weights changed (called on every rank, while generation is stopped or held): bring them
-        into the model that generates. Default: nothing to do (it generates with the trainer's parameters in
-        place, or never sees them)."""
 
     async def aclose(self) -> None:
         """Release resources (connections, KV caches). Default: nothing to release."""
@@ -368,11 +338,6 @@ def backend_class(name: str) -> type[InferenceInterface]:
 def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:
     """Build the backend registered as ``name`` with ``kwargs``; unknown names list the registered ones."""
     return backend_class(name)(**kwargs)
-
-
-def build_training_inference(cfg: Any, rl: Any, model: list, tokenizer: Any) -> InferenceInterface:
-    """The backend an RL run generates with: ``rl.inference_backend``'s :meth:`~InferenceInterface.build_for_training`."""
-    return backend_class(rl.inference_backend).build_for_training(cfg, rl, model, tokenizer)
 
 
 def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceRequest]:

@@ -27,6 +27,7 @@ import torch
 
 from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse, run_isolated
 from megatron.rl.inference.chat_template import builtin_chat_template
+from megatron.rl.inference.control import TrainerControl
 from megatron.rl.inference.sampling import sample_next, tempered_log_probs
 from megatron.rl.inference.stopping import completes_stop, finish_response
 from megatron.rl.inference.validation import sample_count
@@ -38,7 +39,7 @@ VOCAB_SIZE = 257
 
 
 @InferenceInterface.register("fake")
-class FakeInference(InferenceInterface):
+class FakeInference(InferenceInterface, TrainerControl):
     """Deterministic byte-level bigram model (see the module docstring)."""
 
     supports_weight_updates = True  # no weights of the trainer's to miss: any update is trivially seen

@@ -55,18 +55,16 @@ from typing import Any, Iterator
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from megatron.rl.inference.api import (
-    GenerationArgs,
-    InferenceError,
-    InferenceInterface,
-    InferenceRequest,
-    InferenceResponse,
-    expand_checked,
-)
+from megatron.rl.base.errors import ConfigError
+from megatron.rl.inference.api import (GenerationArgs, InferenceError, InferenceInterface, InferenceRequest,
+                                       InferenceResponse, expand_checked)
 from megatron.rl.inference.chat_template import render_chat
-from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler, broadcast_plan, lockstep_group, lockstep_rank_groups
+from megatron.rl.inference.control import RolloutShard, TrainerControl
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, unwrap_gpt_model
+from megatron.rl.inference.engine.lockstep import (Job, LockstepScheduler, broadcast_plan, lockstep_group,
+                                                   lockstep_rank_groups)
 from megatron.rl.inference.engine.session import EngineSession, EosIds
+from megatron.rl.inference.megatron_checkpoint import megatron_backend_from_cli
 from megatron.rl.runtime import setup_runtime
 from megatron.rl.runtime.openmp import release_thread_pool
 
@@ -78,8 +76,10 @@ class _RequestError(ValueError):
 
 
 @InferenceInterface.register("megatron")
-class MegatronInference(InferenceInterface):
-    """In-process megatron-core dynamic-engine backend over the training model.
+class MegatronInference(InferenceInterface, TrainerControl):
+    """In-process megatron-core dynamic-engine backend over the training model; implements the trainer's
+    controls (:class:`~megatron.rl.inference.control.TrainerControl`): pause/resume across weight updates,
+    policy versions per token, its prompt split and its engine steps.
 
     Args:
         model: the training GPTModel (or a one-element list of model chunks; DDP / Float16Module
@@ -112,13 +112,14 @@ class MegatronInference(InferenceInterface):
         self.settings = settings or EngineSettings.for_device(runtime.device)
         self.max_sequence_length = int(max_sequence_length or self.settings.max_sequence_length
                                        or self._gpt.max_sequence_length)
-        self.rollout_shard = None  # how the RL loop splits prompts when not by training data-parallel rank
+        # how the trainer splits prompts when not by training data-parallel rank (None: by DP rank)
         if process_groups is None:
             group, source, self.lockstep_size = lockstep_group()
             self.rollout_shard = _training_layout_shard(source, self.lockstep_size)
-        else:
+        else:  # one lockstep group per replica of the inference layout
             group, source = process_groups.lockstep_group, process_groups.lockstep_source
             self.lockstep_size = 1 if group is None else dist.get_world_size(group)
+            self.rollout_shard = RolloutShard.for_groups(process_groups)
         self._scheduler = LockstepScheduler(dist.get_rank() == source, broadcast_plan(group, source))
         self._session = EngineSession(model, self._gpt, EngineTokenizer(tokenizer), EosIds.of(tokenizer),
                                       self.settings, self.max_sequence_length,
@@ -128,20 +129,14 @@ class MegatronInference(InferenceInterface):
     @classmethod
     def from_cli(cls, argv: list[str]) -> "MegatronInference":
         """Serve a checkpoint: ``argv`` are training flags with ``--load`` (see :mod:`.megatron_checkpoint`)."""
-        from megatron.rl.inference.megatron_checkpoint import megatron_backend_from_cli
 
         return megatron_backend_from_cli(argv)
 
     @classmethod
     def build_for_training(cls, cfg: Any, rl: Any, model: list, tokenizer: Any) -> InferenceInterface:
-        """The RL run's backend over the trainer's model; with ``--rl-inference-*`` layout flags, over a copy."""
-        from megatron.rl.training.config import ConfigError
-
+        """The RL run's backend over the trainer's model (an inference copy at its own layout is the trainer's
+        :func:`megatron.rl.layout.refit.build_run_inference`)."""
         record_routes = rl.router_replay == "rollout"  # MoE routing replay: the engine records every token's routes
-        if rl.inference_layout.enabled:  # an inference copy at its own layout (megatron.rl.layout.refit)
-            from megatron.rl.layout.refit import build_layout_inference
-
-            return build_layout_inference(cfg, rl.inference_layout, model, tokenizer, record_routes=record_routes)
         if len(model) != 1:
             raise ConfigError("--inference-backend megatron needs a single model chunk per rank "
                               "(megatron-core inference does not support the interleaved pipeline schedule)")
@@ -294,11 +289,9 @@ class MegatronInference(InferenceInterface):
 def _training_layout_shard(source: int, size: int) -> Any:
     """The prompt split for an engine at the training layout: None (by data-parallel rank, as always) unless
     expert parallelism joins several data-parallel ranks into one lockstep group; then a
-    :class:`~megatron.rl.layout.groups.RolloutShard` by lockstep group, so that those ranks ask for the
+    :class:`~megatron.rl.inference.control.RolloutShard` by lockstep group, so that those ranks ask for the
     same prompts (the group serves its lowest rank's requests) and get their training share afterwards."""
     from megatron.core import parallel_state as ps
-
-    from megatron.rl.layout.groups import RolloutShard
 
     if not ps.model_parallel_is_initialized():
         return None

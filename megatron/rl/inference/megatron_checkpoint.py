@@ -12,7 +12,13 @@ import logging
 import os
 from typing import Sequence
 
-from megatron.rl.inference.api import InferenceError
+from megatron.rl.inference.api import InferenceError, backend_class
+from megatron.rl.training.checkpoint.args import FLAG, has_model_flags
+from megatron.rl.training.checkpoint.save_load import CheckpointError, load_checkpoint
+from megatron.rl.training.config import ConfigError, parse_args
+from megatron.rl.training.initialize import initialize_megatron
+from megatron.rl.training.model_provider import build_model, checkpoint_model_args
+from megatron.rl.training.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -20,19 +26,12 @@ __all__ = ["megatron_backend_from_cli"]
 
 
 def megatron_backend_from_cli(argv: Sequence[str]):
-    """A :class:`~megatron.rl.inference.megatron.MegatronInference` serving the checkpoint named by ``argv``.
+    """The ``megatron`` backend (:class:`~megatron.rl.inference.megatron.MegatronInference`, from the registry)
+    serving the checkpoint named by ``argv``.
 
     Initialises torch.distributed / megatron-core for one process (the server's). Raises
     :class:`InferenceError` for flags that cannot serve (no checkpoint, several processes) with what to do.
     """
-    from megatron.rl.training.checkpoint.args import FLAG, has_model_flags
-    from megatron.rl.training.checkpoint.save_load import CheckpointError, load_checkpoint
-    from megatron.rl.training.config import ConfigError, parse_args
-    from megatron.rl.training.initialize import initialize_megatron
-    from megatron.rl.training.model_provider import build_model, checkpoint_model_args
-    from megatron.rl.training.tokenizer import build_tokenizer
-
-    from megatron.rl.inference.megatron import MegatronInference
 
     argv = list(argv)
     if not any(a.split("=", 1)[0] in ("--load", "--pretrained-checkpoint") for a in argv):
@@ -59,4 +58,4 @@ def megatron_backend_from_cli(argv: Sequence[str]):
     except CheckpointError as e:
         raise InferenceError(f"cannot serve {path}: {e}") from e
     log.info("serving %s (iteration %s)", loaded.path, loaded.iteration)
-    return MegatronInference(model[0], tokenizer)
+    return backend_class("megatron")(model[0], tokenizer)

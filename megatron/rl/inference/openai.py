@@ -31,6 +31,7 @@ import threading
 from typing import Any
 
 from megatron.rl.inference.api import (InferenceError, InferenceInterface, InferenceRequest, InferenceResponse)
+from megatron.rl.inference.control import TrainerControl
 from megatron.rl.inference.validation import request_error, sample_count
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,10 @@ def _extra(obj: Any, name: str) -> Any:
 
 
 @InferenceInterface.register("openai")
-class OpenAIInference(InferenceInterface):
-    """Client of an OpenAI-compatible server.
+class OpenAIInference(InferenceInterface, TrainerControl):
+    """Client of an OpenAI-compatible server. An RL run builds it from ``--inference-server-url``
+    (:meth:`build_for_training`); its other trainer controls keep the defaults of a server the trainer cannot
+    update.
 
     Args:
         base_url: e.g. "http://127.0.0.1:8000/v1".

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import torch.distributed as dist
 from typing import Any
 
-from megatron.rl.training.config import ConfigError, TrainingConfig
+from megatron.rl import runtime
+from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import flag
+from megatron.rl.inference.engine.lockstep import lockstep_rank_groups
+from megatron.rl.training.config import TrainingConfig
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +108,8 @@ def validate_inference_layout(layout: InferenceLayoutConfig, cfg: TrainingConfig
     ``cuda``: whether the run uses CUDA (default: the runtime's choice).
     """
     if cuda is None:
-        from megatron.rl.runtime import cuda_usable
 
-        cuda = cuda_usable()
+        cuda = runtime.cuda_usable()
     if layout.refit_method == "nccl" and not cuda:
         raise ConfigError("--refit-method nccl needs CUDA (NCCL moves GPU tensors); this run has no usable GPU: "
                           "use --refit-method gloo (the default on CPU).")
@@ -192,8 +195,6 @@ def layout_rank_lists(s: LayoutSizes) -> dict[str, list[list[int]]]:
 
 def lockstep_ranks(s: LayoutSizes) -> list[list[int]]:
     """Ranks whose forwards communicate (union of TP, PP, EP groups): one lockstep group each."""
-    from megatron.rl.inference.engine.lockstep import lockstep_rank_groups
-
     return lockstep_rank_groups(s.world, s.tp, s.pp, s.ep, s.expert_tp)
 
 
@@ -213,7 +214,6 @@ class InferenceGroups:
 def build_inference_groups(s: LayoutSizes, backend: str | None = None) -> InferenceGroups:
     """Create the inference layout's process groups (collective over the world: every rank creates every
     group in the same order, as ``torch.distributed.new_group`` requires)."""
-    import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     rank = dist.get_rank()
@@ -239,47 +239,3 @@ def build_inference_groups(s: LayoutSizes, backend: str | None = None) -> Infere
     pp_ranks = next(r for r in layout_rank_lists(s)["pp"] if rank in r)
     return InferenceGroups(sizes=s, pg_collection=pgc, lockstep_group=lock_group, lockstep_source=source,
                            replica_rank=dp_ranks.index(rank), num_replicas=s.dp, pp_rank=pp_ranks.index(rank))
-
-
-@dataclasses.dataclass
-class RolloutShard:
-    """How rollout and evaluation prompts are split when an in-process engine serves them: by lockstep group.
-
-    Every rank of lockstep group ``rank`` (of ``size``) asks for the same prompts (its engine serves them in
-    lockstep); :meth:`gather` collects one result per group, in group order, on every rank. With a separate
-    inference layout the groups are its replicas; at the training layout they are the model-parallel groups,
-    which with expert parallelism span several training data-parallel ranks.
-    """
-
-    rank: int
-    size: int
-    sources: list[int]  # the lowest global rank of each lockstep group, in group order
-
-    @classmethod
-    def for_lockstep(cls, lockstep: list[list[int]], rank: int) -> "RolloutShard":
-        """The share of global ``rank`` given every lockstep group (:func:`lockstep_ranks`; pure). Groups are
-        ordered by their lowest rank, which in megatron-core's rank order is their data-parallel order."""
-        ordered = sorted(lockstep)
-        index = next(i for i, members in enumerate(ordered) if rank in members)
-        return cls(rank=index, size=len(ordered), sources=[members[0] for members in ordered])
-
-    @classmethod
-    def for_groups(cls, groups: InferenceGroups) -> "RolloutShard":
-        return cls.for_lockstep(lockstep_ranks(groups.sizes), groups.lockstep_source)
-
-    def gather(self, obj: Any) -> list[Any]:
-        """``obj`` of every replica (from its source rank), in replica order; collective over the world."""
-        import torch.distributed as dist
-
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, obj)
-        return [everyone[src] for src in self.sources]
-
-    def regroup_for_training(self, groups: list, dp_rank: int, dp_size: int) -> list:
-        """This training data-parallel rank's share of all replicas' groups (collective over the world)."""
-        everything = [g for part in self.gather(list(groups)) for g in part]
-        per_rank, extra = divmod(len(everything), dp_size)
-        if extra:
-            raise RuntimeError(f"{len(everything)} rollout groups cannot be split evenly over {dp_size} "
-                               f"training data-parallel ranks")
-        return everything[dp_rank * per_rank:(dp_rank + 1) * per_rank]

@@ -7,30 +7,37 @@ that the agents use like any backend. Weights move with megatron-core's ``swap_m
 (its reshard planner + gloo / NCCL copy service); nothing here shuffles tensors itself.
 
 Refit points: once after the trainer's weights are loaded (before the first generation, so a resumed run
-serves the checkpoint's weights) and after every RL iteration that changed them. Only the trainer's
-weights are checkpointed; the copy is rebuilt and refit on start-up.
+serves the checkpoint's weights) and after every optimizer update (:meth:`LayoutInference.refit_for_update`,
+which the rollout source calls). Only the trainer's weights are checkpointed; the copy is rebuilt and refit on
+start-up.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
-import re
 import time
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
 from megatron.rl import parallel_utils
-from megatron.rl.inference.api import InferenceInterface, InferenceRequest, InferenceResponse
+from megatron.rl.base.errors import RLError
+from megatron.rl.inference.api import GenerationArgs, InferenceInterface, InferenceRequest, InferenceResponse
+from megatron.rl.inference.control import build_training_inference
+from megatron.rl.inference.forwarding import ForwardingInference
 from megatron.rl.layout.groups import InferenceGroups, InferenceLayoutConfig, build_inference_groups
+from megatron.rl.rl_utils import build_step_batches, logprob_gap, score
+from megatron.rl.rollout.sequences import TrainingSequence
+from megatron.rl.runtime import patches, setup_runtime
+from megatron.rl.runtime.reshard_planner import PLANNER_PATCH
 from megatron.rl.training.config import TrainingConfig
+from megatron.rl.training.model_provider import build_gpt_chunk, padded_vocab_size, transformer_config_from_args
 
 log = logging.getLogger(__name__)
 
 
-class RefitVerificationError(RuntimeError):
+class RefitVerificationError(RLError, RuntimeError):
     """--rl-verify-model-weights-swap found the inference copy disagreeing with the trainer."""
 
 
@@ -57,9 +64,6 @@ def build_inference_model(cfg: TrainingConfig, groups: InferenceGroups, vocab_si
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
     from megatron.core.transformer.module import Float16Module
 
-    from megatron.rl.runtime import setup_runtime
-    from megatron.rl.training.model_provider import build_gpt_chunk, transformer_config_from_args
-
     device = setup_runtime().device
     tconfig = transformer_config_from_args(cfg.model, _inference_parallel_config(cfg, groups))
     tracker = get_cuda_rng_tracker()
@@ -83,45 +87,6 @@ def model_bytes(chunks: list) -> int:
     return sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
 
 
-_EXPERT_INDEX = re.compile(r"(?<=\.local_experts\.)(\d+)(?=\.)")
-_PATCHED_PLANNER = "_megatron_rl_sequential_experts"
-
-
-def patch_planner_for_sequential_experts() -> None:
-    """A registered patch of megatron-core 0.16.1's reshard planner (applied once; see the reason below).
-
-    Reason: the planner matches parameters across layouts by a "resolved name" in which per-rank expert
-    indices become global ones, but only for TEGroupedMLP names (``...experts.linear_fc1.weightK``). The
-    local layer spec's SequentialMLP names its experts ``...experts.local_experts.K...`` with K local to the
-    expert-parallel rank, so with EP > 1 two ranks' ``local_experts.0`` are different experts under one name
-    (the refit fails with "not found in source model", or copies the wrong expert). Its replicated expert
-    tensors (a RowParallelLinear bias) are also planned over the dense data-parallel group, which holds
-    different experts, instead of the expert data-parallel group. This wraps ``extract_param_metadata`` to
-    fix both for expert-parallel parameters; everything else is untouched.
-    """
-    from megatron.core.resharding import planner
-
-    if getattr(planner.extract_param_metadata, _PATCHED_PLANNER, False):
-        return
-    original = planner.extract_param_metadata
-
-    def extract_param_metadata(param, param_name, owner_rank, pg_collection, num_experts=None,
-                               layer_module_prefix_map=None):
-        meta = original(param, param_name, owner_rank, pg_collection, num_experts=num_experts,
-                        layer_module_prefix_map=layer_module_prefix_map)
-        match = _EXPERT_INDEX.search(meta.resolved_name or "")
-        if meta.is_ep and match is not None and meta.global_expert_index is None and num_experts:
-            ep_ranks = meta.expert_parallel_group_ranks
-            index = ep_ranks.index(owner_rank) * (num_experts // len(ep_ranks)) + int(match.group(1))
-            meta.resolved_name = meta.resolved_name[:match.start()] + str(index) + meta.resolved_name[match.end():]
-            meta.global_expert_index = index
-            meta.data_parallel_group_ranks = dist.get_process_group_ranks(pg_collection.expt_dp)
-        return meta
-
-    setattr(extract_param_metadata, _PATCHED_PLANNER, True)
-    planner.extract_param_metadata = extract_param_metadata
-
-
 class InferenceCopy:
     """Trainer model + inference copy + how to move weights between them (megatron-core ``swap_model_weights``).
 
@@ -142,7 +107,7 @@ class InferenceCopy:
         from megatron.core.resharding import swap_model_weights
         from megatron.core.utils import unwrap_model
 
-        patch_planner_for_sequential_experts()
+        patches.apply(PLANNER_PATCH)  # megatron-core's planner, taught SequentialMLP's expert names
         start = time.perf_counter()
         with torch.no_grad():
             swap_model_weights(unwrap_model(list(self.train_model)), unwrap_model(list(self.model)), self.refit_method)
@@ -154,33 +119,23 @@ class InferenceCopy:
         return self.last_refit_s
 
 
-class LayoutInference(InferenceInterface):
-    """The backend agents see with a separate inference layout: MegatronInference over the inference copy.
+class LayoutInference(ForwardingInference):
+    """The backend agents see with a separate inference layout: MegatronInference (``inner``) over the inference
+    copy, refit from the trainer after every update.
 
-    A rollout phase refits first when the trainer changed since the last refit. ``rollout_shard``
-    tells the RL loop how prompts are split over the inference replicas.
-
-    Asynchronous rollouts (:mod:`megatron.rl.rollout.async_source`): the refit after an optimizer step is the weight
-    update the rollout pipeline sees. The pipeline calls :meth:`refit_for_update` on every rank right after
-    the optimizer step (or the skipped one), before paused requests continue: without partial rollouts the
-    pipeline has drained and the engine is stopped; with them the engine is paused (:meth:`pause_generation`:
-    in-flight requests keep their KV cache, the engine thread holds after its current step) and released by
-    :meth:`resume_generation` only after the refit. So no engine step runs during a refit, every token after
-    a pause comes from the refit weights, and every rank refits at the same point whether or not its own
-    replica had requests in flight (the refit is collective over the world). The loop's
-    :func:`refit_after_iteration` then only reports that refit's time.
+    :meth:`refit_for_update` is the one refit after an optimizer step: the rollout source calls it on every rank
+    right after the step (collective over the world), while the copy's engine is stopped (synchronous rollouts,
+    or asynchronous ones that drain before an update) or paused (partial rollouts: in-flight requests keep
+    their KV cache and the engine thread holds after its current step). :meth:`resume_generation` releases
+    paused requests only after it, so no engine step runs during a refit and every token after a pause comes
+    from the refit weights. A rollout phase also refits first when the copy is stale (the start-up refit, from
+    the loaded weights). The copy's engine splits prompts over the inference replicas (``rollout_shard``).
     """
 
-    supports_weight_updates = True  # the refit after each optimizer step brings the trainer's weights over
-
-    def __init__(self, backend: Any, copy: InferenceCopy, groups: InferenceGroups):
-        from megatron.rl.layout.groups import RolloutShard
-
-        self.backend = backend
+    def __init__(self, inner: Any, copy: InferenceCopy, groups: InferenceGroups | None):
+        super().__init__(inner)
         self.copy = copy
         self.groups = groups
-        self.rollout_shard = RolloutShard.for_groups(groups)
-        self._pending_refit_s: float | None = None  # a refit done by refit_for_update, not yet reported
 
     def mark_trainer_updated(self) -> None:
         self.copy.stale = True
@@ -189,64 +144,36 @@ class LayoutInference(InferenceInterface):
         return self.copy.refit() if self.copy.stale else 0.0
 
     def refit_for_update(self) -> float:
-        """The trainer's weights changed (asynchronous rollouts, all ranks): refit now, while the engine is
-        stopped or paused; :func:`refit_after_iteration` reports it instead of refitting again."""
+        """The trainer's weights changed (all ranks, engine stopped or paused): refit now; returns its seconds."""
         self.mark_trainer_updated()
         seconds = self.refit_if_stale()
-        self._pending_refit_s = (self._pending_refit_s or 0.0) + seconds
+        super().refit_for_update()  # the copy's engine generates with the copy's parameters in place: a no-op
         return seconds
-
-    def take_pending_refit(self) -> float | None:
-        """Seconds of the refits :meth:`refit_for_update` did since the last call (None: none)."""
-        seconds, self._pending_refit_s = self._pending_refit_s, None
-        return seconds
-
-    # ------------------------------------------------------- asynchronous rollouts: policy versions and pausing
-
-    @property
-    def engine_steps(self) -> int:
-        return self.backend.engine_steps
-
-    @property
-    def active(self) -> bool:
-        """The copy's engine is running (EngineControl restarts it at a phase start when something stopped it)."""
-        return self.backend.active
-
-    def set_policy_version(self, version: int) -> None:
-        self.backend.set_policy_version(version)
-
-    def pause_generation(self) -> None:
-        self.backend.pause_generation()
 
     def resume_generation(self, version: int) -> None:
         if self.copy.stale and version >= 0:  # version -1: shutting down, nothing generated from here is trained
             raise RuntimeError("resuming the inference copy's paused requests before its refit: call "
                                "refit_for_update() after the optimizer step first")
-        self.backend.resume_generation(version)
+        super().resume_generation(version)
 
     @contextlib.contextmanager
     def rollout_phase(self) -> Iterator["LayoutInference"]:
         self.refit_if_stale()
-        with self.backend.rollout_phase():
+        with self.inner.rollout_phase():
             yield self
 
     async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
         if self.copy.stale:
             raise RuntimeError("the inference copy is stale (the trainer changed since the last refit): "
                                "generate inside rollout_phase(), which refits first")
-        return await self.backend.agenerate(requests)
-
-    async def aclose(self) -> None:
-        await self.backend.aclose()
+        return await self.inner.agenerate(requests)
 
 
 def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, train_model: list, tokenizer,
                            vocab_size: int | None = None, record_routes: bool = False) -> LayoutInference:
     """Groups, inference copy and backend for ``layout`` (collective over the world). No refit yet.
     ``record_routes``: the copy's engine records MoE routes (``--rl-router-replay rollout``)."""
-    from megatron.rl.inference.megatron import EngineSettings, MegatronInference
-    from megatron.rl.runtime import setup_runtime
-    from megatron.rl.training.model_provider import padded_vocab_size
+    from megatron.rl.inference.megatron import EngineSettings, MegatronInference  # heavy: megatron-core's engine
 
     runtime = setup_runtime()
     s = layout.sizes(cfg)
@@ -265,6 +192,15 @@ def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, t
     return LayoutInference(backend, copy, groups)
 
 
+def build_run_inference(cfg: TrainingConfig, rl: Any, model: list, tokenizer) -> InferenceInterface:
+    """The backend an RL run generates with: the inference copy at its own layout when ``--rl-inference-*``
+    flags ask for one (not refit yet), else ``--inference-backend``'s ``build_for_training``."""
+    if rl.inference_layout.enabled:
+        return build_layout_inference(cfg, rl.inference_layout, model, tokenizer,
+                                      record_routes=rl.router_replay == "rollout")  # MoE routing replay
+    return build_training_inference(cfg, rl, model, tokenizer)
+
+
 def start_inference_copy(ctx, rl, inference: LayoutInference) -> None:
     """RL loop start: refit the copy from the trainer's (loaded) weights; --rl-verify-model-weights-swap checks it."""
     log.info("refit of the inference copy from the trainer's weights took %.3fs", inference.refit_if_stale())
@@ -272,26 +208,11 @@ def start_inference_copy(ctx, rl, inference: LayoutInference) -> None:
         verify_weights_swap(ctx, rl, inference)
 
 
-def refit_after_iteration(inference: LayoutInference, metrics: dict[str, float]) -> None:
-    """After an RL iteration that updated the trainer: refit now and add ``time_refit_s`` / ``refit_fraction``."""
-    done_s = inference.take_pending_refit()  # asynchronous rollouts refit right after the update, on every rank
-    if metrics.get("skipped_update"):
-        return  # no optimizer step ran: the copy still equals the trainer
-    if done_s is not None:
-        refit_s = done_s
-    else:
-        inference.mark_trainer_updated()
-        refit_s = inference.refit_if_stale()
-    metrics.update(time_refit_s=refit_s,
-                   refit_fraction=refit_s / max(metrics.get("time_total_s", 0.0) + refit_s, 1e-9))
-
-
 # ------------------------------------------------------------------------------------ verification
 
 
 def probe_requests(tokenizer, max_new_tokens: int, temperature: float) -> list[InferenceRequest]:
     """A small fixed probe batch (the same on every rank)."""
-    from megatron.rl.inference.api import GenerationArgs
 
     prompts = ["The weights were refit; ", "1 2 3 4 5 6", "probe: abcdefghij"]
     return [InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=temperature,
@@ -307,14 +228,12 @@ def verify_weights_swap(ctx, rl, inference: LayoutInference, tolerance: float | 
     the world. Returns the largest |difference|; raises :class:`RefitVerificationError` above ``tolerance``
     (default 1e-3 in fp32, 5e-2 in bf16/fp16).
     """
-    from megatron.rl.rl_utils import build_step_batches, inference_session, logprob_gap, score
-    from megatron.rl.rollout.sequences import TrainingSequence
 
     if tolerance is None:
         half = any(p.dtype in (torch.bfloat16, torch.float16) for p in inference.copy.model[0].parameters())
         tolerance = 5e-2 if half else 1e-3
-    requests = probe_requests(inference.backend.tokenizer, min(16, rl.max_new_tokens), rl.temperature)
-    with inference_session(inference):
+    requests = probe_requests(inference.inner.tokenizer, min(16, rl.max_new_tokens), rl.temperature)
+    with inference.rollout_phase():
         responses = inference.generate(requests)
     bad = [r.error for r in responses if r.finish_reason == "error"]
     if bad:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import logging
 import math
 
+from megatron.rl.base.errors import RLError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["OffPolicyServerError", "check_policy_gap"]
 
 
-class OffPolicyServerError(RuntimeError):
+class OffPolicyServerError(RLError, RuntimeError):
     """The rollouts' log-probs show the inference server is not serving the trainer's policy."""
 
 

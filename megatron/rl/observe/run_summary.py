@@ -17,7 +17,7 @@ __all__ = ["run_summary"]
 
 
 def _start(cfg, start) -> str:
-    loaded = getattr(start, "loaded", None)
+    loaded = start.loaded
     c = cfg.checkpoint
     if start.from_checkpoint and loaded is not None:
         if c.finetune:
@@ -58,37 +58,24 @@ def _layout(cfg, rl) -> str:
     return text + "; generation at the training layout"
 
 
-def _rollouts(rl) -> str:
-    a = rl.async_rollouts
-    if not a.enabled:
-        return "synchronous (every iteration generates its own groups)"
-    parts = [f"lag {a.generation_lag}", "partial rollouts" if a.partial_rollouts else "drain before each update",
-             f"submission {a.submission_granularity}", f"consumption {a.consumption_granularity}"]
-    if a.max_inflight_requests:
-        parts.append(f"at most {a.max_inflight_requests} requests in flight")
-    if a.durable_rollout_bank:
-        parts.append(f"durable rollout bank in {a.rollout_bank_dir or '<--save>/rollout_bank'}")
-    kind = "asynchronous" if a.off_policy else "through the rollout pipeline (synchronous schedule)"
-    return f"{kind}: " + ", ".join(parts)
-
-
 def _packing(cfg, rl) -> str:
     if not rl.use_sequence_packing:
         return "off (one sequence per row)"
     return (f"sequence packing into --seq-length {cfg.model.seq_length} rows (prompt sharing "
-            f"{rl.share_prompt_prefix}, attention {rl.packed_attention_mode}, at most {rl.max_sequences_per_bin} "
+            f"{rl.share_prompt_prefix}, attention {rl.packed_attention}, at most {rl.max_sequences_per_bin} "
             f"sequences per row)")
 
 
-def run_summary(cfg: Any, rl: Any, start: Any) -> str:
-    """The summary text for ``cfg`` (TrainingConfig), ``rl`` (RLConfig) and ``start`` (the run's
-    :class:`~megatron.rl.training.run.Resumed`). Pure: reads configs only."""
+def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str) -> str:
+    """The summary text for ``cfg`` (TrainingConfig), ``rl`` (RLConfig), ``start`` (the run's
+    :class:`~megatron.rl.training.run.Resumed`) and ``rollouts`` (the rollout source's
+    :meth:`~megatron.rl.rollout.source.RolloutSource.describe`). Pure: reads its arguments only."""
     steps = max(rl.grpo_iterations * rl.rollouts_per_step // cfg.train.global_batch_size, 1)
     lines = [f"RL run: {cfg.train.train_iters} iterations from {start.iteration} ({rl.prompts_per_step} prompts x "
              f"{rl.group_size} rollouts each, {steps} optimizer step{'s' if steps > 1 else ''} per iteration)",
              f"  start:    {_start(cfg, start)}",
              f"  backend:  {_backend(rl)}",
              f"  layout:   {_layout(cfg, rl)}",
-             f"  rollouts: {_rollouts(rl)}",
+             f"  rollouts: {rollouts}",
              f"  packing:  {_packing(cfg, rl)}"]
     return "\n".join(lines)

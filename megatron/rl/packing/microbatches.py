@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
-from megatron.rl.sequence_packing_utils import BinDistribution, PackedBatch, PackingInfo
+from megatron.rl.packing.plan import BinDistribution, PackingInfo
+from megatron.rl.sequence_packing_utils import PackedBatch
 
 
 def microbatch_shape(info: PackingInfo, bin_ids: Sequence[Optional[int]], length_multiple: int = 1) -> tuple[int, int]:

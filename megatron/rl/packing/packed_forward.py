@@ -2,17 +2,18 @@
 
 A packed row (:class:`~megatron.rl.sequence_packing_utils.PackedBatch`) holds several sequences, each with
 ``position_ids`` restarting at 0, and a block-diagonal causal ``attention_mask`` keeps them apart. Two things
-still made a packed sequence's log-probs differ from the same sequence run alone (and from the inference
-engine, which runs each request on its own) in fp32:
+would still make a packed sequence's log-probs differ from the same sequence run alone (and from the inference
+engine, which runs each request on its own) in fp32 (the gaps measured: docs/benchmarks.md, "Train-inference
+log-prob gap"):
 
 1. **RoPE at row positions.** megatron-core 0.16.1's ``GPTModel`` ignores ``position_ids`` for rotary
    embeddings: it asks its ``RotaryEmbedding`` for the table of positions ``0 .. S-1`` ([S, 1, 1, dim], one
-   for every row) and rotates queries and keys at their *row* positions, so a sequence at offset ``o > 0`` was
+   for every row) and rotates queries and keys at their *row* positions, so a sequence at offset ``o > 0`` is
    scored as if it started at ``o``. The attention logits are equal in exact arithmetic (RoPE is relative)
-   but not in floats: up to ~3e-5 on the log-probs of a peaked model.
+   but not in floats.
 2. **A longer attention product.** Its queries meet all ``S`` keys of the row (the other sequences' masked to
    -10000, i.e. probability 0); the softmax sums and the probability-value product then run over ``S``
-   entries instead of ``L``, in another order and another kernel blocking: up to ~7e-6 left after (1).
+   entries instead of ``L``, in another order and another kernel blocking.
 
 With the THD format (TransformerEngine, ``PackedSeqParams``) megatron-core already handles both: its RoPE slices
 the table per ``cu_seqlens`` segment from position 0, and the fused attention runs per segment. The local layer
@@ -32,7 +33,7 @@ on megatron-core's own modules (no copy of their math):
   in long rows.
 
 Together: packed log-probs equal the one-sequence-per-row forward's bit for bit (tested), and those of each
-sequence run alone up to the linear layers' M-dependent rounding (<= 1e-6).
+sequence run alone up to the linear layers' M-dependent rounding.
 
 Defaults. The RoPE hook is always on (one gather per forward). The attention is chosen per forward
 (``--rl-packed-attention``, :func:`choose_attention`): ``exact`` (one call per distinct sequence length, bit for
@@ -41,18 +42,15 @@ each sequence padded to its group's longest and the padding masked: a few calls,
 own score elements) and ``masked`` (one product over each whole row: ``rows x S^2`` score elements whatever the
 sequences). ``auto``, the default, takes grouped where a cost model (score elements plus a fixed cost per
 call) says it is cheaper than masked, else masked: rows of one sequence each and the quickstart's 64-token
-rows of three stay masked (bit for bit the forward before the option existed). Measured (training forward +
-backward, 2 cores): 9 rows x 320 tokens holding 64 sequences of 8-260 tokens 213 -> 150 ms; 11 rows x 1024
-holding 32 of 40-600 tokens 2.34 -> 1.35 s; in ``benchmarks/async_rollouts.py``'s synchronous setting the
-training step 0.26-0.31 -> 0.16-0.19 s. Every kind leaves the engine-trainer gap at ~3e-6 (tested < 1e-5):
-``exact`` needed one call per length, 2.2x-4.6x slower than masked on small models with many distinct lengths.
+rows of three stay masked (bit for bit the masked forward). Every kind keeps the engine-trainer gap under
+1e-5 (tested); ``exact`` makes one call per distinct length, which costs more than masked on small models with
+many distinct lengths. Timings: docs/benchmarks.md, "Packed attention".
 
 Grouped calls whose longest keys are fewer than 16, and every call of a sequence after a shared prompt prefix
 (:mod:`megatron.rl.packing.prefix_sharing`: keys = the prefix's, then its own), pad their keys to
 :data:`~megatron.rl.runtime.torch_attention.MIN_KEY_SLOTS` as the inference engine does: the softmax and the
-product with V round otherwise below 16 keys (the quickstart's grouped max gap 1.03e-5 -> 1.7e-6). ``auto`` takes
-grouped for rows holding shared prefixes: in the masked product a member's prefix keys lie apart from its own
-and the sums round like neither side's (median per-iteration max gap 1.9e-6 against 4.8e-7).
+product with V round otherwise below 16 keys. ``auto`` takes grouped for rows holding shared prefixes: in the
+masked product a member's prefix keys lie apart from its own and the sums round like neither side's.
 
 Where the second hook is not used, and why: with activation recomputation (``--recompute-granularity``) the
 backward pass re-runs the attention after this context has exited, so the recomputed forward would differ
@@ -68,7 +66,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
+from megatron.rl.runtime.attention_override import attention_forward_per_call
+from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS, length_class_groups
 
 # per row: (start, length) of each real sequence, in row order; (start, length, prefix start, prefix length) for a
 # sequence whose queries also attend to a shared prefix earlier in the row (megatron.rl.packing.prefix_sharing)
@@ -175,8 +174,6 @@ def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0,
         return list(by_shape.values())
     if grouping != "grouped":
         raise ValueError(f"grouping must be 'exact' or 'grouped', got {grouping!r}")
-    from megatron.rl.runtime.torch_attention import length_class_groups
-
     return length_class_groups([n + prefix for n, prefix in zip(lengths, prefixes)], overhead, power=2)
 
 
@@ -213,7 +210,7 @@ def choose_attention(spans: Spans, seq_length: int, mode: str, device: torch.dev
     seqs = _sequences(spans)
     if any(prefix for *_, prefix in seqs):
         # A shared prefix's keys lie apart from the sequence's own in the row: the masked product's sums then
-        # run over another layout than the engine's (quickstart: median train-inference gap 4.8e-7 -> 1.9e-6)
+        # run over another layout than the engine's (a larger train-inference gap)
         return "grouped"
     lengths = [n for _, _, n, _, _ in seqs]
     if not lengths:
@@ -327,26 +324,22 @@ def _per_sequence(original, plan: _Plan):
 @contextlib.contextmanager
 def attention_per_sequence(model: torch.nn.Module, spans: Spans, grouping: str = "exact") -> Iterator[bool]:
     """While active, every local ``DotProductAttention`` in ``model`` attends within each span only (yields
-    whether the model has any: other attention modules, TransformerEngine's, are left alone).
+    whether the model has any: other attention modules, TransformerEngine's, are left alone). The forward is
+    replaced through the registered per-call patch
+    (:func:`~megatron.rl.runtime.attention_override.attention_forward_per_call`).
 
     ``spans[r]``: (start, length) of the real sequences of row ``r``, contiguous from position 0; the positions
-    after them are padding (zero attention output). Wrap one [rows, S] forward call. Other attention modules
-    (TransformerEngine's) are left alone.
+    after them are padding (zero attention output). Wrap one [rows, S] forward call.
     """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    plan: list[_Plan] = []  # built once, for the first module (none: nothing to plan)
 
-    modules = [m for m in model.modules() if type(m) is DotProductAttention]
-    if not modules:
-        yield False
-        return
-    plan = _Plan(spans, grouping, next(model.parameters()).device)
-    for m in modules:
-        m.forward = _per_sequence(m.forward, plan)  # instance attribute: shadows the class's forward
-    try:
-        yield True
-    finally:
-        for m in modules:
-            del m.forward
+    def per_sequence(original):
+        if not plan:
+            plan.append(_Plan(spans, grouping, next(model.parameters()).device))
+        return _per_sequence(original, plan[0])
+
+    with attention_forward_per_call(model, per_sequence) as modules:
+        yield bool(modules)
 
 
 def uses_recomputation(model: torch.nn.Module) -> bool:

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron.rl.sequence_packing_utils import (PackingInfo, check_plan_inputs, first_fit_decreasing, layout_bins,
-                                               plan_packing)
+from megatron.rl.packing.plan import PackingInfo, check_plan_inputs, first_fit_decreasing, layout_bins, plan_packing
 
 __all__ = ["shareable_prefix", "plan_shared_packing", "sharing_applies"]
 

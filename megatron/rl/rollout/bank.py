@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from megatron.rl.base.types import RolloutGroup
+from megatron.rl.base.errors import RLError
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ _HEADER = struct.Struct("<4sII")  # magic, payload length, crc32(payload)
 _MAX_PAYLOAD = 1 << 31
 
 
-class RolloutBankError(RuntimeError):
+class RolloutBankError(RLError, RuntimeError):
     """The rollout bank cannot be used as it is (a layout mismatch, an unreadable directory, ...)."""
 
 

@@ -116,3 +116,28 @@ def split_evenly(n: int, parts: int) -> list[range]:
         out.append(range(start, start + size))
         start += size
     return out
+
+
+def staleness_metrics(versions: Sequence[Sequence[int] | None], iteration: int) -> dict[str, float]:
+    """Token staleness of the sequences trained at ``iteration`` (= the policy version being updated).
+
+    ``versions``: per sequence, the policy version of each token (-1 where not generated: prompt, observations),
+    or None when unknown (a synchronous source labels none: no metrics). Staleness of a generated token =
+    ``|iteration - version|``: ``iteration - version``, except for a group the durable rollout bank restored into
+    an older checkpoint, whose tokens can come from a later version whose weights were lost (just as far from
+    the trained policy). Returns ``staleness_mean``, ``staleness_max`` and ``off_policy_token_share``
+    (staleness > 0) over generated tokens with known versions.
+    """
+    total = count = worst = off = 0
+    for vs in versions:
+        for v in vs or ():
+            if v < 0:
+                continue
+            s = abs(iteration - v)
+            total += s
+            count += 1
+            worst = max(worst, s)
+            off += s > 0
+    if not count:
+        return {}
+    return {"staleness_mean": total / count, "staleness_max": float(worst), "off_policy_token_share": off / count}

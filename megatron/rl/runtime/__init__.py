@@ -1,15 +1,24 @@
-"""Device/backend choice and the CPU compatibility layer for megatron-core.
+"""Device/backend choice, and every change megatron-rl makes to megatron-core (one registry).
 
 Call :func:`setup_runtime` once, before building megatron-core models. On a machine with CUDA it
 reports CUDA + NCCL and, when flash-attn is missing, points megatron-core's paged inference attention at
 the pure-torch kernels (:mod:`megatron.rl.runtime.cuda_fallbacks`); on a CPU-only machine it installs the patches in
 :mod:`megatron.rl.runtime.cpu_patches` (idempotent) and reports CPU + gloo.
+
+Only this package changes megatron-core, and every change is an entry of :mod:`megatron.rl.runtime.patches`
+(what it changes, why, the megatron-core versions it was written for); :func:`all_patches` lists them.
 """
 from __future__ import annotations
 
 import contextlib
 
+import torch
+
+# Importing these registers every patch (the registry is complete once this package is imported).
+from megatron.rl.runtime import attention_override, cpu_patches, cuda_fallbacks, patches, reshard_planner  # noqa: F401
+from megatron.rl.runtime import subclasses  # noqa: F401
 from megatron.rl.runtime.device import RuntimeInfo, choose_backend, choose_device, cuda_usable
+from megatron.rl.runtime.patches import Patch
 
 _INFO: RuntimeInfo | None = None
 
@@ -20,17 +29,11 @@ def setup_runtime() -> RuntimeInfo:
     if _INFO is None:
         cpu = not cuda_usable()
         if cpu:
-            from megatron.rl.runtime import cpu_patches
-
             cpu_patches.install()
         else:
-            from megatron.rl.runtime import cuda_fallbacks
-
             cuda_fallbacks.install_paged_attention_fallback()
         _INFO = RuntimeInfo(device=choose_device(), backend=choose_backend(), cpu_layer_active=cpu)
     elif _INFO.cpu_layer_active:
-        from megatron.rl.runtime import cpu_patches
-
         cpu_patches.enter_cpu_mode()  # a new thread needs the (thread-local) device mode too
     return _INFO
 
@@ -39,14 +42,12 @@ def setup_runtime() -> RuntimeInfo:
 def flush_denormals():
     """Treat subnormal floats as zero on CPU while a training run computes (this thread and the threads it starts).
 
-    x86 runs arithmetic on subnormals (|x| < 1.2e-38 in fp32) through a microcode slow path, ~100x per op.
-    RL weights and optimizer states drift into that range over a run: the quickstart's iterations went from
-    ~0.5 s to 10-30 s at iteration ~70 (generation and training alike), and back to ~0.5 s with the flag on
-    the same checkpoint. Scoped to the run, not the process: the flag also zeroes subnormal Python floats
-    (a request's temperature of 1e-308 would parse as 0), which the request validation must still see.
+    x86 runs arithmetic on subnormals (|x| < 1.2e-38 in fp32) through a microcode slow path, many times slower
+    per op, and RL weights and optimizer states drift into that range over a run (generation and training slow
+    down alike: docs/benchmarks.md, "Subnormal floats"). Scoped to the run, not the process: the flag also zeroes
+    subnormal Python floats (a request's temperature of 1e-308 would parse as 0), which the request validation
+    must still see.
     """
-    import torch
-
     if cuda_usable():
         yield
         return
@@ -57,4 +58,10 @@ def flush_denormals():
         torch.set_flush_denormal(False)
 
 
-__all__ = ["RuntimeInfo", "setup_runtime", "flush_denormals", "choose_device", "choose_backend", "cuda_usable"]
+def all_patches() -> list[Patch]:
+    """Every registered change to megatron-core, in registration order."""
+    return patches.entries()
+
+
+__all__ = ["RuntimeInfo", "setup_runtime", "flush_denormals", "choose_device", "choose_backend", "cuda_usable",
+           "all_patches"]

@@ -1,66 +1,64 @@
-"""The CPU compatibility layer for megatron-core: each patch registered with the reason it exists.
+"""The CPU compatibility layer for megatron-core: the registered patches a machine without a GPU needs.
 
-megatron-core assumes CUDA in a handful of places (see shared/CPU_RUNTIME.md). On a CPU-only torch
-build we paper over them at run time without editing site-packages. Every patch is a function
-registered with ``@cpu_patch(name, why)``; ``install()`` applies each exactly once (idempotent) and
-refuses to run against a megatron-core version the patches were not written and tested for.
+megatron-core assumes CUDA in a handful of places: device placement, streams and events, memory statistics,
+the RNG tracker, fused kernels of transformer-engine / apex, flash-attn. On a CPU-only torch build we paper
+over them at run time without editing site-packages. Every patch is a function registered with
+``@cpu_patch(name, why)`` in the one registry (:mod:`megatron.rl.runtime.patches`, kind ``"cpu"``; the paged
+attention fallback, :mod:`megatron.rl.runtime.cuda_fallbacks`, serves both kinds); :func:`install` applies
+each exactly once (idempotent) and refuses to run against a megatron-core version the patches were not
+written and tested for. ``PATCHES`` / ``INSTALLED``: the registry's CPU patches / those applied.
 
 None of this is ever installed when CUDA is usable: see ``megatron.rl.runtime.setup_runtime``.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
-import threading
-from typing import Callable
+from typing import Any
 
 import torch
+import torch.cuda.random as cuda_random
+from torch.overrides import _get_current_function_mode_stack
 
-from megatron.rl.runtime import torch_attention
+from megatron.rl.base.errors import UserError
+# cuda_fallbacks registers the paged-attention patch, which install() applies as a CPU patch too
+from megatron.rl.runtime import cuda_fallbacks, kv_append, patches, rope_cache  # noqa: F401
 from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
 
 log = logging.getLogger(__name__)
 
 # megatron-core versions whose CUDA assumptions these patches were checked against.
-SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
+SUPPORTED_MCORE_VERSIONS = patches.MCORE_0_16_1
 ALLOW_UNTESTED_ENV = "MEGATRON_RL_ALLOW_UNTESTED_MCORE"
 
 
-class UnsupportedMegatronCoreVersion(RuntimeError):
+class UnsupportedMegatronCoreVersion(UserError, RuntimeError):
     pass
 
 
-@dataclasses.dataclass(frozen=True)
-class Patch:
-    name: str
-    why: str
-    apply: Callable[[], None]
-
-
-PATCHES: dict[str, Patch] = {}
-INSTALLED: list[str] = []
-_lock = threading.Lock()
 _cpu_mode: CudaToCpuMode | None = None
+_installed: list[str] = []  # the CPU patches install() applied, in order
 
 
-def cpu_patch(name: str, why: str):
-    """Register a patch function. Registration order is application order."""
+def cpu_patch(name: str, why: str, changes: str | None = None):
+    """Register a CPU patch function (``changes``: the names it replaces; default ``name``). Registration order
+    is application order."""
+    return patches.register(name, when="cpu", changes=changes or name, why=why, versions=SUPPORTED_MCORE_VERSIONS)
 
-    def deco(fn):
-        if name in PATCHES:
-            raise ValueError(f"duplicate CPU patch name {name!r}")
-        PATCHES[name] = Patch(name, why, fn)
-        return fn
 
-    return deco
+def __getattr__(name: str) -> Any:
+    if name == "PATCHES":  # name -> Patch, the registry's CPU patches in application order
+        return {p.name: p for p in patches.entries("cpu")}
+    if name == "INSTALLED":  # the CPU patches install() applied in this process, in order
+        return list(_installed)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_mcore_version(version: str | None = None) -> str:
     """Raise unless megatron-core is a version these patches were tested against."""
     if version is None:
-        from megatron.core import package_info
+        from megatron.core import package_info  # heavy: megatron-core
 
         version = package_info.__version__
     if version not in SUPPORTED_MCORE_VERSIONS and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
@@ -120,14 +118,16 @@ def _noop_factory():
 
 
 @cpu_patch("torch.cuda.current_device",
-           "megatron allocates with device=torch.cuda.current_device(); returning 'cpu' puts those tensors on CPU")
+           "megatron allocates with device=torch.cuda.current_device(); returning 'cpu' puts those tensors on CPU",
+           changes="torch.cuda.current_device, .set_device, .device_count")
 def _patch_current_device():
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.set_device = _noop_factory()
     torch.cuda.device_count = lambda: 0
 
 
-@cpu_patch("torch.cuda.synchronize", "timers, DDP and inference synchronise the device; CPU work is synchronous")
+@cpu_patch("torch.cuda.synchronize", "timers, DDP and inference synchronise the device; CPU work is synchronous",
+           changes="torch.cuda.synchronize, .empty_cache, .is_current_stream_capturing")
 def _patch_synchronize():
     torch.cuda.synchronize = _noop_factory()
     torch.cuda.empty_cache = _noop_factory()
@@ -135,7 +135,8 @@ def _patch_synchronize():
 
 
 @cpu_patch("torch.cuda.Stream/Event/stream/current_stream",
-           "DDP grad-reduce overlap and inference create streams and events; synchronous stand-ins")
+           "DDP grad-reduce overlap and inference create streams and events; synchronous stand-ins",
+           changes="torch.cuda.Stream, .Event, .stream, .current_stream, .default_stream")
 def _patch_streams():
     torch.cuda.Stream = _SyncStream
     torch.cuda.Event = _SyncStream
@@ -145,7 +146,9 @@ def _patch_streams():
 
 
 @cpu_patch("torch.cuda.nvtx", "range push/pop markers for profilers; no-ops (without CUDA they raise 'NVTX "
-           "functions not installed'); also rebinds the copies dynamic_engine imported by name")
+           "functions not installed'); also rebinds the copies dynamic_engine imported by name",
+           changes="torch.cuda.nvtx.range_push, .range_pop; "
+           "megatron.core.inference.engines.dynamic_engine:range_push, .range_pop")
 def _patch_nvtx():
     from megatron.core.inference.engines import dynamic_engine
 
@@ -157,7 +160,9 @@ def _patch_nvtx():
 
 
 @cpu_patch("torch.cuda.memory_*/mem_get_info",
-           "the dynamic inference context sizes its KV buffer from device memory statistics; report the host's")
+           "the dynamic inference context sizes its KV buffer from device memory statistics; report the host's",
+           changes="torch.cuda.mem_get_info, .memory_allocated, .max_memory_allocated, .memory_reserved, "
+           ".max_memory_reserved, .reset_peak_memory_stats, .memory_stats")
 def _patch_memory_stats():
     import psutil
 
@@ -174,9 +179,10 @@ def _patch_memory_stats():
 
 @cpu_patch("torch.cuda RNG -> CPU generator",
            "CudaRNGStatesTracker saves/restores the 'CUDA' RNG around TP regions; on CPU that is the CPU generator, "
-           "which its fork() then swaps in and out correctly")
+           "which its fork() then swaps in and out correctly",
+           changes="torch.cuda.get_rng_state, .set_rng_state, .manual_seed, .manual_seed_all; "
+           "megatron.core.tensor_parallel.random:_set_cuda_rng_state")
 def _patch_rng():
-    import torch.cuda.random as cuda_random
 
     import megatron.core.tensor_parallel.random as mpu_random
 
@@ -195,14 +201,16 @@ class _DropCpuRngWarning(logging.Filter):
 
 
 @cpu_patch("silence 'CPU RNG state changed within GPU RNG context'",
-           "expected here: the 'GPU' RNG is the CPU generator, so megatron's sanity warning fires on every fork")
+           "expected here: the 'GPU' RNG is the CPU generator, so megatron's sanity warning fires on every fork",
+           changes="a logging filter on megatron.core.tensor_parallel.random")
 def _patch_rng_warning():
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_DropCpuRngWarning())
 
 
 @cpu_patch("WrappedTorchNorm with sequence parallel",
            "the torch-norm fallback (no apex/TE) asserts sequence_parallel is off; allow it and tag the norm weights "
-           "sequence_parallel so finalize_model_grads all-reduces their grads across TP ranks")
+           "sequence_parallel so finalize_model_grads all-reduces their grads across TP ranks",
+           changes="megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__")
 def _patch_torch_norm():
     from megatron.core.transformer import torch_norm
 
@@ -226,7 +234,10 @@ def _patch_torch_norm():
            "without apex/TE the distributed optimizer falls back to torch Adam, whose per-param 'step' breaks "
            "checkpoint loading: empty state on a fresh optimizer (assert len(steps)==1), KeyError 'step' in the "
            "fully_reshardable loader, in-place copies into views of leaves without no_grad, and one shared 'step' "
-           "tensor after load that Adam increments once per param (silent divergence)")
+           "tensor after load that Adam increments once per param (silent divergence)",
+           changes="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_state_dict, "
+           "._set_main_param_and_optimizer_states, .load_state_dict, "
+           ".load_parameter_state_from_dp_reshardable")
 def _patch_distributed_optimizer():
     from megatron.core.optimizer import distrib_optimizer as do
 
@@ -276,7 +287,9 @@ def _patch_distributed_optimizer():
 
 @cpu_patch("moe_utils TE names",
            "without transformer-engine, router_gating_linear references the undefined name te_general_gemm "
-           "(NameError); define the TE-only names as None so the torch paths are taken")
+           "(NameError); define the TE-only names as None so the torch paths are taken",
+           changes="megatron.core.transformer.moe.moe_utils: te_general_gemm and the other fused_* names (defined"
+           " as None where missing)")
 def _patch_moe_te_names():
     from megatron.core.transformer.moe import moe_utils
 
@@ -291,7 +304,9 @@ def _patch_moe_te_names():
 
 @cpu_patch("moe_utils.maybe_move_tensor_to_cpu",
            "the alltoall dispatcher converts split sizes to numpy only when tensor.is_cuda; on CPU they stay tensors "
-           "and all_to_all_single(output_split_sizes=tensor) raises TypeError")
+           "and all_to_all_single(output_split_sizes=tensor) raises TypeError",
+           changes="megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu; "
+           "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu")
 def _patch_moe_split_sizes():
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -307,40 +322,27 @@ def _patch_moe_split_sizes():
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
-@cpu_patch("flash-attn paged kernels -> pure torch",
-           "dynamic-batching inference calls flash_attn_varlen_func / flash_attn_with_kvcache (CUDA-only)")
-def _patch_flash_attn():
-    from megatron.core.transformer import attention
-
-    if attention.flash_attn_varlen_func is None:
-        attention.flash_attn_varlen_func = torch_attention.flash_attn_varlen_func
-        attention.flash_attn_with_kvcache = torch_attention.flash_attn_with_kvcache
-        attention.is_fa_min_version = lambda *a, **k: True
+cpu_patch("dynamic inference RoPE: cos/sin once per step",
+          "megatron-core's dynamic context rotates each layer's queries and keys with apply_rotary_pos_emb, which "
+          "gathers the step's frequencies and takes their cos and sin again in every layer (2 x layers times per "
+          "step, the same values), a noticeable share of a small model's decode step on CPU. The unfused formula "
+          "then runs on cos/sin computed once per step (rope_cache.py; bit for bit the same, tested)",
+          "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.apply_rotary_emb_query, "
+          ".apply_rotary_emb_key")(rope_cache.install)
 
 
-@cpu_patch("dynamic inference RoPE: cos/sin once per step",
-           "megatron-core's dynamic context rotates each layer's queries and keys with apply_rotary_pos_emb, which "
-           "gathers the step's frequencies and takes their cos and sin again in every layer (2 x layers times per "
-           "step, the same values); on CPU that is ~10% of a small model's decode step. The unfused formula then "
-           "runs on cos/sin computed once per step (rope_cache.py; bit for bit the same, tested)")
-def _patch_rope_once_per_step():
-    from megatron.rl.runtime import rope_cache
-
-    rope_cache.install()
-
-
-@cpu_patch("dynamic inference KV append: index_copy_",
-           "without Triton, megatron-core appends each layer's keys and values to the paged cache with an advanced-index "
-           "put over (block, slot) index tensors, ~0.2 ms per tensor and layer at 128 decode rows; index_copy_ at flat "
-           "slots computed once per step writes the same values (kv_append.py, tested against the original)")
-def _patch_kv_append():
-    from megatron.rl.runtime import kv_append
-
-    kv_append.install()
+cpu_patch("dynamic inference KV append: index_copy_",
+          "without Triton, megatron-core appends each layer's keys and values to the paged cache with an "
+          "advanced-index put over (block, slot) index tensors, slow per-element index arithmetic on CPU; "
+          "index_copy_ at flat slots computed once per step writes the same values (kv_append.py, tested against "
+          "the original)",
+          "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.append_key_value_cache")(
+    kv_append.install)
 
 
 @cpu_patch("inference.communication_utils._is_cuda",
-           "pipeline-parallel inference asserts tensors are CUDA before send/recv/broadcast")
+           "pipeline-parallel inference asserts tensors are CUDA before send/recv/broadcast",
+           changes="megatron.core.inference.communication_utils:_is_cuda")
 def _patch_inference_comm():
     from megatron.core.inference import communication_utils
 
@@ -349,7 +351,8 @@ def _patch_inference_comm():
 
 @cpu_patch("CudaToCpuMode",
            "device='cuda', integer devices, .cuda(), .to('cuda'), torch.device('cuda'), pin_memory=True and "
-           "Tensor.type() == 'torch.cuda.FloatTensor' checks, rewritten at the torch-function level")
+           "Tensor.type() == 'torch.cuda.FloatTensor' checks, rewritten at the torch-function level",
+           changes="torch functions called with CUDA devices (a TorchFunctionMode per thread)")
 def _patch_device_mode():
     enter_cpu_mode()
 
@@ -369,24 +372,19 @@ def enter_cpu_mode() -> None:
 
 
 def cpu_mode_active() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
 
     return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
 
 
 def install() -> list[str]:
-    """Apply every registered patch once. Returns the names applied by this call (empty if done before)."""
+    """Apply every registered CPU patch once. Returns the names applied by this call (empty if done before)."""
     if torch.cuda.is_available() and os.environ.get("MEGATRON_RL_FORCE_CPU") != "1":
         raise RuntimeError("the CPU runtime layer must not be installed when CUDA is available")
     check_mcore_version()
-    applied = []
-    with _lock:
-        for name, patch in PATCHES.items():
-            if name in INSTALLED:
-                continue
-            patch.apply()
-            INSTALLED.append(name)
-            applied.append(name)
+    applied = [p.name for p in patches.entries("cpu") if p.name not in _installed]
+    for name in applied:
+        patches.apply(name)
+        _installed.append(name)
     if applied:
         log.debug("megatron-rl CPU runtime: applied %d patches", len(applied))
     return applied

@@ -1,35 +1,42 @@
-"""What the in-process engine needs on a CUDA machine that lacks flash-attn.
+"""megatron-core's paged inference attention without flash-attn: the pure-torch kernels (a registered patch).
 
 megatron-core's dynamic inference engine runs its paged-KV attention through flash-attn
 (``flash_attn_varlen_func`` for prefill, ``flash_attn_with_kvcache`` for decode) and fails with
 ``ModuleNotFoundError: flash_attn`` on the first request when it is not installed. flash-attn ships
-no wheels on PyPI (it builds from source for tens of minutes), so a fresh GPU machine usually lacks it.
-The pure-torch kernels of :mod:`megatron.rl.runtime.torch_attention` are device-agnostic (SDPA over the
-gathered KV blocks), so they serve as the fallback: slower than flash-attn and not CUDA-graph capturable
-(they read the cache lengths on the host), but correct.
-
-Only the two attention entry points are replaced; nothing of the CPU layer is installed on CUDA.
+no wheels on PyPI (it builds from source for tens of minutes), so a fresh GPU machine usually lacks it, and a
+CPU machine always does. The pure-torch kernels of :mod:`megatron.rl.runtime.torch_attention` are
+device-agnostic (SDPA over the gathered KV blocks), so they serve as the fallback: slower than flash-attn and
+not CUDA-graph capturable (they read the cache lengths on the host), but correct. Only the two attention entry
+points (and the version gate megatron-core reads) are replaced.
 """
 from __future__ import annotations
 
 import logging
 import threading
 
-from megatron.rl.runtime import torch_attention
+from megatron.rl.runtime import patches, torch_attention
 
 log = logging.getLogger(__name__)
+
+PAGED_ATTENTION = "paged attention without flash-attn -> pure torch"
 
 _lock = threading.Lock()
 _installed = False
 
 
-def install_paged_attention_fallback() -> bool:
+@patches.register(
+    PAGED_ATTENTION, when=("cpu", "cuda"),
+    changes="megatron.core.transformer.attention:flash_attn_varlen_func, .flash_attn_with_kvcache, "
+            ".is_fa_min_version",
+    why="dynamic-batching inference calls flash-attn's paged kernels, which a CPU machine never has and a GPU "
+        "machine often lacks (no PyPI wheels); the torch kernels compute the same attention")
+def use_torch_paged_attention() -> bool:
     """Point megatron-core's paged attention at the torch kernels when flash-attn is missing.
 
-    Returns True when the fallback is (now or already) in use. Idempotent and thread-safe.
+    Returns True when the torch kernels are (now or already) in use. Idempotent and thread-safe.
     """
     global _installed
-    from megatron.core.transformer import attention
+    from megatron.core.transformer import attention  # heavy: megatron-core
 
     with _lock:
         if _installed:
@@ -42,10 +49,20 @@ def install_paged_attention_fallback() -> bool:
         # the calls it makes with any version.
         attention.is_fa_min_version = lambda *a, **k: True
         _installed = True
-    log.warning("flash-attn is not installed: the in-process inference engine uses megatron-rl's pure-torch "
-                "paged attention on CUDA (correct but slower, and no CUDA graphs). For speed, "
-                "pip install flash-attn --no-build-isolation.")
     return True
+
+
+def install_paged_attention_fallback() -> bool:
+    """On a GPU machine: :func:`use_torch_paged_attention`, with a warning the first time it takes over."""
+    was_installed = _installed
+    active = use_torch_paged_attention()
+    if active:
+        patches.record(PAGED_ATTENTION)
+    if active and not was_installed:
+        log.warning("flash-attn is not installed: the in-process inference engine uses megatron-rl's pure-torch "
+                    "paged attention on CUDA (correct but slower, and no CUDA graphs). For speed, "
+                    "pip install flash-attn --no-build-isolation.")
+    return active
 
 
 def paged_attention_fallback_active() -> bool:

@@ -21,6 +21,7 @@ import ctypes
 import functools
 import logging
 import threading
+import torch  # noqa: F401 - loads torch's OpenMP runtime, whose pause call this module finds
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ _RUNTIME_NAMES = ("libgomp", "libiomp", "libomp")
 @functools.lru_cache(maxsize=None)
 def _pause_fn():
     """``omp_pause_resource_all`` of the OpenMP runtime torch loaded, or None when there is none."""
-    import torch  # noqa: F401  (loads torch's OpenMP runtime)
 
     candidates = []
     try:

@@ -10,11 +10,10 @@ with the local layer spec): ``baddbmm`` scores, ``-10000`` masking, softmax, ``b
 layouts (:func:`dot_product_attention`), so the engine's log-probs round like the trainer's teacher-forced
 forward. Each request's attention is computed with at least :data:`MIN_QUERY_ROWS` query rows (a decode step
 has one per request; the extra rows are zeros and dropped): MKL computes a one-row product (a matrix-vector
-product) with another kernel than the trainer's many-row one, and a decode step at one row put the fp32
-train-inference log-prob gap of a peaked model at 3e-5; with four rows it is 4e-6 (two rows were enough on
-one CPU, not on another, where two and three rows round like one), and the many rows of a
-prefill reproduce the trainer's numbers bit for bit for most requests
-(tests/unit_tests/rl/inference/test_megatron_logprob_gap.py).
+product) with another kernel than the trainer's many-row one, so a decode step at one row puts the fp32
+train-inference log-prob gap of a peaked model several times above the gap at four rows (on some CPUs two and
+three rows round like one; the figures: docs/benchmarks.md), and the many rows of a prefill reproduce the
+trainer's numbers bit for bit for most requests (tests/unit_tests/rl/inference/test_megatron_logprob_gap.py).
 """
 from __future__ import annotations
 
@@ -150,13 +149,12 @@ def _attend_padded(q, k, v, out, batch: _PrefillBatch, scale):
 
 
 # See the module docstring: MKL's batched products take other kernels for fewer than 4 rows than for the
-# trainer's many rows (measured on a 2-core AMD EPYC VM without AVX2: 1-3 rows round differently, 4 and more
-# give the many-row product's bits). At 2 rows the mixed-request test's gap was 3e-5 on that machine.
+# trainer's many rows (1-3 rows round differently, 4 and more give the many-row product's bits; the gaps:
+# docs/benchmarks.md, "Train-inference log-prob gap").
 MIN_QUERY_ROWS = 4
 # Keys (masked past a request's length) every product runs over at least: the softmax and the product with V
 # round differently below 16 keys than from 16 on (from 16 on, more masked keys change no bit), and the trainer
-# attends over its micro-batch's row length, nearly always >= 16. Without it a decode step of a 13-token request
-# put its log-probs up to 1.3e-5 from the trainer's on the quickstart (tests/unit_tests/rl/runtime).
+# attends over its micro-batch's row length, nearly always >= 16 (tests/unit_tests/rl/runtime).
 MIN_KEY_SLOTS = 16
 
 

@@ -20,6 +20,8 @@ from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from megatron.rl.inference.validation import RequestLimits
+
 __all__ = ["bearer_token", "authorized", "BodySizeLimit", "install_docs", "LRUCache", "LOOPBACK_HOSTS",
            "safe_message"]
 
@@ -150,7 +152,6 @@ class LRUCache(Generic[K, V]):
 
 def add_limit_flag(parser: Any) -> None:
     """``--limit KEY=VALUE`` (repeatable): override one field of :class:`RequestLimits`."""
-    from megatron.rl.inference.validation import RequestLimits
 
     defaults = ", ".join(f"{k}={v}" for k, v in RequestLimits().__dict__.items())
     parser.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
@@ -159,7 +160,6 @@ def add_limit_flag(parser: Any) -> None:
 
 def limits_from_flags(values: list[str], parser: Any) -> Any:
     """The :class:`RequestLimits` of ``--limit`` values; a bad one is a usage error naming it."""
-    from megatron.rl.inference.validation import RequestLimits
 
     known = RequestLimits().__dict__
     chosen: dict[str, int] = {}

@@ -37,9 +37,12 @@ import logging
 import os
 import threading
 import time
+import torch.distributed as dist
 from typing import Any, Iterator
 
 from megatron.rl.inference.api import InferenceError, InferenceInterface, InferenceRequest, InferenceResponse
+from megatron.rl.inference.control import control_of
+from megatron.rl.inference.forwarding import ForwardingInference
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +76,6 @@ class PolicyGate:
         self._in_flight = 0
         self.phases = 0  # rollout phases opened so far (a diagnostic)
 
-    @property
-    def is_open(self) -> bool:
-        return self._open
-
     def open(self) -> None:
         with self._cond:
             self._open = True
@@ -108,20 +107,19 @@ class PolicyGate:
             self._cond.notify_all()
 
 
-class _GatedBackend(InferenceInterface):
+class _GatedBackend(ForwardingInference):
     """What the HTTP app sees: the trainer's engine, reachable only through the gate."""
 
-    name = "megatron"
     continuous_batching = True  # the dynamic engine batches concurrent requests itself
 
     def __init__(self, backend: InferenceInterface, gate: PolicyGate):
-        self.backend = backend
+        super().__init__(backend)
         self.gate = gate
 
     async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
         await self.gate.enter()
         try:
-            return await self.backend.agenerate(requests)
+            return await self.inner.agenerate(requests)
         finally:
             self.gate.leave()
 
@@ -129,44 +127,47 @@ class _GatedBackend(InferenceInterface):
         """The trainer owns the engine: stopping the server must not touch it."""
 
 
-class ServedPolicy(InferenceInterface):
+class ServedPolicy(ForwardingInference):
     """The trainer's backend, with its rollout phases opening and closing the HTTP server's gate.
 
-    Everything but :meth:`rollout_phase` and :meth:`close` goes to the wrapped backend. Every rank wraps
-    its backend (the phase-end barrier is collective); only the rank given a ``server`` serves.
+    Everything but :meth:`rollout_phase`, :meth:`pause_generation` and :meth:`aclose` goes to the wrapped
+    backend. Every rank wraps its backend (the phase-end barrier is collective); only the rank given a
+    ``server`` serves.
+
+    Asynchronous rollouts: a phase that ends with requests in flight (partial rollouts) pauses the engine
+    instead of leaving the phase, so the gate stays open; the requests admitted then wait in the paused engine
+    and continue with the updated weights. The pause waits at the same barrier as a phase end: rank 0's engine
+    serves every data-parallel rank's remote environments, and must not pause while another rank still
+    collects its batch.
     """
 
     continuous_batching = True
 
     def __init__(self, backend: InferenceInterface, gate: PolicyGate, server: "_ServerThread | None",
                  barrier_group: Any = None):
-        self.backend = backend
+        super().__init__(backend)
         self.gate = gate
         self.server = server
         self._barrier_group = barrier_group
 
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return self.backend.name
-
-    def __getattr__(self, item: str) -> Any:  # engine_steps, model, settings, ...
-        return getattr(self.backend, item)
-
-    async def agenerate(self, requests: list[InferenceRequest]) -> list[InferenceResponse]:
-        return await self.backend.agenerate(requests)
-
     @contextlib.contextmanager
     def rollout_phase(self) -> Iterator["ServedPolicy"]:
-        with self.backend.rollout_phase():
+        with self.inner.rollout_phase():
             self.gate.open()
             try:
                 yield self
             finally:
-                if self._barrier_group is not None:  # other DP ranks' rollouts may still call this server
-                    import torch.distributed as dist
-
-                    dist.barrier(group=self._barrier_group)
+                self._wait_for_other_ranks()
                 self.gate.close()
+
+    def pause_generation(self) -> None:
+        self._wait_for_other_ranks()
+        super().pause_generation()
+
+    def _wait_for_other_ranks(self) -> None:
+        if self._barrier_group is not None:  # other DP ranks' rollouts may still call this server
+
+            dist.barrier(group=self._barrier_group)
 
     @property
     def url(self) -> str | None:
@@ -175,7 +176,7 @@ class ServedPolicy(InferenceInterface):
     async def aclose(self) -> None:
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
-        await self.backend.aclose()
+        await self.inner.aclose()
 
 
 class _ServerThread:
@@ -209,15 +210,15 @@ def serve_policy(backend: InferenceInterface, address: str, wait_s: float = 600.
 
     Raises :class:`PolicyServingError` for a model-parallel layout or an address that cannot be bound.
     """
-    import torch.distributed as dist
 
-    from megatron.rl.server.inference.app import ServerConfig, create_app
+    from megatron.rl.server.inference.app import ServerConfig, create_app  # fastapi: only when serving
 
     host, port = parse_address(address)
-    if getattr(backend, "lockstep_size", 1) != 1:
+    lockstep = control_of(backend).lockstep_size
+    if lockstep != 1:
         raise PolicyServingError(
             f"{_FLAG} serves from one rank's engine, but this engine runs in lockstep over "
-            f"{backend.lockstep_size} tensor/pipeline/expert-parallel ranks, which is not supported yet: train with "
+            f"{lockstep} tensor/pipeline/expert-parallel ranks, which is not supported yet: train with "
             f"TP=PP=EP=1 (any data-parallel size), or serve a saved checkpoint with python -m "
             f"megatron.rl.server.inference --backend megatron -- --load CKPT")
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -12,26 +12,15 @@ import os
 import sys
 import time
 
-__all__ = ["user_error_types", "report_user_error", "run_cli"]
+from megatron.rl.base.errors import UserError
+from megatron.rl.logging import current_rank
+
+__all__ = ["report_user_error", "run_cli"]
 
 _GRACE_S = 2.0
 
 
-def user_error_types() -> tuple[type[BaseException], ...]:
-    """Errors that mean "fix your flags / files", reported without a traceback."""
-    from megatron.rl.agent.env_config import EnvConfigError
-    from megatron.rl.runtime.cpu_patches import UnsupportedMegatronCoreVersion
-    from megatron.rl.training.checkpoint.paths import CheckpointError
-    from megatron.rl.training.config import ConfigError
-    from megatron.rl.training.data import DataError
-    from megatron.rl.training.tokenizer import TokenizerError
-
-    return (ConfigError, CheckpointError, DataError, TokenizerError, UnsupportedMegatronCoreVersion, EnvConfigError)
-
-
 def _rank() -> int:
-    from megatron.rl.logging import current_rank
-
     return current_rank()
 
 
@@ -56,7 +45,7 @@ def report_user_error(program: str, error: BaseException, stream=None) -> str:
 def run_cli(program: str, main, argv=None) -> int:
     """The ``main()`` of ``pretrain_gpt.py`` and ``train_rl.py``: ``main(argv)``, then megatron torn down (even
     on error); user errors reported by :func:`report_user_error` as one line, with exit status 2."""
-    from megatron.rl.training.initialize import destroy_megatron
+    from megatron.rl.training.initialize import destroy_megatron  # torch: the CLI's first steps stay torch-free
 
     try:
         try:
@@ -64,7 +53,7 @@ def run_cli(program: str, main, argv=None) -> int:
         finally:
             destroy_megatron()
     except Exception as e:  # noqa: BLE001 - anything but a user error is re-raised with its traceback
-        if not isinstance(e, user_error_types()):  # imported only on error: a clean run never pays for it
+        if not isinstance(e, UserError):  # flags, files, checkpoints, tokenizer, megatron-core version
             raise
         report_user_error(program, e)
         if _rank() != 0:

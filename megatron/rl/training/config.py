@@ -22,15 +22,13 @@ from typing import Callable, Iterable, Sequence
 from megatron.rl.training.config_sections import (CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
                                                   OptimConfig, ParallelConfig, TokenizerConfig, TrainConfig,
                                                   TrainingConfig)
-from megatron.rl.base.flags import add_flags, dests, from_namespace
+from megatron.rl.base.errors import ConfigError
+from megatron.rl.base.flags import add_flags, dests, from_namespace, refuse_removed_flags
+from megatron.rl.training.checkpoint.args import check_explicit_flags, merge_checkpoint_args
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "CheckpointConfig",
            "LoggingConfig", "TokenizerConfig", "DataConfig", "TrainingConfig", "build_parser", "parse_args",
            "resolve_config", "transformer_engine_importable"]
-
-
-class ConfigError(ValueError):
-    """A flag value (or combination) that cannot work; the message names the flag and what to do."""
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -58,10 +56,9 @@ def parse_args(argv: Sequence[str] | None = None, extra_args_providers: Iterable
     """
     parser = build_parser(extra_args_providers)
     given = list(sys.argv[1:] if argv is None else argv)
+    refuse_removed_flags(parser, given)
     from_ckpt = None
     if "--use-checkpoint-args" in given:
-        from megatron.rl.training.checkpoint.args import check_explicit_flags, merge_checkpoint_args
-
         given, *from_ckpt = merge_checkpoint_args(given, parser)
     if ignore_unknown_args:
         ns, _ = parser.parse_known_args(given)
@@ -285,7 +282,7 @@ def resolve_config(cfg: TrainingConfig, world_size: int, cuda: bool | None = Non
     ``cuda``: whether this job runs on CUDA (default: what the runtime would choose).
     """
     if cuda is None:
-        from megatron.rl.runtime import cuda_usable
+        from megatron.rl.runtime import cuda_usable  # torch: flag parsing stays torch-free
 
         cuda = cuda_usable()
     _positive("world size", world_size)

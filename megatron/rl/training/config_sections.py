@@ -165,7 +165,7 @@ class CheckpointConfig:
     use_checkpoint_args: bool = flag(
         False, help="take the model flags (architecture, tokenizer, vocab, lengths) stored in the checkpoint of "
                     "--load (else --pretrained-checkpoint); an explicit conflicting flag is an error")
-    # checkpoint integrity (issue 10): skip the checksum manifest check on load
+    # checkpoint integrity: skip the checksum manifest check on load
     no_verify_checkpoint_checksums: bool = flag(
         False, help="load without checking the checkpoint's files against the checksum manifest written at save "
                     "(for huge checkpoints on trusted storage); loaded values are still scanned for NaN/Inf")

@@ -58,6 +58,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.utils import Split, get_blend_from_list
 
 from megatron.rl.training.data_jsonl import iter_jsonl_texts, tokenize_document
+from megatron.rl.base.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 JSONL_SUFFIXES = (".jsonl", ".json")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad data configuration or input (names the flag/field, the value, and what to do)."""
 
 

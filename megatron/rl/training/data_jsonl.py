@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 from typing import Iterator, List, Tuple
 
+from megatron.rl.base.errors import RLError
+
 __all__ = ["JsonlFormatError", "parse_jsonl_line", "iter_jsonl_texts", "tokenize_document"]
 
 
-class JsonlFormatError(ValueError):
+class JsonlFormatError(RLError, ValueError):
     """A JSONL line that is not a JSON object with a string under the text key (names file and line)."""
 
 

@@ -15,15 +15,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.rl.runtime import RuntimeInfo, setup_runtime
+from megatron.rl.logging import setup_distributed_logging
+from megatron.rl.runtime import RuntimeInfo, cpu_patches, patches, setup_runtime
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
 log = logging.getLogger(__name__)
 
 # megatron-core versions this training loop was tested against (CPU and GPU).
-TESTED_MCORE_VERSIONS = ("0.16.1",)
+TESTED_MCORE_VERSIONS = patches.MCORE_0_16_1
 # Oldest release whose public API (GPTModel vp_stage, finalize_model_grads, dist_checkpointing) we rely on.
 MIN_MCORE_VERSION = (0, 16, 0)
+# The kinds of registered changes to megatron-core that a GPU machine uses (all but the CPU layer).
+_GPU_KINDS = ("cuda", "on use", "per call", "subclass")
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -37,14 +40,16 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 def check_megatron_core_version(info: RuntimeInfo, version: str | None = None) -> str:
     """Refuse megatron-core versions we cannot run; warn for untested ones on GPU.
 
-    On CPU the runtime layer patches megatron-core internals, so only the versions it was written for are
-    accepted (``cpu_patches.check_mcore_version`` raises). On GPU no internals are patched: versions below
-    :data:`MIN_MCORE_VERSION` raise, other untested versions log a warning.
+    Every change megatron-rl makes to megatron-core is an entry of :mod:`megatron.rl.runtime.patches` with the
+    versions it was written for. On CPU the CPU layer patches internals that every step runs through, so only
+    the versions it was written for are accepted (``cpu_patches.check_mcore_version`` raises). On GPU fewer
+    entries apply (the paged-attention fallback without flash-attn, the reshard planner's expert names for an
+    inference copy, the packed forward's per-call attention, and our subclasses of megatron-core's engine,
+    context and dataset classes): versions below :data:`MIN_MCORE_VERSION` raise, other untested versions log a
+    warning naming the entries not written for them.
     """
-    from megatron.rl.runtime import cpu_patches
-
     if version is None:
-        from megatron.core import package_info
+        from megatron.core import package_info  # heavy: megatron-core
 
         version = package_info.__version__
     if info.cpu_layer_active:
@@ -54,8 +59,10 @@ def check_megatron_core_version(info: RuntimeInfo, version: str | None = None) -
             f"megatron-core {version} is older than {'.'.join(map(str, MIN_MCORE_VERSION))}, the oldest release "
             f"megatron-rl's training loop supports; pip install megatron-core=={TESTED_MCORE_VERSIONS[-1]}.")
     if version not in TESTED_MCORE_VERSIONS:
-        log.warning("megatron-core %s has not been tested with megatron-rl (tested: %s)", version,
-                    ", ".join(TESTED_MCORE_VERSIONS))
+        untested = [p.name for p in patches.not_written_for(version, _GPU_KINDS)]
+        log.warning("megatron-core %s has not been tested with megatron-rl (tested: %s); changes to megatron-core "
+                    "not written for it (megatron.rl.runtime.patches): %s", version,
+                    ", ".join(TESTED_MCORE_VERSIONS), "; ".join(untested) or "none")
     return version
 
 
@@ -106,8 +113,6 @@ def initialize_megatron(cfg: TrainingConfig) -> RuntimeInfo:
     Raises :class:`ConfigError` when the launched world size differs from the one ``cfg`` was validated for.
     """
     from megatron.core import parallel_state as ps
-
-    from megatron.rl.logging import setup_distributed_logging
 
     setup_distributed_logging(cfg.logging.log_level)
     info = setup_runtime()

@@ -22,8 +22,10 @@ from typing import Callable, Iterator
 import torch
 
 from megatron.rl import parallel_utils
-from megatron.rl.training.config import TrainingConfig
-from megatron.rl.training.run import resolve_load_dir  # noqa: F401 - re-exported (its home before TrainingRun)
+from megatron.rl.runtime import setup_runtime
+from megatron.rl.training.config import ConfigError, TrainingConfig
+from megatron.rl.training.loop_control import LoopControl
+from megatron.rl.training.run import PRETRAIN_RESUME, TrainingRun
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,6 @@ def gpt_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def gpt_forward_step(data_iterator, model):
     """megatron-core forward step for pretraining batches ``{"tokens", "labels", "loss_mask", "position_ids"}``."""
-    from megatron.rl.runtime import setup_runtime
 
     device = setup_runtime().device
     batch = next(data_iterator)
@@ -209,7 +210,7 @@ def _data_iterators(cfg: TrainingConfig, tokenizer, consumed_samples: int, split
     """One iterator per model chunk (virtual pipeline chunks each walk the same microbatches)."""
     from megatron.core import parallel_state as ps
 
-    from megatron.rl.training.data import build_pretraining_data
+    from megatron.rl.training.data import build_pretraining_data  # heavy: megatron-core's datasets
 
     n_chunks = cfg.parallel.virtual_pipeline_model_parallel_size or 1
     t = cfg.train
@@ -228,12 +229,9 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
 
     Returns the final iteration, consumed samples, per-iteration stats and the trained model/optimizer.
     """
-    from megatron.rl.training.loop_control import LoopControl
-    from megatron.rl.training.run import PRETRAIN_RESUME, TrainingRun
 
     t, lg = cfg.train, cfg.logging
     if t.train_iters is None:
-        from megatron.rl.training.config import ConfigError
 
         raise ConfigError("--train-iters is required for pretraining.")
     run = TrainingRun.build(cfg, PRETRAIN_RESUME, metrics_writer=metrics_writer)

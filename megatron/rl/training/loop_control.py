@@ -2,7 +2,7 @@
 and the final save. Shared by the pretraining loop and the RL driver so both behave the same way.
 
 With ``--exit-signal-handler`` the chosen signal (``--exit-signal``, default SIGTERM: what Slurm sends before
-preemption or at the time limit, or SIGUSR1 with ``sbatch --signal=B:USR1@300``) no longer kills the
+preemption or at the time limit, or SIGUSR1 with ``sbatch --signal=B:USR1@300``) does not kill the
 process: the handler only records it, the loop finishes the iteration in progress, every rank agrees to
 stop (one all-reduce per iteration, so a signal seen by a single rank stops all of them together and no rank
 waits in a collective), a checkpoint is saved when ``--save`` is set, and the loop returns normally (exit 0).
@@ -15,6 +15,8 @@ import threading
 from typing import Callable
 
 import torch
+
+from megatron.rl import runtime
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +77,9 @@ class LoopControl:
             return False
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return self.signal_received
-        from megatron.rl.runtime import cuda_usable
 
         flag = torch.tensor([int(self.signal_received)], dtype=torch.int64,
-                            device="cuda" if cuda_usable() else "cpu")
+                            device="cuda" if runtime.cuda_usable() else "cpu")
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 

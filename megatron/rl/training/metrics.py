@@ -7,6 +7,7 @@ for grouping (``train/lm loss``, ``validation/lm loss``, ``rl/reward_mean``), an
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -88,7 +89,6 @@ class MetricsWriter:
 
 
 def _flat_config(cfg: TrainingConfig) -> dict:
-    import dataclasses
 
     out = {}
     for section in ("model", "parallel", "optim", "train", "checkpoint", "logging", "tokenizer", "data"):

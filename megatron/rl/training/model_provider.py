@@ -1,7 +1,7 @@
 """Build megatron-core GPT models from a :class:`~megatron.rl.training.config.TrainingConfig`.
 
-``transformer_config_from_args`` maps our typed flags onto megatron-core's ``TransformerConfig`` (with the
-CPU settings from CPU_RUNTIME.md: CPU initialisation, no CUDA fusions, ``batch_p2p_comm`` off over gloo);
+``transformer_config_from_args`` maps our typed flags onto megatron-core's ``TransformerConfig`` (on CPU:
+CPU initialisation, no CUDA fusions, ``batch_p2p_comm`` off over gloo);
 ``build_model`` creates one ``GPTModel`` per virtual-pipeline chunk on this rank, optionally wrapped in
 ``Float16Module`` (bf16/fp16) and Megatron ``DistributedDataParallel``, and wires the hooks the pipeline
 schedules call (``finalize_model_grads_func`` — without it data-parallel gradients are never reduced —
@@ -16,7 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron.rl import runtime
+from megatron.rl.training.checkpoint.args import checkpoint_flags
 from megatron.rl.training.config import ConfigError, ModelConfig, ParallelConfig, TrainingConfig
+from megatron.rl.training.tokenizer import build_tokenizer, padded_vocab_size as pad
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +38,8 @@ def transformer_config_from_args(model: ModelConfig, parallel: ParallelConfig, *
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if cuda is None:
-        from megatron.rl.runtime import cuda_usable
 
-        cuda = cuda_usable()
+        cuda = runtime.cuda_usable()
     te = model.transformer_impl == "transformer_engine"
     dtype = _dtype(model)
     kw: dict[str, Any] = dict(
@@ -120,14 +122,12 @@ def padded_vocab_size(cfg: TrainingConfig, tokenizer=None) -> int:
     """Model vocab size: --vocab-size or the tokenizer's, padded to a multiple of divisible-by x TP."""
     vocab = cfg.tokenizer.vocab_size
     if vocab is None:
-        from megatron.rl.training.tokenizer import build_tokenizer
 
         tokenizer = tokenizer or build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
         vocab = tokenizer.vocab_size
     elif tokenizer is not None and vocab < tokenizer.vocab_size:
         raise ConfigError(f"--vocab-size={vocab} is smaller than the {cfg.tokenizer.tokenizer_type} vocabulary "
                           f"({tokenizer.vocab_size} ids); drop --vocab-size or pass at least {tokenizer.vocab_size}.")
-    from megatron.rl.training.tokenizer import padded_vocab_size as pad
 
     return pad(vocab, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_model_parallel_size)
 
@@ -136,12 +136,10 @@ def checkpoint_model_args(cfg: TrainingConfig, tokenizer=None) -> dict:
     """``cfg.model_args()`` plus the padded vocab size (checked on load: a checkpoint padded for another
     TP / --make-vocab-size-divisible-by is refused before any tensor is read), what it was padded from, and
     the model-defining flags (``"flags"``, see :mod:`megatron.rl.training.checkpoint.args`)."""
-    from megatron.rl.training.checkpoint.args import checkpoint_flags
 
     out = cfg.model_args()
     vocab = cfg.tokenizer.vocab_size
     if vocab is None:
-        from megatron.rl.training.tokenizer import build_tokenizer
 
         tokenizer = tokenizer or build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
         vocab = tokenizer.vocab_size
@@ -222,9 +220,8 @@ def build_model(cfg: TrainingConfig, wrap_with_ddp: bool = True, vocab_size: int
     for chunk in chunks:
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-    from megatron.rl.runtime import setup_runtime
 
-    device = setup_runtime().device
+    device = runtime.setup_runtime().device
     if device.type == "cuda":
         chunks = [c.to(device) for c in chunks]
     if cfg.model.bf16 or cfg.model.fp16:

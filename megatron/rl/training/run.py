@@ -7,8 +7,8 @@ model flags stored with checkpoints, and the metrics writer. :meth:`TrainingRun.
 starts from ``--pretrained-checkpoint``) and :meth:`TrainingRun.save` writes a checkpoint with the caller's
 run state (pretraining: consumed samples; RL: the agents' prompt positions).
 
-Pretraining and RL treat ``--load`` differently (:class:`ResumePolicy`, one instance each); the rules are
-unchanged from before the two builds were merged. ``train_rl.py --eval-only`` is a third policy,
+Pretraining and RL treat ``--load`` differently (:class:`ResumePolicy`, one instance each).
+``train_rl.py --eval-only`` is a third policy,
 :data:`EVAL_ONLY`: the same build without optimizer, scheduler, DDP wrapper or metrics writer, and weights
 only from ``--load`` (or ``--pretrained-checkpoint``).
 """
@@ -19,7 +19,15 @@ import logging
 import os
 from typing import Any
 
+from megatron.rl.logging import setup_distributed_logging
+from megatron.rl.training.checkpoint.save_load import (CheckpointError, latest_checkpoint, load_checkpoint,
+                                                       save_checkpoint)
 from megatron.rl.training.config import TrainingConfig
+from megatron.rl.training.initialize import initialize_megatron
+from megatron.rl.training.metrics import build_metrics_writer
+from megatron.rl.training.model_provider import build_model, checkpoint_model_args
+from megatron.rl.training.optimizer import build_optimizer
+from megatron.rl.training.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +75,6 @@ def resolve_load_dir(cfg: TrainingConfig, required: bool = True) -> str | None:
     pattern ``--save DIR --load DIR`` (first run of a job that resumes itself), or when
     ``--pretrained-checkpoint`` supplies the starting weights instead.
     """
-    from megatron.rl.training.checkpoint.save_load import CheckpointError, latest_checkpoint
 
     c = cfg.checkpoint
     if not c.load:
@@ -108,12 +115,6 @@ class TrainingRun:
         model (no DDP), loaded from ``--pretrained-checkpoint`` by :meth:`resume`. ``metrics_writer``: use this
         writer instead of the one ``--tensorboard-dir`` / ``--wandb-project`` ask for. With
         ``policy.evaluate_only`` the model is not DDP-wrapped and optimizer, scheduler and writer are None."""
-        from megatron.rl.logging import setup_distributed_logging
-        from megatron.rl.training.initialize import initialize_megatron
-        from megatron.rl.training.metrics import build_metrics_writer
-        from megatron.rl.training.model_provider import build_model, checkpoint_model_args
-        from megatron.rl.training.optimizer import build_optimizer
-        from megatron.rl.training.tokenizer import build_tokenizer
 
         setup_distributed_logging(cfg.logging.log_level)
         load_dir = resolve_load_dir(cfg, required=policy.load_required)
@@ -128,7 +129,6 @@ class TrainingRun:
                    checkpoint_model_args(cfg, tokenizer), ref, writer)
 
     def _load(self, path: str, *, weights_only: bool, model=None):
-        from megatron.rl.training.checkpoint.save_load import load_checkpoint
 
         c = self.cfg.checkpoint
         if weights_only:
@@ -171,7 +171,6 @@ class TrainingRun:
 
     def save(self, iteration: int, run_state: dict) -> None:
         """Save a checkpoint of ``iteration`` to ``--save`` with the caller's ``run_state``. Collective."""
-        from megatron.rl.training.checkpoint.save_load import save_checkpoint
 
         c = self.cfg.checkpoint
         save_checkpoint(c.save, iteration, self.model, None if c.no_save_optim else self.optimizer, self.scheduler,

@@ -31,6 +31,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Typ
 
 from megatron.rl.base import chat
 from megatron.rl.base.registry import Registry
+from megatron.rl.base.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ __all__ = [
 DEFAULT_TOKENIZER_TYPE = "ByteLevelTokenizer"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """Bad tokenizer configuration (unknown type, missing directory, unusable tokenizer)."""
 
 
@@ -63,7 +64,7 @@ def render_builtin_chat_template(messages: Sequence[Dict[str, str]], add_generat
 
 
 class Tokenizer(ABC):
-    """Interface every tokenizer implements (see CONTRACTS.md).
+    """Interface every tokenizer implements.
 
     Attributes:
         vocab_size: number of token ids (unpadded; see :func:`padded_vocab_size` for the model's size).

@@ -1,10 +1,10 @@
 """Expert parallelism at the training layout with the default in-process backend: prompts split by lockstep group.
 
 With EP > 1 the ranks of an expert-parallel group form one lockstep group that serves its lowest rank's
-requests. Rollouts used to be split by training data-parallel rank, so the other ranks asked for other prompts
-and every one of their rollouts failed ("model-parallel ranks submitted different requests": 8 of 16 per
-iteration here). Now every rank of a lockstep group asks for the same prompts and the groups are regrouped by
-data-parallel rank afterwards.
+requests. Split by training data-parallel rank, the other ranks would ask for other prompts and every one of
+their rollouts would fail ("model-parallel ranks submitted different requests": 8 of 16 per iteration here).
+Every rank of a lockstep group asks for the same prompts, and the groups are regrouped by data-parallel rank
+afterwards.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron.rl.inference.engine.lockstep import lockstep_rank_groups
-from megatron.rl.layout.groups import RolloutShard, layout_rank_lists, LayoutSizes
+from megatron.rl.inference.control import RolloutShard
+from megatron.rl.layout.groups import layout_rank_lists, LayoutSizes
 from tests.conftest import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "moe_colocated_run.py"

@@ -198,7 +198,7 @@ def test_count_all_failed_resets_on_any_success():
     assert count_all_failed(5, {}, 16) == 0  # an iteration without the metric is not a failure
 
 
-# --------------------------------------------------------------------------- issue 10 finding 8: hostile flag values
+# --------------------------------------------------------------------------- hostile flag values
 @pytest.mark.parametrize("flag, value", [
     ("--rl-default-temperature", "inf"), ("--rl-default-temperature", "nan"), ("--rl-default-temperature", "0"),
     ("--rl-default-temperature", "-1"), ("--rl-eval-temperature", "-1"), ("--rl-eval-temperature", "inf"),
@@ -222,7 +222,7 @@ def test_legal_edge_values_are_accepted(env_yaml):
 
 
 def test_train_rl_bad_input_exits_2_with_one_line_before_building_anything(env_yaml, capsys, monkeypatch):
-    """train_rl.py used to print a traceback and exit 1, and caught some values only after the model was built."""
+    """Bad values are one line and exit status 2 (no traceback), caught before any model is built."""
     import importlib.util
 
     from tests.conftest import REPO_ROOT
@@ -259,6 +259,8 @@ def test_train_rl_bad_input_exits_2_with_one_line_before_building_anything(env_y
 @pytest.mark.parametrize("bad, message", [
     (["--rl-eval-temperature", "-1"], "ConfigError: --rl-eval-temperature=-1.0"),
     (["--grpo-kl-beta", "0.1"], "ConfigError: --grpo-kl-beta=0.1 needs --pretrained-checkpoint"),  # in run_rl
+    (["--rl-packed-attention-per-sequence"], "ConfigError: --rl-packed-attention-per-sequence is not a flag of this "
+                                             "version: use --rl-packed-attention exact"),
 ])
 def test_train_rl_script_prints_one_line_and_exits_2(env_yaml, bad, message):
     import subprocess
@@ -275,10 +277,11 @@ def test_train_rl_script_prints_one_line_and_exits_2(env_yaml, bad, message):
 
 
 def test_megatron_backend_generation_is_capped_at_seq_length(env_yaml, monkeypatch):
-    """A prompt + generation longer than --seq-length used to be generated, then fail in packing (finding 8)."""
+    """The in-process engine caps prompt + generation at --seq-length: a longer sequence would be generated and
+    then fail in packing."""
     import torch
 
-    from megatron.rl.inference.api import build_training_inference
+    from megatron.rl.inference.control import build_training_inference
     from megatron.rl.inference.megatron import MegatronInference
 
     seen = {}
@@ -292,3 +295,14 @@ def test_megatron_backend_generation_is_capped_at_seq_length(env_yaml, monkeypat
     model.max_sequence_length = 32
     build_training_inference(cfg, rl, [model], None)
     assert seen["max_sequence_length"] == 32
+
+
+def test_a_removed_flag_names_its_replacement(env_yaml):
+    from megatron.rl.rl_config import add_rl_args
+    from megatron.rl.training.config import build_parser
+
+    with pytest.raises(ConfigError, match=r"--rl-packed-attention-per-sequence is not a flag of this version: use "
+                                          r"--rl-packed-attention exact"):
+        _rl(env_yaml, "--rl-packed-attention-per-sequence")
+    assert "per-sequence" not in build_parser([add_rl_args]).format_help()
+    assert _rl(env_yaml, "--rl-packed-attention", "exact").packed_attention == "exact"

@@ -3,12 +3,14 @@
 This is the ONLY module that calls the constructors of ``DynamicInferenceContext``,
 ``GPTInferenceWrapper``, ``TextGenerationController`` and ``DynamicInferenceEngine``: their
 signatures are those of megatron-core 0.16.1 and change in 0.17+ (``DynamicInferenceContext(model_config,
-inference_config)``, ``DynamicInferenceEngine(controller, context)``, no ``pp_group`` on the controller;
-see shared/CPU_RUNTIME.md). An upgrade only touches :func:`build_engine`.
+inference_config)``, ``DynamicInferenceEngine(controller, context)``, no ``pp_group`` on the controller).
+An upgrade touches :func:`build_engine` and the entries of :mod:`megatron.rl.runtime.patches`.
 
 The controller is subclassed so that *we* sample (per-request temperature, top-k, top-p and seed)
 and report log-probs under ``softmax(logits / T)``; see :mod:`megatron.rl.inference.sampling`
-for why the stock controller's numbers do not match what the RL trainer recomputes.
+for why the stock controller's numbers do not match what the RL trainer recomputes. The subclass overrides
+private steps of megatron-core's controller, and the context class overrides its step padding: both are
+registered changes to megatron-core (:mod:`megatron.rl.runtime.subclasses`).
 """
 from __future__ import annotations
 
@@ -153,7 +155,7 @@ class SamplingController(TextGenerationController):
         g.manual_seed(int(seed))
         return NoiseStream(g)
 
-    # --- overrides of megatron-core 0.16.1 TextGenerationController private steps ---
+    # --- overrides of TextGenerationController's private steps (registry entry "engine sampling and log-probs")
 
     def _dynamic_step_context_init(self, *args: Any, **kwargs: Any):
         if self.route_recorder is not None:  # the routers record this step's forward

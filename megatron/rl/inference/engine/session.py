@@ -19,13 +19,15 @@ import logging
 import threading
 from typing import Any, Callable
 
+import copy
 import torch
 
 from megatron.rl.inference.api import InferenceError, InferenceResponse
-from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, SampleSpec, build_engine
+from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler
 from megatron.rl.inference.stopping import completes_stop, finish_response
 from megatron.rl.runtime import setup_runtime
+from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
 from megatron.rl.runtime.torch_attention import release_thread_buffers
 
 log = logging.getLogger(__name__)
@@ -169,7 +171,6 @@ def _scalar_sampling_params() -> type:
     ~30 objects through ``copy.deepcopy`` (~0.1 ms of a ~0.3 ms admission), where a shallow copy is the same.
     """
     if not _SCALAR_PARAMS:
-        import copy
 
         from megatron.core.inference.sampling_params import SamplingParams
 
@@ -319,7 +320,6 @@ class EngineSession:
         ``pin_memory=True`` / CUDA device literals, which need the mode.
         """
         if self._cpu_layer and self.settings.cpu_fast_steps:
-            from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
 
             return CudaToCpuMode()
         return contextlib.nullcontext()

@@ -19,11 +19,14 @@ Requests never choose the inference backend unless its spec is allowlisted; see 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 
+from megatron.rl.agent.env_config import EnvConfigError, build_agent_from_config, resolve_agent_type
+from megatron.rl.inference.api import build_inference_interface
 from megatron.rl.logging import setup_server_logging
 from megatron.rl.server.guard import LOOPBACK_HOSTS, add_limit_flag, limits_from_flags
 
@@ -74,13 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_server_logging(args.log_level)
 
-    import importlib
-
     import uvicorn
 
-    from megatron.rl.agent.env_config import EnvConfigError, build_agent_from_config, resolve_agent_type
-    from megatron.rl.inference.api import build_inference_interface
-    from megatron.rl.server.agent.app import EnvServerConfig, create_app
+    from megatron.rl.server.agent.app import EnvServerConfig, create_app  # fastapi: after the flags are parsed
 
     modules = [m for m in args.imports.split(",") if m]
     if modules and not args.allow_imports:

@@ -6,15 +6,13 @@ signature; it is built here from the registered :class:`AgentRequest` classes, t
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import PydanticOmit
 
 from megatron.rl.agent.api import AgentRequest
-
-if TYPE_CHECKING:
-    from megatron.rl.server.agent.app import EnvServerConfig
+from megatron.rl.inference.validation import RequestLimits
 
 __all__ = ["request_body_schema"]
 
@@ -24,9 +22,9 @@ class _SkipInProcessFields(GenerateJsonSchema):
         raise PydanticOmit  # the backend object (inference_interface) never travels over HTTP
 
 
-def request_body_schema(cfg: "EnvServerConfig") -> dict[str, Any]:
-    """``{"oneOf": [...]}`` of the registered request types, each with ``type_name`` fixed and limits set."""
-    limits = cfg.limits
+def request_body_schema(limits: RequestLimits, max_rollouts: int, max_ks: int) -> dict[str, Any]:
+    """``{"oneOf": [...]}`` of the registered request types, each with ``type_name`` fixed and the server's
+    limits set (``EnvServerConfig.limits`` / ``max_rollouts`` / ``max_ks``)."""
     variants = []
     for name, cls in AgentRequest.registered_types().items():
         schema = cls.model_json_schema(schema_generator=_SkipInProcessFields, ref_template="#/$defs/{model}")
@@ -37,11 +35,11 @@ def request_body_schema(cfg: "EnvServerConfig") -> dict[str, Any]:
         schema["required"] = sorted({*schema.get("required", []), "type_name"})
         for count in ("num_groups", "rollouts_per_group", "num_rollouts", "num_prompts", "num_samples"):
             if count in props:
-                _set_max(props[count], cfg.max_rollouts)
+                _set_max(props[count], max_rollouts)
         if "num_groups" in props:
             props["num_groups"]["minimum"] = 1  # an empty request is a client mistake over HTTP
         if "ks" in props:
-            _set_max(props["ks"], cfg.max_ks, key="maxItems")
+            _set_max(props["ks"], max_ks, key="maxItems")
         gen = props.get("generation_args", {}).get("properties", {})
         if gen:
             _set_max(gen["n"], limits.max_n)

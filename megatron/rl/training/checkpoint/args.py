@@ -10,7 +10,7 @@ layout and initialisation are run choices, not stored.
 checkpoint) or else ``--pretrained-checkpoint``, and fills every model flag the command line does not give.
 A flag given explicitly with another value than the checkpoint's is
 
-- an error (:class:`~megatron.rl.training.config.ConfigError`) when it shapes the weights: the weights could
+- an error (:class:`~megatron.rl.base.errors.ConfigError`) when it shapes the weights: the weights could
   not load, or would load into a different model;
 - allowed, with a warning, for the flags in :data:`OVERRIDABLE`: lengths (``--seq-length``; with RoPE
   also ``--max-position-embeddings``), the tokenizer's location (``--tokenizer-model``, the checkpoint may
@@ -26,6 +26,11 @@ import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
+
+from megatron.rl.base.errors import ConfigError
+from megatron.rl.base.flags import add_flags
+from megatron.rl.training.checkpoint.paths import CheckpointError, latest_checkpoint, resolve_checkpoint_dir
+from megatron.rl.training.config_sections import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +74,6 @@ def read_checkpoint_flags(load_dir: str | os.PathLike) -> dict[str, Any] | None:
     missing or unreadable checkpoint."""
     from megatron.core import dist_checkpointing
 
-    from megatron.rl.training.checkpoint.paths import CheckpointError, resolve_checkpoint_dir
-
     ckpt = resolve_checkpoint_dir(load_dir)
     try:
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
@@ -112,12 +115,6 @@ def flags_to_argv(flags: dict[str, Any], parser: argparse.ArgumentParser, skip: 
 
 def _load_source(argv: Sequence[str]) -> tuple[str, str]:
     """(flag, path) of the checkpoint to read: --load when it holds one, else --pretrained-checkpoint."""
-    from megatron.rl.training.checkpoint.paths import latest_checkpoint
-    from megatron.rl.training.config import ConfigError
-
-    from megatron.rl.training.config_sections import CheckpointConfig
-    from megatron.rl.base.flags import add_flags
-
     # Only the checkpoint flags: the model flags (some required) may be the very ones to come from it.
     p = add_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False), CheckpointConfig)
     ns, _ = p.parse_known_args(list(argv))
@@ -137,9 +134,6 @@ def merge_checkpoint_args(argv: Sequence[str], parser: argparse.ArgumentParser) 
     Returns (new argv, the stored flags, the destinations ``argv`` gave explicitly) for
     :func:`check_explicit_flags`. Raises ConfigError when there is no checkpoint or it stores no flags.
     """
-    from megatron.rl.training.checkpoint.paths import CheckpointError
-    from megatron.rl.training.config import ConfigError
-
     flag, path = _load_source(argv)
     try:
         stored = read_checkpoint_flags(path)
@@ -158,8 +152,6 @@ def merge_checkpoint_args(argv: Sequence[str], parser: argparse.ArgumentParser) 
 def check_explicit_flags(ns: argparse.Namespace, stored: dict, explicit: set[str],
                          parser: argparse.ArgumentParser) -> None:
     """ConfigError for an explicit flag that contradicts the checkpoint's value (warning when overridable)."""
-    from megatron.rl.training.config import ConfigError
-
     actions = _actions_by_dest(parser)
     rope = stored.get("position_embedding_type") != "learned_absolute"
     for dest in sorted(explicit & set(stored)):

@@ -23,6 +23,8 @@ import shutil
 import time
 from pathlib import Path
 
+from megatron.rl.base.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -37,7 +39,7 @@ _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 _PARTIAL_RE = re.compile(r"^(iter_\d{7,}|release)(\.tmp-|\.replaced-)")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be saved or loaded; the message names the path, the problem and the fix."""
 
 

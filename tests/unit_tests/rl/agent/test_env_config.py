@@ -254,7 +254,7 @@ def test_cli_flags_provider():
     assert ns.langrl_env_config == "x.yaml" and ns.langrl_allow_imports
 
 
-# -- issue 10 findings 6 and 9: hostile YAML ---------------------------------------------------------------------
+# -- hostile YAML ---------------------------------------------------------------------------------------------
 _BOMB = "\n".join(["a: &a [x, x, x, x, x, x, x, x, x]"]
                   + [f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]"
                      for p, c in zip("abcdefgh", "bcdefghi")]

@@ -210,7 +210,7 @@ def test_basic_evaluate_and_inference_spec_requests():
     assert agent.resolve_inference(req) is backend  # built once per spec
 
 
-# -- issue 10 finding 4: rewards run off the event loop, bounded in time -----------------------------------------
+# -- rewards run off the event loop, bounded in time ---------------------------------------------------------------
 _LOOP_RAN = threading.Event()
 
 

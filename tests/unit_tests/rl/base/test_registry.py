@@ -130,7 +130,7 @@ def test_every_registry_follows_the_one_rule():
     ("megatron.rl.algorithms", ["megatron.rl.agent", "megatron.rl.inference"]),
 ])
 def test_layering(module, forbidden):
-    """The base package imports nothing above it; packing and the chat template no longer reach sideways."""
+    """The base package imports nothing above it; packing and the chat template do not reach sideways."""
     code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -151,9 +151,9 @@ def test_async_rollouts_every_batch_has_the_same_long_tail_lengths():
     assert all(sorted(b) == sorted(batches[0]) for b in batches)  # the same work in every iteration
     assert len({tuple(b) for b in batches}) > 1  # in different orders
     lengths = sorted(batches[0])
-    assert lengths[0] == 4 and lengths[-1] == 256 and lengths[8] <= 10  # the 4-256 tokens, a long tail
+    assert lengths[0] == 4 and lengths[-1] == 256 and lengths[8] <= 10  # answers of 4-256 tokens, a long tail
     lighter = sorted(async_rollouts.answer_budget(i, 16, alpha=1.0) for i in range(16))
-    assert lighter[0] == 4 and lighter[-1] == 128  # the first version's default reached 128 tokens only
+    assert lighter[0] == 4 and lighter[-1] == 128  # alpha 1: a lighter tail, up to 128 tokens
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
-"""Issue 10, finding 4 and 9: short answers that denote huge work must score quickly, in bounded memory, and
-never raise; an unclosed ``\\boxed{`` is no answer.
+"""Short answers that denote huge work must score quickly, in bounded memory, and never raise; an unclosed
+``\\boxed{`` is no answer.
 
-The bombs run in a child process with an address-space limit and a wall-clock timeout, so the code from before
-the fix fails this test (MemoryError / timeout) instead of hanging the test session for minutes.
+The bombs run in a child process with an address-space limit and a wall-clock timeout, so a reward function
+without the bounds fails this test (MemoryError / timeout) instead of hanging the test session for minutes.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The code blocks of README.md and examples/rl/README.md, by the marker in the HTML comment before each one.
+"""The code blocks of README.md, examples/rl/README.md and docs/architecture.md, by the marker in the HTML
+comment before each one.
 
 - ``<!-- file: NAME -->``: written to NAME (a module or config the page's commands use);
 - ``<!-- run: GROUP -->``: run, in page order, by one ``bash`` per group (a ``python`` block is fed to ``python -``);
@@ -6,8 +7,8 @@
   to the reader (``# excerpt: ...``);
 - ``<!-- text -->``: output or a listing, nothing to run.
 
-The comments do not render; every block of the two pages carries one (a test checks), and every run group is run
-by a test of this folder.
+The comments do not render; every block of the three pages carries one (a test checks), and every run group is
+run by a test of this folder.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from tests.conftest import REPO_ROOT
 
-PAGES = (REPO_ROOT / "README.md", REPO_ROOT / "examples/rl/README.md")
+PAGES = (REPO_ROOT / "README.md", REPO_ROOT / "examples/rl/README.md", REPO_ROOT / "docs/architecture.md")
 _MARKED = re.compile(r"<!-- (file|run|excerpt|text)(?:: ([\w.-]+))? -->\n```(\w*)\n(.*?)^```", re.S | re.M)
 _FENCE = re.compile(r"^```", re.M)
 

@@ -1,6 +1,6 @@
-"""The code blocks of README.md and examples/rl/README.md: every one is run by a test here, written to a file for
-them, or marked as an excerpt or as text (:mod:`doc_blocks` says how). The runs are slow: they train, convert and
-serve small models; the checks that every block is accounted for, and the cheap blocks, are not.
+"""The code blocks of README.md, examples/rl/README.md and docs/architecture.md: every one is run by a test here,
+written to a file for them, or marked as an excerpt or as text (:mod:`doc_blocks` says how). The runs are slow: they
+train, convert and serve small models; the checks that every block is accounted for, and the cheap blocks, are not.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from tests.conftest import REPO_ROOT, free_port
 from tests.unit_tests.rl.examples.doc_blocks import PAGES, blocks, fence_count, group, run_group
 
-README, EXAMPLES = PAGES
-# every run group of the two pages and the test that runs it
+README, EXAMPLES, _ARCHITECTURE = PAGES
+# every run group of the pages and the test that runs it
 RUN_GROUPS = {(README, "setup"): "test_readme_set_up_commands_pin_what_is_installed + test_quickstart_runs_as_written",
               (README, "reuse"): "test_readme_reuse_a_checkpoint_runs",
               (EXAMPLES, "walkthrough"): "test_readme_walkthrough_runs",

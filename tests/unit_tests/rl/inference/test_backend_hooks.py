@@ -6,11 +6,10 @@ import types
 
 import pytest
 
-from megatron.rl.inference.api import (InferenceInterface, InferenceResponse, build_training_inference,
-                                       expand_requests)
+from megatron.rl.inference.api import InferenceInterface, InferenceResponse, expand_requests
+from megatron.rl.inference.control import TrainerControl, build_training_inference
 from megatron.rl.inference.fake import FakeInference
 from megatron.rl.inference.openai import OpenAIInference
-from megatron.rl.rl_utils import inference_session
 
 
 class _Phased(InferenceInterface):
@@ -33,13 +32,13 @@ class _Phased(InferenceInterface):
                 for _ in expand_requests(requests)]
 
 
-def test_inference_session_brackets_the_backends_rollout_phase():
+def test_rollout_phase_brackets_generation_even_when_it_fails():
     backend = _Phased()
-    with inference_session(backend) as inference:
+    with backend.rollout_phase() as inference:
         assert inference is backend
         inference.generate("hi")
     assert backend.events == ["enter", "generate", "exit"]
-    with pytest.raises(RuntimeError), inference_session(backend):  # left even when the phase fails
+    with pytest.raises(RuntimeError), backend.rollout_phase():  # left even when the phase fails
         raise RuntimeError("rollout failed")
     assert backend.events[-2:] == ["enter", "exit"]
 
@@ -63,7 +62,7 @@ def test_build_training_inference_asks_the_named_backend():
     assert isinstance(client, OpenAIInference) and client.base_url == "http://127.0.0.1:1/v1"
 
     @InferenceInterface.register("test-hook-backend")
-    class Hooked(_Phased):
+    class Hooked(_Phased, TrainerControl):
         @classmethod
         def build_for_training(cls, cfg, rl, model, tokenizer):
             made = cls()

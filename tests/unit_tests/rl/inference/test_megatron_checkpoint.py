@@ -10,7 +10,7 @@ from megatron.rl.inference.api import InferenceError
 def test_megatron_backend_without_a_checkpoint_says_how_to_name_one():
     from megatron.rl.server.inference.__main__ import build_backend
 
-    # the old failure: "missing 2 required positional arguments: 'model' and 'tokenizer'"
+    # a named error, not "missing 2 required positional arguments: 'model' and 'tokenizer'"
     with pytest.raises(InferenceError, match="-- --load CKPT_DIR"):
         build_backend("megatron", {}, [])
     with pytest.raises(InferenceError, match="--load CKPT_DIR"):

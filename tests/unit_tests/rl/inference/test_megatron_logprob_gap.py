@@ -14,7 +14,7 @@ import torch
 from tests.unit_tests.rl.inference.scripts.megatron_common import (init_distributed, peaked_tiny_gpt,
                                                                    teacher_forced_logprobs)
 
-# fp32 (the bound). With SDPA / one-row attention products in the engine this batch reached 3e-5.
+# fp32. One-row attention products (SDPA) in the engine would reach 3e-5 on this batch.
 MAX_GAP = 1e-5
 
 

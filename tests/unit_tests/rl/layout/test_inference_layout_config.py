@@ -114,7 +114,7 @@ class _FakeShard:
     """RolloutShard with the world all-gather replaced by fixed per-replica results."""
 
     def __new__(cls, per_replica):
-        from megatron.rl.layout.groups import RolloutShard
+        from megatron.rl.inference.control import RolloutShard
 
         shard = RolloutShard(rank=0, size=len(per_replica), sources=list(range(len(per_replica))))
         shard.gather = lambda obj: per_replica  # type: ignore[method-assign]
@@ -130,7 +130,8 @@ def test_groups_are_regrouped_by_training_dp_rank_in_replica_order():
 
 
 def test_replica_sources_in_replica_order():
-    from megatron.rl.layout.groups import InferenceGroups, RolloutShard
+    from megatron.rl.inference.control import RolloutShard
+    from megatron.rl.layout.groups import InferenceGroups
 
     s = LayoutSizes(world=8, tp=2, pp=2)  # replicas {0,1,4,5} and {2,3,6,7}
     groups = InferenceGroups(sizes=s, pg_collection=None, lockstep_group=None, lockstep_source=2, replica_rank=1,

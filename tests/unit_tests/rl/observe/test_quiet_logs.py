@@ -11,6 +11,7 @@ import pytest
 
 from megatron.rl.observe.dependency_warnings import MISSING_KERNELS_NOTE, classify
 from megatron.rl.observe.run_summary import run_summary
+from megatron.rl.rollout.source import SynchronousRollouts
 from megatron.rl.training.run import Resumed
 from tests.conftest import REPO_ROOT
 
@@ -30,7 +31,7 @@ def _configs(*extra, world_size=1):
 
 def test_summary_names_start_backend_layout_rollout_mode_and_packing():
     cfg, rl = _configs("--pretrained-checkpoint", "pre")
-    text = run_summary(cfg, rl, Resumed(0, {}, False))
+    text = run_summary(cfg, rl, Resumed(0, {}, False), SynchronousRollouts(None, None, rl, 0).describe())
     assert text.startswith("RL run: 5 iterations from 0 (4 prompts x 4 rollouts each, 1 optimizer step per iteration)")
     assert "start:    the pretrained checkpoint pre (weights only)" in text
     assert "backend:  megatron (the in-process engine on the training weights)" in text
@@ -45,14 +46,19 @@ def test_summary_names_start_backend_layout_rollout_mode_and_packing():
     class Loaded:
         path, loaded_optimizer, loaded_scheduler, loaded_rng = Path("ck/iter_0000003"), True, True, False
 
-    text = run_summary(cfg, rl, Resumed(3, {"iteration": 3}, True, Loaded()))
+    text = run_summary(cfg, rl, Resumed(3, {"iteration": 3}, True, Loaded()), rl.async_rollouts.describe())
     assert "iterations from 3" in text
     assert "start:    resumed from ck/iter_0000003 at iteration 3 (weights, optimizer, scheduler, prompt positions)" \
         in text
     assert "TP=2 PP=1 EP=1 DP=1 (world 2); generation on an inference copy at TP=1 PP=1 EP=1" in text
     assert "rollouts: asynchronous: lag 1, partial rollouts, submission G, consumption G" in text
     assert "packing:  sequence packing into --seq-length 64 rows (prompt sharing auto" in text
-    assert "random" in run_summary(*_configs(), Resumed(0, {}, False))
+    assert "random" in run_summary(*_configs(), Resumed(0, {}, False), "synchronous")
+    cfg, rl = _configs("--rl-durable-rollout-bank", "--save", "ck")
+    assert rl.async_rollouts.describe("ck/rollout_bank/rank_0") == ("through the rollout pipeline (synchronous "
+                                                                    "schedule): lag 0, drain before each update, "
+                                                                    "submission B, consumption B, durable rollout "
+                                                                    "bank ck/rollout_bank/rank_0")
 
 
 def test_iteration_line_shows_staleness_in_asynchronous_mode():

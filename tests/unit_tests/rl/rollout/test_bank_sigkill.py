@@ -1,4 +1,4 @@
-"""Acceptance test of the durable rollout bank (issue 14): a real 1-process train_rl.py run with lag 1, partial
+"""Acceptance test of the durable rollout bank: a real 1-process train_rl.py run with lag 1, partial
 rollouts and the bank is SIGKILL-ed once the bank holds groups past its last checkpoint (some of them trained by
 an update the kill then loses), and resumed to the end. Across both runs every group uid produced is trained
 exactly once (or still waits in the bank at the end), none is generated twice, and no prompt is drawn twice.

@@ -5,10 +5,11 @@ The fake mirrors MegatronInference: pause/resume do nothing while the engine is 
 set the version either), and a generation restarts a stopped engine with whatever version it last had."""
 import contextlib
 
+from megatron.rl.inference.control import TrainerControl
 from megatron.rl.rollout.async_source import EngineControl
 
 
-class _Engine:
+class _Engine(TrainerControl):
     def __init__(self):
         self.version = None
         self.active = False
@@ -44,15 +45,15 @@ def test_each_phase_start_sets_the_version_after_an_evaluation_stopped_the_engin
     engine.active = False  # an evaluation's rollout phase finished them and stopped the engine
     control.resume(1)  # weights_updated(1): the engine is stopped, so its version is not touched
     control.start(1)  # next generation phase (the engine restarts on the first request)
-    assert engine.version == 1  # was 0: the tokens of policy 1 were recorded as policy 0's (staleness 2, lag 1)
+    assert engine.version == 1  # not 0: the tokens of policy 1 are not recorded as policy 0's
     control.close()
 
 
 def test_a_phase_start_restarts_an_engine_an_evaluation_stopped_so_every_rank_pauses_at_its_end():
     """Two ranks of one lockstep engine: the pipeline's phase on rank 0 submits a request (which would restart a
-    stopped engine lazily), on rank 1 it ends on groups already finished. Before the fix rank 1's engine stayed
-    stopped, its pause_generation returned at once and it went on while rank 0 waited for it to pause (the
-    TP=2 inference copy deadlock). Now both engines run at the phase end and both pause."""
+    stopped engine lazily), on rank 1 it ends on groups already finished. Were rank 1's engine left stopped, its
+    pause_generation would return at once and it would go on while rank 0 waits for it to pause (a deadlock of a
+    TP=2 inference copy). Both engines run at the phase end and both pause."""
     ranks = [_Engine(), _Engine()]
     controls = [EngineControl(e) for e in ranks]
     for c in controls:

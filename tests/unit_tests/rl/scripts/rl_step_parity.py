@@ -7,7 +7,7 @@ runs in this process group, one after the other: parse the flags with the RL fla
 (parse_args + rl_config_from_args: the real flag path), initialise megatron for the layout, build the
 model, (1-process only: save its fresh weights to ``ckpt`` when ``save_ckpt``), load the weights from
 ``ckpt`` (so every layout starts from the same weights; PP changes init RNG order), build the same
-rollout groups, and run the lead's pieces: groups_to_sequences -> build_step_batches -> score(old
+rollout groups, and run the trainer's pieces: groups_to_sequences -> build_step_batches -> score(old
 log-probs) -> logprob_gap -> training_forward_step through train_step, one optimizer step per step
 batch (2 steps with 16 rollouts and --global-batch-size 8).
 """
@@ -86,7 +86,7 @@ def run_variant(argv, ckpt, save_ckpt):
     ctx = rl_utils.StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=None, inference=None,
                                pad_token_id=257, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
                                global_batch_size=t.global_batch_size, seed=t.seed, device=runtime.device,
-                               packed_attention=rl.packed_attention_mode)
+                               packed_attention=rl.packed_attention)
     num_steps = rl.rollouts_per_step // t.global_batch_size
     steps = rl_utils.build_step_batches(sequences, rl, ctx, num_steps, need_ref=ref_model is not None)
     for step in steps:

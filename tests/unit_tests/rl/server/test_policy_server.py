@@ -101,7 +101,7 @@ def test_served_policy_over_http_between_and_inside_phases():
         client.start()
         time.sleep(0.3)
         assert not answers and backend.calls == []  # no phase yet: the request waits
-        with served.rollout_phase():  # what rl_utils.inference_session does around a rollout phase
+        with served.rollout_phase():  # what a rollout source does around a rollout phase
             deadline = time.monotonic() + 10
             while not backend.calls and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -173,9 +173,9 @@ def _start_env_server(policy_url: str, log: Path) -> tuple[subprocess.Popen, str
 
 @pytest.mark.slow  # two processes: the environment server and train_rl.py (about a minute on 2 cores)
 def test_remote_environment_trains_against_the_served_policy(tmp_path):
-    """The issue's failing case (`type: remote` with the in-process engine), as users run it: an environment
-    server that generates through the trainer's --rl-serve-inference URL; the reward rises as in the local
-    quick test (tests/unit_tests/rl/e2e/test_reward_rises.py), and the served log-probs are the trainer's."""
+    """`type: remote` with the in-process engine, as users run it: an environment server that generates through
+    the trainer's --rl-serve-inference URL; the reward rises as in the local quick test
+    (tests/unit_tests/rl/e2e/test_reward_rises.py), and the served log-probs are the trainer's."""
     policy_port = free_port()
     policy_url = f"http://127.0.0.1:{policy_port}"
     server_log = tmp_path / "env_server.log"
@@ -214,3 +214,35 @@ def test_remote_environment_trains_against_the_served_policy(tmp_path):
     assert sum(bool(re.search(r" iteration +\d+/ +12 \|", line)) for line in trainer) == 12
     assert len(trainer) < 12 + 40, "\n".join(trainer)
     assert len(server_log.read_text().splitlines()) < 20, server_log.read_text()
+
+
+@pytest.mark.slow  # an environment server and two train_rl.py ranks (a few minutes on 2 cores)
+def test_asynchronous_rollouts_generate_through_the_served_policy(tmp_path):
+    """--rl-serve-inference with asynchronous rollouts (lag 1, partial rollouts) on two data-parallel ranks: both
+    ranks' remote environments generate through rank 0's engine, which pauses across every update only once
+    both ranks have their batch (a pause under the other rank's requests would deadlock the run); every rollout
+    succeeds, the trained tokens are at most one update old, and some are off-policy."""
+    from tests.conftest import run_torchrun
+
+    policy_port = free_port()
+    server, env_url = _start_env_server(f"http://127.0.0.1:{policy_port}", tmp_path / "env_server.log")
+    try:
+        env = tmp_path / "remote.yaml"
+        env.write_text(f"environments:\n  - type: remote\n    weight: 1\n    args:\n      url: {env_url}\n")
+        metrics = tmp_path / "metrics.jsonl"
+        run_torchrun(REPO_ROOT / "train_rl.py", [
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "8", "--global-batch-size", "32",
+            "--train-iters", "6", "--lr", "2e-2", "--lr-decay-style", "constant", "--clip-grad", "1.0",
+            "--seed", "3", "--langrl-env-config", env, "--grpo-prompts-per-step", "8", "--grpo-group-size", "4",
+            "--rl-max-new-tokens", "6", "--log-interval", "1", "--rl-metrics-jsonl", metrics,
+            "--rl-generation-lag", "1", "--rl-partial-rollouts", "--rl-prompts-per-eval", "0",
+            "--rl-serve-inference", f"127.0.0.1:{policy_port}"], timeout=900)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    iterations = [r for r in records if "reward_mean" in r]
+    assert len(iterations) == 6 and not any(r.get("failed_rollouts") for r in iterations)
+    assert max(r["staleness_max"] for r in iterations) <= 1.0
+    assert any(r["off_policy_token_share"] > 0 for r in iterations)

@@ -47,7 +47,7 @@ def test_bad_input_fails_before_compute_with_named_error(tmp_path, bad, needle):
 def test_resolve_load_dir(tmp_path):
     from megatron.rl.training.checkpoint.paths import CheckpointError
     from megatron.rl.training.config import parse_args
-    from megatron.rl.training.loop import resolve_load_dir
+    from megatron.rl.training.run import resolve_load_dir
 
     missing = str(tmp_path / "none")
     with pytest.raises(CheckpointError, match="no checkpoint there"):
@@ -64,8 +64,8 @@ def test_resolve_load_dir(tmp_path):
 
 @pytest.mark.slow  # four tiny pretraining runs (~40 s on an idle 2-core machine, 5 min on a busy one)
 def test_resume_with_changed_flags_is_a_named_error(tmp_path):
-    """Issue 10 finding 9: --train-iters changed on resume gave megatron-core's bare AssertionError (exit 1); a
-    --hidden-size change was reported as ffn_hidden_size."""
+    """A --train-iters changed on resume, and a changed --hidden-size, are one-line errors naming the flag (not
+    megatron-core's bare AssertionError, not ffn_hidden_size)."""
     ckpt = str(tmp_path / "ckpt")
     assert _run([*TINY, "--save", ckpt], cwd=tmp_path).returncode == 0
     longer = [*TINY[:TINY.index("--train-iters")], "--train-iters", "4", *TINY[TINY.index("--train-iters") + 2:]]

@@ -45,7 +45,7 @@ def test_build_save_resume_roundtrip_and_the_two_policies(tmp_path, megatron_cle
     assert run.scheduler.num_steps == 5
     destroy_megatron()
 
-    # --finetune (pretraining and RL alike; RL used to ignore it and resume at 3): the weights only, from
+    # --finetune (pretraining and RL alike; RL does not resume at 3): the weights only, from
     # iteration 0, without the run state (RL: prompt positions) and with a fresh scheduler and optimizer
     finetune = parse_args([*flags, "--finetune"], world_size=1)
     for policy in (PRETRAIN_RESUME, RL_RESUME):

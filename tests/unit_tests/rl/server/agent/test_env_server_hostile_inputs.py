@@ -1,4 +1,4 @@
-"""Issue 10 (server half), environment server: each test reproduces a finding against the in-process app."""
+"""The environment server against hostile clients: each test sends a hostile request to the in-process app."""
 from __future__ import annotations
 
 import gc
@@ -30,7 +30,7 @@ def _grouped(groups=1, size=1, **extra) -> dict:
             "generation_args": {"max_tokens": 3, "seed": 1}, **extra}
 
 
-# -- finding 1: clients choosing backends, arguments and URLs ---------------------------------------------------
+# -- clients choosing backends, arguments and URLs ---------------------------------------------------
 def test_request_cannot_make_the_server_run_code_from_a_directory(tmp_path):
     marker = tmp_path / "code_ran"
     model = tmp_path / "model"
@@ -144,7 +144,7 @@ def test_caches_are_bounded(monkeypatch):
     assert client.get("/state", headers=huge).status_code == 400
 
 
-# -- finding 3: work per request ------------------------------------------------------------------------------
+# -- work per request ------------------------------------------------------------------------------
 @pytest.mark.parametrize("body", [
     _grouped(5, 4), {"type_name": "RolloutRequest", "num_rollouts": 17},
     {"type_name": "EvaluationRequest", "num_prompts": 2, "num_samples": 8},
@@ -160,7 +160,7 @@ def test_work_per_request_is_bounded(body):
     assert len(r.text) < 600
 
 
-# -- finding 7: 500s and leaked exception text for client mistakes ------------------------------------------------
+# -- client mistakes: 4xx, no leaked exception text ------------------------------------------------
 @pytest.mark.parametrize("body,status", [
     (_grouped(0), 422), (_grouped(generation_args={"seed": -1}), 422),
     (_grouped(generation_args={"seed": 2**64}), 422), (_grouped(generation_args={"temperature": 1e-308}), 422),
@@ -205,7 +205,7 @@ def test_agent_failures_are_500_without_internals():
     assert r.status_code == 500 and "hunter2" not in r.text and "error id" in r.json()["detail"]
 
 
-# -- finding 9: schema, docs, auth ---------------------------------------------------------------------------
+# -- schema, docs, auth ---------------------------------------------------------------------------
 def test_openapi_declares_errors_and_limits_and_needs_the_token():
     from megatron.rl.server.agent.app import EnvServerConfig
 

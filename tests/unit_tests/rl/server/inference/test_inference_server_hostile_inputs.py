@@ -1,4 +1,4 @@
-"""Issue 10 (server half), inference server: each test reproduces a finding against the in-process app."""
+"""The inference server against hostile clients: each test sends a hostile request to the in-process app."""
 from __future__ import annotations
 
 import asyncio

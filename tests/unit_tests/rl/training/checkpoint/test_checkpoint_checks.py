@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import ckpt_tiny_model as T
-from megatron.rl.training.checkpoint.save_load import (
-    CheckpointError, divisible_by_for_padded_vocab, load_checkpoint, save_checkpoint)
+from megatron.rl.training.checkpoint.model_checks import divisible_by_for_padded_vocab
+from megatron.rl.training.checkpoint.save_load import CheckpointError, load_checkpoint, save_checkpoint
 
 ARCH = T.Arch(num_layers=2, hidden_size=32)
 BASE_ARGS = {k: v for k, v in ARCH.model_args().items() if k != "vocab_size"}  # vocab is what we vary

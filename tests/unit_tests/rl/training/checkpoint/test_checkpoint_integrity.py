@@ -1,5 +1,5 @@
-"""Issue 10, findings 5 and 9: corrupted checkpoint bytes, NaN values, a renamed iteration directory, a changed
---train-iters and a changed --hidden-size are named CheckpointErrors instead of silent wrong resumes."""
+"""Corrupted checkpoint bytes, NaN values, a renamed iteration directory, a changed --train-iters and a changed
+--hidden-size are named CheckpointErrors, never silent wrong resumes."""
 from __future__ import annotations
 
 import json
@@ -74,7 +74,7 @@ def _tensor_data(ckpt, prefix):
 
 
 def test_overwritten_weight_bytes_are_refused_before_loading(saved):
-    """Finding 5: 4 KB of a .distcp file overwritten loaded silently as 1,024 NaN weights (exit 0)."""
+    """4 KB of a .distcp file overwritten (1,024 NaN weights, unchecked) is caught."""
     root, _ = saved
     ckpt = root / "iter_0000001"
     path, offset, nbytes = _tensor_data(ckpt, "embedding.word_embeddings.weight")
@@ -98,8 +98,8 @@ def test_overwritten_weight_bytes_are_refused_before_loading(saved):
 
 
 def test_flipped_optimizer_state_bytes_are_refused(saved):
-    """Finding 5: flipped bytes in the optimizer state gave exp_avg values of 1e29 and a stuck run (exit 0). Such
-    values are finite, so only the checksum can tell."""
+    """Flipped bytes in the optimizer state (exp_avg values of 1e29: a stuck run) are caught. Such values are
+    finite, so only the checksum can tell."""
     root, _ = saved
     path, offset, nbytes = _tensor_data(root / "iter_0000001", "optimizer.state.exp_avg.")
     with open(path, "r+b") as f:
@@ -152,7 +152,7 @@ def test_checkpoint_without_manifest_loads_with_one_warning(saved, caplog, monke
 
 
 def test_iteration_must_match_the_directory_name(saved):
-    """Finding 9: iter_0000020 holding iteration-5 data loaded as iteration 5."""
+    """iter_0000020 holding iteration-5 data is refused, not loaded as iteration 5."""
     root, _ = saved
     (root / "iter_0000001").rename(root / "iter_0000020")
     (root / "latest_checkpointed_iteration.txt").write_text("20")
@@ -161,7 +161,7 @@ def test_iteration_must_match_the_directory_name(saved):
 
 
 def test_changed_train_iters_on_resume_is_a_named_error(saved):
-    """Finding 9: a different --train-iters changes the LR/WD schedule; megatron-core raised a bare AssertionError."""
+    """A different --train-iters changes the LR/WD schedule: a named error, not megatron-core's AssertionError."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     root, _ = saved
@@ -183,7 +183,7 @@ def test_changed_train_iters_on_resume_is_a_named_error(saved):
 
 
 def test_hidden_size_mismatch_names_hidden_size_not_the_derived_ffn_size(tmp_path):
-    """Finding 9: --hidden-size 64 vs 32 was reported as ffn_hidden_size (sorted before hidden_size)."""
+    """--hidden-size 64 vs 32 is reported as hidden_size (not ffn_hidden_size, which sorts before it)."""
     saved = {"hidden_size": 64, "ffn_hidden_size": 256, "kv_channels": 16, "num_layers": 2}
     now = {"hidden_size": 32, "ffn_hidden_size": 128, "kv_channels": 8, "num_layers": 2}
     with pytest.raises(CheckpointError, match=r"hidden_size is 64 in the checkpoint but 32.*pass --hidden-size 64"):

@@ -1,0 +1,55 @@
+"""The classes of ours that derive from megatron-core classes and override their internals, as registry entries.
+
+Each lives with its feature (the engine build, its context mixins, the pretraining dataset); its entry here
+says which megatron-core members it overrides, why, and for which versions, so that a megatron-core upgrade
+finds them all in one place. A test checks that every listed member exists in the installed megatron-core and
+that every such class in the package is listed.
+"""
+from __future__ import annotations
+
+from megatron.rl.runtime.patches import declare_subclass
+
+_CONTROLLER = "megatron.core.inference.text_generation_controllers.text_generation_controller:TextGenerationController"
+_CONTEXT = "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext"
+
+# (name, where: our class or the function that builds it, changes: the megatron-core members, why)
+_ENTRIES = (
+    ("engine sampling and log-probs", "megatron.rl.inference.engine.build:SamplingController",
+     f"{_CONTROLLER}._dynamic_step_sample_bookkeeping, ._dynamic_step_sample_logits, "
+     f"._dynamic_step_calculate_log_probs",
+     "the trainer recomputes log-probs under softmax(logits / T) before top-k / top-p, and each request has "
+     "its own temperature, top-k, top-p and seed; the stock controller samples per bucket of equal settings "
+     "and reports other log-probs, so each active row is sampled and scored here"),
+    ("dynamic context: step padding", "megatron.rl.inference.engine.build:_context_class",
+     f"{_CONTEXT}.TOKEN_ROUNDER",
+     "megatron-core pads every forward step to a multiple of 64 tokens for CUDA graphs; without graphs a decode "
+     "step of a few requests computes mostly padding (EngineSettings.token_rounder)"),
+    ("dynamic context: shared prompt prefill", "megatron.rl.inference.engine.shared_prefill:SharedPromptPrefill",
+     f"{_CONTEXT}.add_request, .append_key_value_cache, .update_requests, .reset (and the per-token "
+     f"arrays add_request fills)",
+     "a GRPO group submits its prompt group-size times and the context prefills each copy; followers enter "
+     "with their last prompt token and get the leader's KV slots after each layer's append"),
+    ("dynamic context: reused CPU KV buffer", "megatron.rl.inference.engine.kv_reuse:ReusedCpuKvBuffer",
+     f"{_CONTEXT}.allocate_all_tensors, .deallocate_all_tensors (and the memory_buffer they make)",
+     "every rollout phase builds a context whose KV buffer is a fresh allocation that the kernel page-faults "
+     "on first write; on CPU a stopped engine's buffer serves the next one of the same shape"),
+    ("scalar sampling parameters", "megatron.rl.inference.engine.session:_scalar_sampling_params",
+     "megatron.core.inference.sampling_params:SamplingParams (a deep copy made shallow)",
+     "every request deep-copies its SamplingParams on creation, walking ~30 objects where a shallow copy of "
+     "its scalars is the same"),
+    ("pretraining dataset sources", "megatron.rl.training.data:PretrainingGPTDataset",
+     "megatron.core.datasets.gpt_dataset:GPTDataset.build_low_level_dataset, ._key_config_attributes, "
+     "._get_num_epochs",
+     "JSONL and mock corpora as low-level datasets, their settings in the index-cache key, and a clear error "
+     "instead of megatron-core's endless loop over a split without tokens"),
+    ("MoE routing replay slot", "megatron.rl.routing.replay:RolloutRouterReplay",
+     "megatron.core.transformer.moe.router_replay:RouterReplay.__init__, .get_replay_topk, "
+     ".set_target_indices; megatron.core.transformer.moe.router:TopKRouter (its router_replay, set per "
+     "router)",
+     "megatron-core's replay instances register in one process-wide list (every model of the process), take "
+     "every row from the target and count nothing; ours is set on one model's routers, keeps the router's own "
+     "choice for rows without a recorded route, and counts how often the replay changed the experts"),
+)
+
+for _name, _where, _changes, _why in _ENTRIES:
+    declare_subclass(_name, where=_where, changes=_changes, why=_why)
