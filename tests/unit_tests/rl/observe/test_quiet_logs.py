@@ -102,6 +102,23 @@ def test_start_up_warnings_become_one_line_and_others_still_show(tmp_path):
     assert "an unrelated warning" in text
 
 
+def test_train_rl_start_says_the_missing_kernels_once():
+    """train_rl.py in a fresh interpreter, stopped by a named error once the trainer (and megatron-core) loaded:
+    megatron-core's import-time fallback warnings are the one summary line, not a screenful."""
+    import subprocess
+    import sys
+
+    at = BASE.index("--train-iters")
+    argv = BASE[:at] + BASE[at + 2:]  # no --train-iters: refused after the imports, before any model
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "train_rl.py"), *argv], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT),
+                                                      "OMP_NUM_THREADS": "1"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 2 and "--train-iters is required" in text, text
+    assert text.count(MISSING_KERNELS_NOTE) == 1, text
+    assert "not installed. Falling back" not in text, text
+
+
 def test_http_clients_log_no_per_request_lines_at_info():
     """httpx logs every request at INFO; a remote environment makes thousands. One request through a real server."""
     import httpx
