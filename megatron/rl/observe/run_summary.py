@@ -7,7 +7,10 @@ One log record, logged once before the first iteration, so a glance at the top o
       backend:  megatron (the in-process engine on the training weights)
       layout:   TP=1 PP=1 EP=1 DP=1 (world 1); generation at the training layout
       rollouts: synchronous (every iteration generates its own groups)
-      packing:  sequence packing into --seq-length 64 rows (prompt sharing auto, attention auto)
+      packing:  sequence packing into --seq-length 64 rows (prompt sharing auto, attention auto, at most 16
+                sequences per row)
+
+The rollout line is the rollout source's own description (:meth:`RolloutSource.describe`).
 """
 from __future__ import annotations
 
