@@ -18,13 +18,13 @@ version) exits with status 2 and a one-line message naming what to fix, like ``p
 """
 import sys
 
+from megatron.rl.logging import setup_distributed_logging
 from megatron.rl.training.cli_errors import run_cli
 from megatron.rl.training.config import parse_args
 
 
 def _train_or_evaluate(argv=None) -> int:
     # torch and the trainer load after the entry point is set up to report user errors
-    from megatron.rl.logging import setup_distributed_logging
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
 
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])
