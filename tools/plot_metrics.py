@@ -1,11 +1,18 @@
 """Plot training curves from a metrics JSONL file (``--rl-metrics-jsonl``) or a TensorBoard directory.
 
-    python tools/plot_metrics.py runs/quickstart/metrics.jsonl --out reward_curve.png
+    python tools/plot_metrics.py runs/quickstart/metrics.jsonl --out reward_curve.png --smooth 0.9
     python tools/plot_metrics.py runs/tb --metrics reward_mean eval/pass@1 --out curves.png
     python tools/plot_metrics.py metrics.jsonl --metrics 'env/*/reward_mean' --out envs.png   # one panel per env
+    python tools/plot_metrics.py metrics.jsonl --envs --out envs.png   # one panel per metric, a line per env
 
 One panel per metric, x = iteration. JSONL records are dicts with an ``iteration`` key (training records
 and evaluation records may be interleaved; each metric is plotted where it is present).
+
+``--smooth W`` draws an exponential moving average over iterations (weight W per iteration: 0.9 averages over
+about 10 iterations) over the raw line, which stays faint; sparse series (evaluations, under 30 points) are drawn
+as they are, with markers. ``--envs`` compares the environments of one run: a panel per metric (``reward_mean``,
+``response_length_mean``, ``failed_rollouts``, ``pass@1`` by default; the run's ``env/<name>/<metric>`` and
+``eval/<name>/<metric>`` series), one line per environment.
 """
 from __future__ import annotations
 
@@ -66,39 +73,122 @@ def expand_metrics(metrics: list[str], available: list[str]) -> list[str]:
     return out
 
 
-def plot(series: dict[str, list[tuple[int, float]]], metrics: list[str], out: Path, title: str = "") -> Path:
-    import matplotlib
+def ema(points: list[tuple[int, float]], weight: float) -> list[tuple[int, float]]:
+    """Exponential moving average of ``(iteration, value)`` points (sorted by iteration). Pure.
 
-    matplotlib.use("Agg")
+    A point ``d`` iterations after the previous one decays the average by ``weight ** d``; the average is divided
+    by the weight it has accumulated, so the first points are not pulled toward 0 (TensorBoard's debiasing).
+    ``weight`` 0 returns the points unchanged.
+    """
+    if not 0.0 <= weight < 1.0:
+        raise SystemExit(f"--smooth {weight}: must be in [0, 1) (0: no smoothing, 0.9: about 10 iterations)")
+    out, num, den, last = [], 0.0, 0.0, None
+    for it, value in points:
+        keep = weight ** (it - last) if last is not None else 0.0
+        num, den, last = keep * num + (1 - keep) * value, keep * den + (1 - keep), it
+        out.append((it, num / den if den > 0 else value))
+    return out
+
+
+ENV_METRICS = ("reward_mean", "response_length_mean", "failed_rollouts", "pass@1")
+
+
+def env_panels(series: dict[str, list[tuple[int, float]]], metrics=ENV_METRICS) -> list[tuple[str, dict]]:
+    """``[(metric, {environment: points})]`` for the metrics some environment of the run has, from its
+    ``env/<name>/<metric>`` (training) and ``eval/<name>/<metric>`` (evaluation) series. Pure."""
+    panels = []
+    for metric in metrics:
+        for prefix in ("env", "eval"):
+            lines = {}
+            for name in sorted(series):
+                parts = name.split("/")
+                if len(parts) == 3 and parts[0] == prefix and parts[2] == metric and series[name]:
+                    lines[parts[1]] = series[name]
+            if lines:
+                panels.append((metric if prefix == "env" else f"eval {metric}", lines))
+    return panels
+
+
+_SPARSE = 30  # fewer points (evaluations): drawn with markers, never smoothed (each point is already an average)
+
+
+def _draw(ax, points, label, color, smooth: float, many: bool) -> None:
+    xs, ys = zip(*sorted(points))
+    marker = "o" if len(xs) < _SPARSE else None
+    if smooth > 0 and len(xs) >= _SPARSE:
+        ax.plot(xs, ys, color=color, alpha=0.25, linewidth=1, marker=marker, markersize=2)
+        sx, sy = zip(*ema(sorted(points), smooth))
+        ax.plot(sx, sy, color=color, linewidth=1.8, label=label)
+    else:
+        ax.plot(xs, ys, color=color, marker=marker, markersize=3, label=label, linewidth=1.4 if many else 1.6)
+
+
+def plot(series: dict[str, list[tuple[int, float]]], metrics: list[str], out: Path, title: str = "",
+         smooth: float = 0.0, envs: bool = False) -> Path:
+    """Write the PNG of :func:`figure` to ``out``; returns ``out``."""
     import matplotlib.pyplot as plt
 
-    present = [m for m in expand_metrics(metrics, list(series)) if series.get(m)]
-    if not present:
-        raise SystemExit(f"none of {metrics} is in the data; available: {sorted(series)}")
-    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.4 * len(present)), sharex=True, squeeze=False)
-    for ax, name in zip(axes[:, 0], present):
-        xs, ys = zip(*sorted(series[name]))
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3)
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("iteration")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+    fig = figure(series, metrics, title, smooth, envs)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 
 
+def figure(series: dict[str, list[tuple[int, float]]], metrics: list[str], title: str = "", smooth: float = 0.0,
+           envs: bool = False):
+    """A matplotlib figure with one panel per metric (``envs``: per metric of :func:`env_panels`, one line per
+    environment); ``smooth``: see :func:`ema`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if envs:
+        panels = env_panels(series, metrics or ENV_METRICS)
+        if not panels:
+            raise SystemExit(f"no per-environment series (env/<name>/<metric>, eval/<name>/<metric>) for {metrics}; "
+                             f"available: {sorted(series)}")
+    else:
+        present = [m for m in expand_metrics(metrics, list(series)) if series.get(m)]
+        if not present:
+            raise SystemExit(f"none of {metrics} is in the data; available: {sorted(series)}")
+        panels = [(name, {"": series[name]}) for name in present]
+    # constrained layout places the title above the top panel (tight_layout let it overlap with many panels)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 1.2 + 2.2 * len(panels)), sharex=True, squeeze=False,
+                             layout="constrained")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = sorted({env for _, lines in panels for env in lines})
+    for ax, (name, lines) in zip(axes[:, 0], panels):
+        for env, points in lines.items():
+            _draw(ax, points, env or None, colors[names.index(env) % len(colors)], smooth, len(lines) > 1)
+        ax.set_title(name, loc="left", fontsize=10)  # above the panel: long names never run into the next one
+        ax.grid(alpha=0.3)
+    if envs:
+        handles = [plt.Line2D([], [], color=colors[i % len(colors)], linewidth=2) for i in range(len(names))]
+        fig.legend(handles, names, loc="outside lower center", ncols=min(len(names), 5), title="environment")
+    axes[-1, 0].set_xlabel("iteration" + (f"  (lines: EMA {smooth:g} per iteration, faint: raw)" if smooth else ""))
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("source", type=Path, help="metrics JSONL file or TensorBoard log directory")
-    p.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))
-    p.add_argument("--out", type=Path, default=Path("metrics.png"))
-    p.add_argument("--title", default="")
+    p.add_argument("--metrics", nargs="+", default=None,
+                   help=f"metrics (shell patterns allowed); default {' '.join(DEFAULT_METRICS)}, with --envs "
+                        f"{' '.join(ENV_METRICS)}")
+    p.add_argument("--out", type=Path, default=Path("metrics.png"), help="PNG to write")
+    p.add_argument("--title", default="", help="figure title")
+    p.add_argument("--smooth", type=float, default=0.0,
+                   help="EMA weight per iteration drawn over the faint raw line (0: off; 0.9: about 10 iterations)")
+    p.add_argument("--envs", action="store_true",
+                   help="compare the run's environments: a panel per metric, a line per environment")
     args = p.parse_args(argv)
-    out = plot(load_series(args.source), args.metrics, args.out, args.title)
+    metrics = args.metrics or list(ENV_METRICS if args.envs else DEFAULT_METRICS)
+    out = plot(load_series(args.source), metrics, args.out, args.title, args.smooth, args.envs)
     print(f"wrote {out}")
     return 0
 

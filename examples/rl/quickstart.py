@@ -11,7 +11,8 @@
 4. ``tools/plot_metrics.py`` turns the metrics into ``reward_curve.png``.
 
 Each stage is skipped when its output already exists, so an interrupted quickstart resumes (the RL
-stage resumes from its own last checkpoint). With CUDA available the model is scaled up and every
+stage resumes from its own last checkpoint); a banner says so, and each phase's banner gives an estimate and
+the time elapsed, its iteration lines the time left. With CUDA available the model is scaled up and every
 visible GPU is used through torchrun.
 """
 from __future__ import annotations
@@ -93,12 +94,70 @@ def first_error(lines: list[str]) -> str | None:
     return (reported or found or [None])[0]
 
 
+def clock(seconds: float) -> str:
+    """``m:ss`` (``h:mm:ss`` from an hour on)."""
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+class Phases:
+    """Phase banners: ``[i/n] name``, what it does, an estimate, the time elapsed since the start; a line when a
+    phase is skipped because its output exists, and its duration when it ends."""
+
+    def __init__(self, total: int, start: float | None = None):
+        self.total, self.index = total, 0
+        self.start = time.time() if start is None else start
+        self.name, self.phase_start = "", self.start
+
+    def _head(self, name: str) -> str:
+        self.index += 1
+        self.name = name
+        return f"[{self.index}/{self.total}] {name}"
+
+    def begin(self, name: str, what: str, estimate: str) -> None:
+        self.phase_start = time.time()
+        print(f"\n=== {self._head(name)}: {what}; {estimate} ({clock(self.phase_start - self.start)} elapsed) ===",
+              flush=True)
+
+    def skip(self, name: str, why: str) -> None:
+        print(f"\n=== {self._head(name)}: skipped, {why} ===", flush=True)
+
+    def end(self) -> None:
+        now = time.time()
+        print(f"    {self.name} done in {clock(now - self.phase_start)} ({clock(now - self.start)} elapsed)", flush=True)
+
+
+_ITERATION = re.compile(r" iteration\s+(\d+)/\s*(\d+)")
+
+
+class Eta:
+    """Time left in a stage from its iteration lines: the rate since the first iteration line it saw (a resumed
+    stage starts counting where it resumed)."""
+
+    def __init__(self):
+        self.first: tuple[float, int] | None = None
+
+    def prefix(self, line: str, now: float | None = None) -> str:
+        """``"[12/200, ~1:05 left] "`` for an iteration line once a rate is known, ``""`` otherwise."""
+        m = _ITERATION.search(line)
+        if m is None:
+            return ""
+        now = time.time() if now is None else now
+        done, total = int(m.group(1)), int(m.group(2))
+        if self.first is None or done <= self.first[1]:
+            self.first = self.first or (now, done)
+            return f"[{done}/{total}] "
+        rate = (now - self.first[0]) / (done - self.first[1])
+        return f"[{done}/{total}, ~{clock(rate * (total - done))} left] "
+
+
 def run(cmd: list[str], log_path: Path) -> None:
     """Run a stage, teeing its output to a log file; on failure, name the error before the log's path."""
     print("$", " ".join(cmd), flush=True)
+    print(f"    (full output: {log_path}; iteration lines, evaluations and warnings below)", flush=True)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    lines = []
+    lines, eta = [], Eta()
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
@@ -106,7 +165,7 @@ def run(cmd: list[str], log_path: Path) -> None:
             lines.append(line)
             shown = console_line(line)
             if shown is not None:
-                print("   ", shown, flush=True)
+                print("   ", eta.prefix(shown) + shown, flush=True)
         if proc.wait() != 0:
             error = first_error(lines)
             raise SystemExit(f"stage failed (exit {proc.returncode})" + (f": {error}" if error else "")
@@ -123,68 +182,113 @@ def has_checkpoint(path: Path) -> bool:
     return (path / "latest_checkpointed_iteration.txt").exists()
 
 
-def pretrain(out: Path, *, nproc: int, gpu: bool, iters: int = 600, noise: float = NOISE) -> Path:
+def saved_iteration(path: Path) -> str | None:
+    """The iteration of the latest checkpoint under ``path`` ("release" for converted ones), None without one."""
+    tracker = path / "latest_checkpointed_iteration.txt"
+    return tracker.read_text().strip() if tracker.exists() else None
+
+
+# Rough durations of the CPU stages on an idle 2-core machine (docs/benchmarks.md has measured runs); a busy or
+# slower machine takes longer, and the iteration lines then say how long is left.
+_CPU_ESTIMATE = {"pretrain": 0.17, "rl": 0.35}  # seconds per iteration (RL: with its evaluations)
+
+
+def _estimate(stage: str, iters: int, gpu: bool) -> str:
+    if gpu:
+        return "time left shown once iterations run"
+    low = _CPU_ESTIMATE[stage] * iters
+    return f"about {clock(low)}-{clock(3 * low)} on 2 idle CPU cores"
+
+
+def pretrain(out: Path, *, nproc: int, gpu: bool, iters: int = 600, noise: float = NOISE,
+             phases: Phases | None = None) -> Path:
     """Stages 1-2: the noisy corpus and the pretrained checkpoint under ``out`` (each skipped when present)."""
+    phases = phases or Phases(2)
     corpus, pre_ckpt = out / "data" / "arithmetic.jsonl", out / "pretrain"
-    if not corpus.exists():
+    if corpus.exists():
+        phases.skip("corpus", f"{corpus} exists")
+    else:
+        phases.begin("corpus", "4000 arithmetic documents with a share of wrong answers", "a few seconds")
         from megatron.rl.environments.arithmetic import write_pretraining_corpus
 
         write_pretraining_corpus(corpus, num_documents=4000, examples_per_document=16, noise=noise, seed=7, **TASK)
-        print(f"wrote the pretraining corpus {corpus}")
-    if not has_checkpoint(pre_ckpt):
-        run(launcher(nproc) + [str(REPO / "pretrain_gpt.py"), *model_flags(gpu),
-             "--micro-batch-size", "32", "--global-batch-size", str(32 * max(nproc, 1)),
-             "--train-iters", str(iters), "--lr", "3e-3", "--min-lr", "3e-4",
-             "--lr-decay-style", "cosine", "--lr-warmup-iters", str(min(20, iters // 5)), "--weight-decay", "0.01",
-             "--clip-grad", "1.0", "--data-path", str(corpus), "--split", "98,2,0", "--log-interval", "25",
-             "--save", str(pre_ckpt)], out / "logs" / "pretrain.log")
+        print(f"    wrote {corpus}")
+        phases.end()
+    if has_checkpoint(pre_ckpt):
+        phases.skip("pretraining", f"reusing the pretrained checkpoint {pre_ckpt} (iteration "
+                                   f"{saved_iteration(pre_ckpt)}; delete the directory to pretrain again)")
+        return pre_ckpt
+    phases.begin("pretraining", f"{iters} iterations of a small byte-level GPT on the corpus",
+                 _estimate("pretrain", iters, gpu))
+    run(launcher(nproc) + [str(REPO / "pretrain_gpt.py"), *model_flags(gpu),
+         "--micro-batch-size", "32", "--global-batch-size", str(32 * max(nproc, 1)),
+         "--train-iters", str(iters), "--lr", "3e-3", "--min-lr", "3e-4",
+         "--lr-decay-style", "cosine", "--lr-warmup-iters", str(min(20, iters // 5)), "--weight-decay", "0.01",
+         "--clip-grad", "1.0", "--data-path", str(corpus), "--split", "98,2,0", "--log-interval", "25",
+         "--save", str(pre_ckpt)], out / "logs" / "pretrain.log")
+    phases.end()
     return pre_ckpt
 
 
 def main(argv=None) -> int:
-    import torch
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=REPO / "runs" / "quickstart")
-    p.add_argument("--pretrain-iters", type=int, default=600)
-    p.add_argument("--rl-iters", type=int, default=200)
+    start = time.time()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "quickstart",
+                   help="directory of every output (corpus, checkpoints, logs, metrics, plot); a stage whose output "
+                        "is there is skipped, an interrupted RL stage resumes")
+    p.add_argument("--pretrain-iters", type=int, default=600, help="pretraining iterations")
+    p.add_argument("--rl-iters", type=int, default=200, help="GRPO iterations")
     p.add_argument("--rl-lr", default="5e-4", help="GRPO learning rate")
     p.add_argument("--group-size", type=int, default=8, help="rollouts per prompt")
     p.add_argument("--noise", type=float, default=NOISE, help="share of wrong answers in the pretraining corpus")
-    p.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, or 1 on CPU)")
+    p.add_argument("--nproc", type=int, default=0, help="processes; 0: one per GPU, or 1 on CPU")
     p.add_argument("--policy-loss", default="ppo_clip", choices=("ppo_clip", "gspo", "cispo"),
                    help="GRPO's policy loss (--grpo-policy-loss), with its published clip range")
     p.add_argument("--steps-per-iteration", type=int, default=1, choices=(1, 2, 4, 8),
                    help="optimizer steps per iteration's rollouts (1: every step on-policy)")
     args = p.parse_args(argv)
+    print(f"megatron-rl quickstart: corpus -> pretraining -> GRPO -> plot, in {args.out} (loading torch...)",
+          flush=True)
+    import torch
 
     gpu = torch.cuda.is_available()
     nproc = args.nproc or (torch.cuda.device_count() if gpu else 1)
     out = args.out.resolve()
-    pre_ckpt, rl_ckpt = out / "pretrain", out / "rl"
-    metrics = out / "metrics.jsonl"
-    start = time.time()
+    rl_ckpt, metrics = out / "rl", out / "metrics.jsonl"
+    phases = Phases(4, start)
 
-    pretrain(out, nproc=nproc, gpu=gpu, iters=args.pretrain_iters, noise=args.noise)
+    pre_ckpt = pretrain(out, nproc=nproc, gpu=gpu, iters=args.pretrain_iters, noise=args.noise, phases=phases)
     env_config = write_env_config(out / "arithmetic.yaml")
-    run(launcher(nproc) + [str(REPO / "train_rl.py"), *model_flags(gpu),
-         *rl_flags(pre_ckpt, rl_ckpt, env_config, metrics, out / "tensorboard", nproc=nproc, group_size=args.group_size,
-                   lr=args.rl_lr, iters=args.rl_iters, steps_per_iteration=args.steps_per_iteration),
-         "--grpo-policy-loss", args.policy_loss],
-        out / "logs" / "train_rl.log")
+    resumed = saved_iteration(rl_ckpt)
+    if resumed is not None and resumed.isdigit() and int(resumed) >= args.rl_iters:
+        phases.skip("GRPO", f"{rl_ckpt} already holds iteration {resumed} of {args.rl_iters} (delete it to run RL "
+                            f"again)")
+    else:
+        where = f"resuming from {rl_ckpt} at iteration {resumed}" if resumed else f"from {pre_ckpt}"
+        phases.begin("GRPO", f"{args.rl_iters} iterations on the arithmetic environment, {where}, evaluating "
+                             f"held-out pass@1 every 10", _estimate("rl", args.rl_iters - int(resumed or 0), gpu))
+        run(launcher(nproc) + [str(REPO / "train_rl.py"), *model_flags(gpu),
+             *rl_flags(pre_ckpt, rl_ckpt, env_config, metrics, out / "tensorboard", nproc=nproc,
+                       group_size=args.group_size, lr=args.rl_lr, iters=args.rl_iters,
+                       steps_per_iteration=args.steps_per_iteration),
+             "--grpo-policy-loss", args.policy_loss], out / "logs" / "train_rl.log")
+        phases.end()
 
+    phases.begin("plot", "the reward and pass@1 curves", "seconds")
     from tools.plot_metrics import load_series, plot
 
     series = load_series(metrics)
     png = plot(series, ["eval/pass@1", "reward_mean", "rl_loss", "response_length_mean"], out / "reward_curve.png",
-               title="GRPO on arithmetic (quickstart)")
+               title="GRPO on arithmetic (quickstart)", smooth=0.9)
+    phases.end()
     evals = sorted(series.get("eval/pass@1", []))
     if evals:
         first, final = evals[0][1], final_pass_at_1(evals)
         print(f"held-out pass@1 (sampled at T=1, 200 prompts): {first:.3f} at iteration {evals[0][0]} -> {final:.3f} "
               f"(mean of the last {min(3, len(evals))} evaluations, up to iteration {evals[-1][0]}); "
               f"change {final - first:+.3f}")
-    print(f"reward curve: {png}; metrics: {metrics}; total {time.time() - start:.0f}s")
+    print(f"reward curve: {png}; metrics: {metrics}; total {clock(time.time() - start)}")
     print(f"sample completions: python tools/show_samples.py {metrics} --last 1")
     return 0
 

@@ -35,15 +35,37 @@ class RankFilter(logging.Filter):
         return record.rank == 0 or record.levelno >= self.min_level_other_ranks
 
 
-# Libraries whose INFO output (bucket layouts, scheduler settings) drowns the iteration lines.
-QUIET_LOGGERS = ("megatron.core",)
+# Libraries whose INFO output drowns the iteration lines: megatron-core (bucket layouts, scheduler settings) and
+# the HTTP clients (one line per request: a remote environment or a served policy makes thousands).
+QUIET_LOGGERS = ("megatron.core", "httpx", "httpx2", "httpcore")
+
+
+class _CoreRootInfoFilter(logging.Filter):
+    """Drops INFO records megatron-core logs on the root logger (its inference context announces every KV-cache
+    allocation, once per rollout phase), which QUIET_LOGGERS cannot reach by name."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "root" and record.levelno < logging.WARNING
+                    and f"{os.sep}megatron{os.sep}core{os.sep}" in record.pathname)
+
+
+def quiet_dependencies(level_no: int) -> None:
+    """At INFO and above: the loggers of QUIET_LOGGERS at WARNING, and megatron-core's and torch's known start-up
+    warnings said once in one line (:mod:`megatron.rl.observe.dependency_warnings`). DEBUG shows everything."""
+    from megatron.rl.observe.dependency_warnings import summarize_dependency_warnings
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING if level_no > logging.DEBUG else logging.NOTSET)
+    if level_no > logging.DEBUG:
+        summarize_dependency_warnings()
 
 
 def setup_distributed_logging(level: str | int = "INFO", all_ranks: bool = False, stream=None) -> logging.Handler:
     """Configure root logging once (idempotent: a second call updates level and filter).
 
     ``all_ranks``: let every rank log at ``level`` (default: ranks other than 0 only log warnings and errors).
-    At INFO, megatron-core's own INFO chatter is held back to WARNING (DEBUG shows it). Returns the handler.
+    At INFO, megatron-core's and the HTTP clients' INFO chatter is held back and the known dependency warnings are
+    one line (:func:`quiet_dependencies`; DEBUG shows everything). Returns the handler.
     """
     root = logging.getLogger()
     level_no = logging.getLevelName(level) if isinstance(level, str) else level
@@ -57,7 +79,15 @@ def setup_distributed_logging(level: str | int = "INFO", all_ranks: bool = False
     for f in list(handler.filters):
         handler.removeFilter(f)
     handler.addFilter(RankFilter(level_no if all_ranks else max(level_no, logging.WARNING)))
+    if level_no > logging.DEBUG:
+        handler.addFilter(_CoreRootInfoFilter())
     root.setLevel(level_no)
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING if level_no > logging.DEBUG else logging.NOTSET)
+    quiet_dependencies(level_no)
     return handler
+
+
+def setup_server_logging(level: str) -> None:
+    """Logging of a server process: :func:`setup_distributed_logging` at ``level`` (the one handler a megatron
+    backend's own set-up then reuses, so no line is printed twice). The servers also turn uvicorn's per-request
+    access log off unless at debug."""
+    setup_distributed_logging(level.upper())

@@ -18,6 +18,7 @@ from megatron.rl.base.errors import ConfigError, RLError
 from megatron.rl.layout.refit import build_run_inference, start_inference_copy
 from megatron.rl.observe.metrics import format_env_line
 from megatron.rl.observe.policy_gap import check_policy_gap
+from megatron.rl.observe.run_summary import run_summary
 from megatron.rl.observe.samples import samples_markdown
 from megatron.rl.observe.warnings import RunWarnings, WarningThresholds, warning_metrics
 from megatron.rl.rl_config import RLConfig
@@ -41,8 +42,8 @@ _LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss
               ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"),
               ("logprob_gap_max", "lp gap max"), ("mismatch_kl_k3", "mm kl"), ("is_weight_mean", "is w"),
               ("is_truncated_fraction", "is trunc"), ("is_masked_fraction", "is masked"),
-              ("is_rejected_fraction", "rejected"), ("staleness_mean", "stale"),
-              ("router_replay_disagreement", "route diff"), ("grad_norm", "grad norm"),
+              ("is_rejected_fraction", "rejected"), ("staleness_mean", "stale"), ("staleness_max", "stale max"),
+              ("off_policy_token_share", "off-policy"), ("router_replay_disagreement", "route diff"), ("grad_norm", "grad norm"),
               ("packing_efficiency", "packing"), ("prompt_tokens_shared", "shared"),
               ("generation_tokens_per_s", "gen tok/s"),
               ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
@@ -94,9 +95,6 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     check_run_flags(cfg, rl)
     run, ctx, iteration = build_run(cfg, rl)
     loop = _Loop(cfg, rl, run, ctx, iteration)
-    log.info("RL: %d iterations from %d; %d prompts x %d rollouts per iteration, %d optimizer step(s) each, "
-             "backend %s", t.train_iters, iteration, rl.prompts_per_step, rl.group_size,
-             rl.grpo_iterations * rl.rollouts_per_step // t.global_batch_size, rl.inference_backend)
     if loop.evaluates and iteration == 0:
         loop.evaluate(0)
     control = LoopControl.from_config(cfg, loop.save, last_saved=iteration if cfg.checkpoint.load else None)
@@ -156,6 +154,7 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
                                         resuming=start.from_checkpoint or bool(c.load))
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
         start_inference_copy(ctx, rl, backend)
+    log.info(run_summary(cfg, rl, start, ctx.rollouts.describe()))
     return run, ctx, start.iteration
 
 

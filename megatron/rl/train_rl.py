@@ -18,6 +18,7 @@ version) exits with status 2 and a one-line message naming what to fix, like ``p
 """
 import sys
 
+from megatron.rl.logging import setup_distributed_logging
 from megatron.rl.training.cli_errors import run_cli
 from megatron.rl.training.config import parse_args
 
@@ -25,11 +26,14 @@ from megatron.rl.training.config import parse_args
 def _train_or_evaluate(argv=None) -> int:
     # torch and the trainer load after the entry point is set up to report user errors
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
-    from megatron.rl.rl_eval import run_eval_only
-    from megatron.rl.rl_loop import run_rl
 
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])
     rl = rl_config_from_args(cfg)
+    # logging first: megatron-core's import-time warnings (loaded by the trainer) become the one-line summary
+    setup_distributed_logging(cfg.logging.log_level)
+    from megatron.rl.rl_eval import run_eval_only  # heavy: megatron-core
+    from megatron.rl.rl_loop import run_rl  # heavy: megatron-core
+
     if rl.observe.eval_only:
         run_eval_only(cfg, rl)
     else:

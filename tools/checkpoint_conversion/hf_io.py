@@ -126,11 +126,12 @@ def write_safetensors(save_dir: str | Path, tensors: dict[str, torch.Tensor],
 
 
 def tokenizer_files(src: str | Path) -> list[Path]:
+    """The tokenizer files of ``src``; empty when it holds none (a ``generation_config.json`` alone is no tokenizer)."""
     src = Path(src)
     found: set[Path] = set()
     for pattern in TOKENIZER_PATTERNS:
         found.update(p for p in src.glob(pattern) if p.is_file())
-    return sorted(found)
+    return sorted(found) if any(p.name != "generation_config.json" for p in found) else []
 
 
 def copy_tokenizer(src: str | Path, dst: str | Path) -> list[Path]:

@@ -14,7 +14,8 @@ Output (``--save S``)::
     S/latest_checkpointed_iteration.txt   "release"
     S/release/                             torch_dist checkpoint (model + model_args for validation on load)
     S/megatron_args.txt                    the Megatron flags to train with (also S/megatron_args.sh)
-    S/tokenizer/                           the Hugging Face tokenizer files (--tokenizer-model S/tokenizer)
+    S/tokenizer/                           the Hugging Face tokenizer files (--tokenizer-model S/tokenizer; our
+                                           byte-level tokenizer's files mean --tokenizer-type ByteLevelTokenizer)
     S/hf_config/config.json                the original config.json (used to convert back)
     S/conversion.json                      provenance: source, dtype, padded vocab, TPs the padding fits
 """
@@ -192,19 +193,38 @@ def _flags_text(flags: list[str]) -> str:
     return "\n".join(out)
 
 
+def tokenizer_settings(hf_dir: Path, save: Path) -> dict[str, str | None]:
+    """``tokenizer_type`` / ``tokenizer_model`` of a model converted from ``hf_dir``: ``ByteLevelTokenizer`` when its
+    tokenizer is our byte-level one (written by Megatron -> HF), else the Hugging Face tokenizer copied to
+    ``save/tokenizer``; empty when ``hf_dir`` has no tokenizer files."""
+    from tools.checkpoint_conversion.byte_tokenizer import is_byte_level_tokenizer
+    from tools.checkpoint_conversion.hf_io import tokenizer_files
+
+    if is_byte_level_tokenizer(hf_dir):
+        return {"tokenizer_type": "ByteLevelTokenizer", "tokenizer_model": None}
+    if tokenizer_files(hf_dir):
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str((save / TOKENIZER_DIR).resolve())}
+    return {}
+
+
+def _tokenizer_argv(settings: dict[str, str | None]) -> str:
+    return shlex.join([arg for key, value in settings.items() if value
+                       for arg in ("--" + key.replace("_", "-"), value)])
+
+
 def write_sidecars(plan: ConversionPlan, save: Path) -> None:
     """Flags files, original HF config, tokenizer and provenance next to the checkpoint."""
+    tok_flags = _tokenizer_argv(tokenizer_settings(plan.hf_dir, save))
     hint = (f"# Megatron flags for this checkpoint (converted from {plan.hf_dir}, model_type "
             f"{plan.hf_config.get('model_type')}).\n# Train with: <these flags> --load/--pretrained-checkpoint {save} "
-            f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {save / TOKENIZER_DIR}\n"
+            f"{tok_flags}\n"
             f"# Converted for --tensor-model-parallel-size {plan.target_tp} --pipeline-model-parallel-size "
             f"{plan.target_pp}; the padded vocab ({plan.padded_vocab}) fits TP in {plan.compatible_tp}.\n")
     (save / ARGS_TXT).write_text(hint + _flags_text(plan.flags) + "\n")
     sh_lines = "\n".join(f"    {line}" for line in _flags_text(plan.flags).splitlines())
     (save / ARGS_SH).write_text(
         hint + f"MODEL_ARGS=(\n{sh_lines}\n)\nPARALLEL_ARGS=(--tensor-model-parallel-size {plan.target_tp} "
-        f"--pipeline-model-parallel-size {plan.target_pp})\nTOKENIZER_ARGS=(--tokenizer-type HuggingFaceTokenizer "
-        f"--tokenizer-model {shlex.quote(str(save / TOKENIZER_DIR))})\n")
+        f"--pipeline-model-parallel-size {plan.target_pp})\nTOKENIZER_ARGS=({tok_flags})\n")
     hf_cfg_dir = save / HF_CONFIG_DIR
     hf_cfg_dir.mkdir(exist_ok=True)
     shutil.copy2(plan.hf_dir / "config.json", hf_cfg_dir / "config.json")
@@ -252,11 +272,9 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
     # the padded vocab is stored so a run that pads differently is refused on load (not silently mis-sized);
     # the model flags (with the tokenizer copied next to it) let --use-checkpoint-args work on the checkpoint alone
     from megatron.rl.training.checkpoint.args import checkpoint_flags
-    from tools.checkpoint_conversion.hf_io import tokenizer_files
 
     flags = checkpoint_flags(target_cfg, plan.spec.vocab_size)
-    if tokenizer_files(plan.hf_dir):
-        flags.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str((save / TOKENIZER_DIR).resolve()))
+    flags.update(tokenizer_settings(plan.hf_dir, save))
     out = save_checkpoint(save, "release", [model], model_args={
         **target_cfg.model_args(), "padded_vocab_size": plan.padded_vocab, "flags": flags})
     write_sidecars(plan, save)

@@ -10,10 +10,16 @@ passed explicitly:
   after ``--``, used instead of the stored ones);
 - the Hugging Face config: ``hf_config/config.json`` (``--hf-config DIR``); without one a minimal config is
   written for the family (``--model-type``, else guessed: qk-layernorm -> qwen3, qkv bias -> qwen2, else llama);
-- the tokenizer: ``tokenizer/`` (``--tokenizer-dir DIR``), copied into the output when found.
+- the tokenizer: ``--tokenizer-dir DIR``, else the Hugging Face tokenizer the model was trained with (its
+  ``--tokenizer-model``, else ``tokenizer/``), copied into the output; a model trained with our byte-level
+  tokenizer gets it as Hugging Face files (:mod:`.byte_tokenizer`: ``AutoTokenizer`` loads it, no BOS added,
+  as in training). Without any, a warning asks for ``--tokenizer-dir``.
 
-The padded vocabulary rows are dropped; tensors are written in the Hugging Face config's dtype (``--dtype``
-overrides), so HF -> Megatron -> HF returns the same tensors bit for bit.
+With the original Hugging Face config the padded vocabulary rows are dropped and tensors are written in its dtype
+(``--dtype`` overrides), so HF -> Megatron -> HF returns the same tensors bit for bit. A synthesised config keeps
+Megatron's padded vocabulary (``vocab_size`` = the embedding's rows; the tokenizer has fewer ids, as many
+published models do): the trained softmax runs over those rows, so the converted model's log-probs are the
+trainer's and the engine's.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import torch
 
 from tools.checkpoint_conversion.families import (ConversionError, config_dtype, family_by_name, family_for_config,
                                                   family_for_megatron)
-from tools.checkpoint_conversion.hf_io import copy_tokenizer, read_hf_config, write_safetensors
+from tools.checkpoint_conversion.hf_io import copy_tokenizer, read_hf_config, tokenizer_files, write_safetensors
 from tools.checkpoint_conversion.hf_to_megatron import (ARGS_TXT, HF_CONFIG_DIR, TOKENIZER_DIR, build_tp1_model,
                                                         parse_megatron_flags, torch_dtype)
 from tools.checkpoint_conversion.mapping import megatron_to_hf
@@ -83,17 +89,58 @@ def _check_config_matches(hf_cfg: dict, flags: list[str], model_args: dict, sour
                               + ", ".join(f"{k}: config {a!r} vs model {b!r}" for k, (a, b) in sorted(diff.items())))
 
 
-def _special_token_ids(cfg) -> dict[str, int]:
-    """eos/bos/pad ids of a built-in tokenizer (e.g. ByteLevelTokenizer), so Hugging Face ``generate`` stops where
-    our engine does; a Hugging Face tokenizer's own files (copied with it) already say them."""
-    if cfg.tokenizer.tokenizer_type == "HuggingFaceTokenizer":
-        return {}
-    from megatron.rl.training.tokenizer import build_tokenizer
+def _is_byte_level(cfg) -> bool:
+    """The model was trained with our byte-level tokenizer (its vocabulary, not another one under the default
+    --tokenizer-type, e.g. a converted Hugging Face model whose tokenizer files were missing)."""
+    from megatron.rl.training.tokenizer import ByteLevelTokenizer
 
-    tok = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
-    ids = {"eos_token_id": getattr(tok, "eod", None), "bos_token_id": getattr(tok, "bos", None),
-           "pad_token_id": getattr(tok, "pad", None)}
-    return {k: int(v) for k, v in ids.items() if v is not None}
+    return cfg.tokenizer.tokenizer_type == "ByteLevelTokenizer" and \
+        cfg.tokenizer.vocab_size in (None, ByteLevelTokenizer().vocab_size)
+
+
+def _special_token_ids(cfg) -> dict[str, int | None]:
+    """eos/pad ids (and bos: none) of our byte-level tokenizer, matching the tokenizer files written with it, so
+    Hugging Face ``generate`` stops where our engine does; a Hugging Face tokenizer's own config already says them."""
+    if not _is_byte_level(cfg):
+        return {}
+    from tools.checkpoint_conversion.byte_tokenizer import special_token_ids
+
+    return special_token_ids()
+
+
+def _tokenizer_source(cfg, dirs: list[Path], tokenizer_dir) -> Path | str | None:
+    """Where the converted model's tokenizer comes from: --tokenizer-dir, else the Hugging Face tokenizer the model
+    was trained with (its --tokenizer-model, else tokenizer/ next to the checkpoint), else ``"byte-level"`` for a
+    model trained with our byte-level tokenizer; None when there is none (a warning says so)."""
+    if tokenizer_dir:
+        if not tokenizer_files(tokenizer_dir):
+            raise ConversionError(f"--tokenizer-dir={tokenizer_dir}: no tokenizer files there (tokenizer.json, "
+                                  f"tokenizer_config.json, vocab/merges or *.model)")
+        return Path(tokenizer_dir)
+    kind, model = cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model
+    trained_with = Path(model) if kind == "HuggingFaceTokenizer" and model else None
+    for src in (trained_with, _find(dirs, TOKENIZER_DIR)):
+        if src is not None and tokenizer_files(src):
+            return src
+    if _is_byte_level(cfg):
+        return "byte-level"
+    gone = f" (its --tokenizer-model {trained_with} holds no tokenizer files)" if trained_with else ""
+    log.warning("the converted model will carry no tokenizer: none found for --tokenizer-type %s%s; pass "
+                "--tokenizer-dir DIR with the tokenizer files the model was trained with", kind, gone)
+    return None
+
+
+def _write_tokenizer(source: Path | str | None, save: Path, max_length: int | None) -> str:
+    """Put the tokenizer of :func:`_tokenizer_source` into ``save``; returns what was written, for the log."""
+    if source is None:
+        return "no tokenizer"
+    if source == "byte-level":
+        from tools.checkpoint_conversion.byte_tokenizer import write_byte_level_tokenizer
+
+        write_byte_level_tokenizer(save, max_length)
+        return "the byte-level tokenizer (no BOS added, as in training)"
+    copy_tokenizer(source, save)
+    return f"the tokenizer of {source}"
 
 
 def _flags_of(ckpt: Path, dirs: list[Path]) -> list[str]:
@@ -142,6 +189,8 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
         megatron_args = _flags_of(ckpt, dirs)
     cfg = parse_megatron_flags(list(megatron_args))
     model_args = cfg.model_args()
+    tokenizer = _tokenizer_source(cfg, dirs, tokenizer_dir)
+    rows = _checkpoint_vocab_rows(ckpt)
 
     hf_cfg_path = Path(hf_config_dir) / "config.json" if hf_config_dir else _find(dirs, f"{HF_CONFIG_DIR}/config.json")
     if hf_cfg_path is not None:
@@ -150,17 +199,18 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
         family = family_for_config(hf_cfg)
     else:
         family = family_by_name(model_type) if model_type else family_for_megatron(cfg.model)
-        vocab = cfg.tokenizer.vocab_size
-        if vocab is None:
-            raise ConversionError("the model flags lack --vocab-size, needed to drop Megatron's vocab padding")
-        hf_cfg = family.hf_config(cfg.model, vocab, dtype or "float32", _rope_scaling_factor(cfg))
+        # A model born in Megatron keeps its padded vocabulary rows: the trainer's and the engine's softmax run
+        # over them, so dropping them would renormalise every log-prob (by the mass they hold).
+        hf_cfg = family.hf_config(cfg.model, rows, dtype or "float32", _rope_scaling_factor(cfg))
         hf_cfg.update(_special_token_ids(cfg))
-        _check_config_matches(hf_cfg, list(megatron_args), model_args, f"synthesised for {family.name}")
-        log.warning("no Hugging Face config found next to %s; writing a minimal %s config", ckpt, family.name)
+        _check_config_matches(hf_cfg, list(megatron_args), {**model_args, "vocab_size": rows},
+                              f"synthesised for {family.name}")
+        log.warning("no Hugging Face config found next to %s; writing a minimal %s config (vocabulary of %d rows: "
+                    "Megatron's padded vocabulary, as the model was trained)", ckpt, family.name, rows)
     out_dtype = torch_dtype(dtype or config_dtype(hf_cfg) or "float32")
     spec = family.arch_spec(hf_cfg)
 
-    _, model = build_tp1_model(list(megatron_args), _checkpoint_vocab_rows(ckpt), out_dtype)
+    _, model = build_tp1_model(list(megatron_args), rows, out_dtype)
     from megatron.rl.training.checkpoint.save_load import load_checkpoint
 
     try:
@@ -180,11 +230,9 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
             shutil.copy2(gen, save / "generation_config.json")
     else:
         (save / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
-    tok = Path(tokenizer_dir) if tokenizer_dir else _find(dirs, TOKENIZER_DIR)
-    if tok is not None:
-        copy_tokenizer(tok, save)
-    log.info("wrote Hugging Face %s model (%d tensors, %s) to %s in %.1f s", family.name, len(tensors), out_dtype,
-             save, time.perf_counter() - t0)
+    written = _write_tokenizer(tokenizer, save, hf_cfg.get("max_position_embeddings"))
+    log.info("wrote Hugging Face %s model (%d tensors, %s) with %s to %s in %.1f s", family.name, len(tensors),
+             out_dtype, written, save, time.perf_counter() - t0)
     return save
 
 
@@ -199,7 +247,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", help=f"directory with the original config.json (default: {HF_CONFIG_DIR}/ next "
                                        f"to the checkpoint)")
     p.add_argument("--tokenizer-dir",
-                   help=f"tokenizer files to copy (default: {TOKENIZER_DIR}/ next to the checkpoint)")
+                   help=f"tokenizer files to copy (default: the model's --tokenizer-model, else {TOKENIZER_DIR}/ next to "
+                        f"the checkpoint; byte-level models get the byte-level tokenizer)")
     p.add_argument("--dtype", help="output dtype (default: the config's)")
     p.add_argument("--model-type", help="family when no config.json is available: llama, qwen2 or qwen3")
     return p

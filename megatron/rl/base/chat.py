@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel
 from megatron.rl.base.errors import RLError
 
 __all__ = ["CHAT_ROLES", "ChatRole", "Text", "check_unicode", "ChatMessage", "ChatFormatError",
-           "render_builtin_chat_template"]
+           "render_builtin_chat_template", "BUILTIN_CHAT_TEMPLATE_JINJA"]
 
 #: roles a chat template is rendered with; anything else could smuggle template markup into the prompt
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -66,3 +66,11 @@ def render_builtin_chat_template(messages: Sequence[Mapping[str, str]], add_gene
     if add_generation_prompt:
         parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+#: the built-in template as a Jinja chat template (what ``transformers``' ``apply_chat_template`` runs), for
+#: tokenizer files written for a model trained with it; renders exactly what the function above renders
+BUILTIN_CHAT_TEMPLATE_JINJA = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)

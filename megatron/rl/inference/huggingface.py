@@ -51,6 +51,12 @@ def sample_batch(logits: torch.Tensor, args: Sequence[GenerationArgs],
     return tokens.tolist(), log_probs.tolist()
 
 
+def _has_tokenizer_files(path: str) -> bool:
+    names = os.listdir(path)
+    return any(n.startswith(("tokenizer", "vocab.")) or n == "merges.txt" or n.endswith((".model", ".tiktoken"))
+               for n in names)
+
+
 @dataclass
 class _Row:
     """Decoding state of one sample."""
@@ -92,6 +98,12 @@ class HuggingFaceInference(InferenceInterface):
                                      "pass a directory containing config.json, weights and tokenizer files "
                                      "(this backend never downloads)")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if tokenizer is None and not _has_tokenizer_files(model_path):
+            # transformers would report a missing sentencepiece/tiktoken package instead
+            raise InferenceError(f"huggingface backend: model_path={model_path!r} has no tokenizer files "
+                                 "(tokenizer.json, tokenizer_config.json, vocab/merges or *.model); a directory "
+                                 "written by tools/convert_megatron_to_hf.py carries them, or pass --tokenizer-dir "
+                                 "to the conversion")
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
             model_path, local_files_only=True, trust_remote_code=trust_remote_code)
         if model is None:

@@ -76,6 +76,19 @@ class AsyncRolloutConfig:
         """Whether trained tokens can come from an older policy than the one being updated."""
         return self.generation_lag > 0 or self.partial_rollouts
 
+    def describe(self, bank_file: str | None = None) -> str:
+        """The schedule these flags select, in words (for an enabled config; ``bank_file``: the durable rollout
+        bank's file, when there is one)."""
+        parts = [f"lag {self.generation_lag}", "partial rollouts" if self.partial_rollouts else
+                 "drain before each update", f"submission {self.submission_granularity}",
+                 f"consumption {self.consumption_granularity}"]
+        if self.max_inflight_requests:
+            parts.append(f"at most {self.max_inflight_requests} requests in flight")
+        if bank_file:
+            parts.append(f"durable rollout bank {bank_file}")
+        kind = "asynchronous" if self.off_policy else "through the rollout pipeline (synchronous schedule)"
+        return f"{kind}: " + ", ".join(parts)
+
 
 class RunFlags(Protocol):
     """The RL flags besides its own that :func:`validate_async_rollouts` reads (an ``RLConfig``)."""

@@ -222,6 +222,9 @@ class AsyncRollouts:
         """The bank's uids since the last call (produced / consumed / restored), None without a bank."""
         return self.bank.ledger() if self.bank is not None else None
 
+    def describe(self) -> str:
+        return self.config.describe(str(self.bank.bank.path) if self.bank is not None else None)
+
     def close(self) -> None:
         left = self.pipeline.close()
         if self.bank is not None:

@@ -47,6 +47,9 @@ class RolloutSource(Protocol):
     def close(self) -> None:
         """Stop generating (groups generated ahead are dropped, or stay in the bank)."""
 
+    def describe(self) -> str:
+        """How this source generates, in words (the run's start-up summary)."""
+
 
 class SynchronousRollouts:
     """Each iteration's groups generated in that iteration, by its weights, in one rollout phase."""
@@ -76,6 +79,9 @@ class SynchronousRollouts:
 
     def close(self) -> None:
         pass
+
+    def describe(self) -> str:
+        return "synchronous (every iteration generates its own groups)"
 
 
 def build_rollout_source(agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int, start_iteration: int,

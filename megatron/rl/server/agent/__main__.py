@@ -27,6 +27,7 @@ import sys
 
 from megatron.rl.agent.env_config import EnvConfigError, build_agent_from_config, resolve_agent_type
 from megatron.rl.inference.api import build_inference_interface
+from megatron.rl.logging import setup_server_logging
 from megatron.rl.server.guard import LOOPBACK_HOSTS, add_limit_flag, limits_from_flags
 
 logger = logging.getLogger("megatron.rl.server.agent")
@@ -74,7 +75,7 @@ def _json_arg(parser: argparse.ArgumentParser, flag: str, value: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_server_logging(args.log_level)
 
     import uvicorn
 
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
                        args.host, args.token_env)
     app = create_app(agent, token=token, inference=inference, config=cfg)
     logger.info("serving agent %r (%s) on http://%s:%d", agent.name, agent.type_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                access_log=args.log_level == "debug")
 
 
 if __name__ == "__main__":

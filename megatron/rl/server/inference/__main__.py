@@ -23,12 +23,21 @@ import sys
 
 from megatron.rl.inference.api import (InferenceError, InferenceInterface, backend_class,
                                        build_inference_interface)
+from megatron.rl.logging import setup_server_logging
 from megatron.rl.server.guard import LOOPBACK_HOSTS, add_limit_flag, limits_from_flags
 from megatron.rl.server.inference.app import ServerConfig, create_app
 
 logger = logging.getLogger("megatron.rl.server.inference")
 
 API_KEY_ENV = "MEGATRON_RL_INFERENCE_API_KEY"
+
+
+_EXAMPLES = """examples:
+  # a checkpoint of train_rl.py / pretrain_gpt.py: its flags follow '--' (the checkpoint carries its model flags)
+  python -m megatron.rl.server.inference --backend megatron --port 8000 -- --load CKPT
+  # a Hugging Face directory (e.g. written by tools/convert_megatron_to_hf.py)
+  python -m megatron.rl.server.inference --backend huggingface --backend-arg model_path=DIR
+  # requests name the model '--model-name' (default megatron-rl)"""
 
 
 def _parse_backend_arg(text: str) -> tuple[str, object]:
@@ -43,7 +52,8 @@ def _parse_backend_arg(text: str) -> tuple[str, object]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron.rl.server.inference",
-                                description="OpenAI-compatible inference server over a megatron-rl backend.")
+                                description="OpenAI-compatible inference server over a megatron-rl backend.",
+                                epilog=_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", required=True, help="registered backend name (e.g. megatron, huggingface, fake)")
     p.add_argument("--backend-arg", action="append", type=_parse_backend_arg, default=[], metavar="KEY=VALUE",
                    help="constructor argument for the backend (repeatable; VALUE parsed as JSON when it is JSON)")
@@ -85,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     limits = limits_from_flags(args.limit, parser)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_server_logging(args.log_level)
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         logger.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
     try:
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--default-max-tokens: {e}")
     logger.info("serving backend %r as model %r on http://%s:%d", args.backend, args.model_name, args.host, args.port)
     uvicorn.run(create_app(backend, cfg), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,8 @@
   second moment non-negative: corruption that slipped past the manifest (or an unverified load) is named
   instead of training on NaN weights.
 - **Consistency.** The iteration stored inside the checkpoint must match its ``iter_XXXXXXX`` directory name,
-  and the learning-rate / weight-decay schedule stored with it must match this run's flags (changing
-  ``--train-iters`` changes it), each a named error rather than a wrong resume or megatron-core's bare
-  AssertionError.
+  a named error rather than a wrong resume (the learning-rate schedule's check is in
+  :mod:`~megatron.rl.training.checkpoint.schedule`).
 
 Every function that touches ``torch.distributed`` is collective and raises on every rank together.
 """
@@ -24,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 from pathlib import Path
@@ -37,8 +35,7 @@ from megatron.rl.training.checkpoint.paths import CheckpointError
 logger = logging.getLogger(__name__)
 
 __all__ = ["MANIFEST_FILENAME", "MANIFEST_INFO_KEY", "VERIFY_FLAG", "hash_file", "write_manifest",
-           "verify_manifest", "check_missing_manifest", "check_finite_state", "check_iteration_matches_dir",
-           "check_scheduler_matches"]
+           "verify_manifest", "check_missing_manifest", "check_finite_state", "check_iteration_matches_dir"]
 
 MANIFEST_FILENAME = "checksums.json"
 #: the key of a checkpoint's ``checkpoint_info`` (its common state) recording that the save wrote a manifest
@@ -288,43 +285,3 @@ def check_iteration_matches_dir(ckpt: Path, iteration: Any) -> None:
             f"checkpoint {ckpt} holds iteration {iteration} but its directory name says {int(m.group(1))}: the "
             f"directory was renamed or its contents replaced. Restore the right checkpoint, or rename the directory "
             f"to iter_{iteration:07d} (and update latest_checkpointed_iteration.txt) if the contents are right")
-
-
-# scheduler state key -> (attribute of megatron-core's OptimizerParamScheduler, the flag that sets it here)
-_SCHEDULE_FLAGS = (
-    ("max_lr", "max_lr", "--lr"),
-    ("min_lr", "min_lr", "--min-lr"),
-    ("lr_warmup_steps", "lr_warmup_steps", "--lr-warmup-iters"),
-    ("lr_decay_steps", "lr_decay_steps", "--lr-decay-iters (default: --train-iters)"),
-    ("lr_decay_style", "lr_decay_style", "--lr-decay-style"),
-    ("start_wd", "start_wd", "--start-weight-decay / --weight-decay"),
-    ("end_wd", "end_wd", "--end-weight-decay / --weight-decay"),
-    ("wd_incr_steps", "wd_incr_steps", "--train-iters"),
-    ("wd_incr_style", "wd_incr_style", "--weight-decay-incr-style"),
-)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, float) or isinstance(b, float):
-        try:
-            return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=0.0)
-        except (TypeError, ValueError):
-            return False
-    return a == b
-
-
-def check_scheduler_matches(ckpt: Path, saved: dict, scheduler) -> None:
-    """CheckpointError naming the flags whose schedule values differ from the checkpoint's, unless the run
-    chose what wins (--override-opt-param-scheduler / --use-checkpoint-opt-param-scheduler)."""
-    if not isinstance(saved, dict) or getattr(scheduler, "override_opt_param_scheduler", False) or \
-            getattr(scheduler, "use_checkpoint_opt_param_scheduler", False):
-        return
-    diffs = []
-    for key, attr, flag in _SCHEDULE_FLAGS:
-        if key in saved and hasattr(scheduler, attr) and not _same(saved[key], getattr(scheduler, attr)):
-            diffs.append(f"{key} is {saved[key]} in the checkpoint but {getattr(scheduler, attr)} now ({flag})")
-    if diffs:
-        raise CheckpointError(
-            f"the learning-rate / weight-decay schedule of {ckpt} does not match this run: {'; '.join(diffs)}. "
-            f"Resume with the saving run's values, or pass --use-checkpoint-opt-param-scheduler to keep the saved "
-            f"schedule, or --override-opt-param-scheduler to switch to this run's.")

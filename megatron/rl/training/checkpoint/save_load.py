@@ -41,6 +41,7 @@ from megatron.rl.runtime.checkpoint_writer import use_in_process_write_results
 from megatron.rl.training.checkpoint import integrity, paths
 from megatron.rl.training.checkpoint.model_checks import check_model_args, check_padded_vocab
 from megatron.rl.training.checkpoint.paths import CheckpointError, latest_checkpoint
+from megatron.rl.training.checkpoint.schedule import check_scheduler_matches
 from megatron.rl.training.checkpoint.rng import (RNG_KEY, capture_rng_state, parallel_layout, restore_rng_state,
                                                  rng_sharded_object)
 
@@ -436,8 +437,8 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
             raise _optimizer_error(ckpt, _describe(e), info, optimizer) from e
         if opt_param_scheduler is not None and "opt_param_scheduler" in common:
             # named flags instead of megatron-core's bare AssertionError (after the optimizer: its errors first)
-            integrity.check_scheduler_matches(ckpt, common["opt_param_scheduler"], opt_param_scheduler)
-            opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+            opt_param_scheduler.load_state_dict(
+                check_scheduler_matches(ckpt, common["opt_param_scheduler"], opt_param_scheduler))
             loaded_sched = True
     elif optimizer is not None:
         optimizer.reload_model_params()  # main (fp32) params must follow the loaded model params

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from examples.rl.quickstart import console_line, first_error, run
+from examples.rl.quickstart import Eta, Phases, console_line, first_error, main, pretrain, run
 
 PRETRAIN_LINE = ("[2026-11-22 17:00:00] [rank 0] INFO megatron.rl.training.loop:  iteration      575/     600 | "
                  "consumed samples:        18400 | elapsed time per iteration (ms): 101.3 | learning rate: 3.123E-04 | "
@@ -47,3 +47,39 @@ def test_a_failed_stage_names_its_error(tmp_path, capsys):
         run(cmd, tmp_path / "logs" / "stage.log")
     assert str(e.value).startswith("stage failed (exit 2): x.py: error: ConfigError: --foo=1: bad\nfull log: ")
     assert "x.py: error: ConfigError" in capsys.readouterr().out  # echoed as it happened, too
+
+
+def test_iteration_lines_say_how_long_is_left():
+    eta = Eta()
+    line = PRETRAIN_LINE.rstrip()
+    assert eta.prefix("[..] INFO x: saved checkpoint", now=0.0) == ""
+    assert eta.prefix(line.replace("575/", "25/"), now=10.0) == "[25/600] "  # no rate yet
+    # 25 iterations in 5 s since the first line seen: 0.2 s each, 25 left -> 5 s
+    assert eta.prefix(line.replace("575/", "50/"), now=15.0) == "[50/600, ~1:50 left] "
+    assert eta.prefix(line, now=120.0) == "[575/600, ~0:05 left] "
+
+
+def test_phases_say_what_runs_what_is_skipped_and_how_long_it_took(tmp_path, capsys):
+    """A rerun that finds the corpus and the pretrained checkpoint says it reuses them (and pretrains nothing)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "arithmetic.jsonl").write_text("{}\n")
+    (tmp_path / "pretrain").mkdir()
+    (tmp_path / "pretrain" / "latest_checkpointed_iteration.txt").write_text("600")
+    phases = Phases(4, start=0.0)
+    assert pretrain(tmp_path, nproc=1, gpu=False, phases=phases) == tmp_path / "pretrain"
+    out = capsys.readouterr().out
+    assert f"[1/4] corpus: skipped, {tmp_path / 'data' / 'arithmetic.jsonl'} exists" in out
+    assert (f"[2/4] pretraining: skipped, reusing the pretrained checkpoint {tmp_path / 'pretrain'} (iteration 600; "
+            "delete the directory to pretrain again)") in out
+    phases.begin("GRPO", "200 iterations", "about 1:10-3:30 on 2 idle CPU cores")
+    phases.end()
+    out = capsys.readouterr().out
+    assert "=== [3/4] GRPO: 200 iterations; about 1:10-3:30 on 2 idle CPU cores (" in out and " elapsed) ===" in out
+    assert "GRPO done in 0:00 (" in out
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "(default: 600)" in out and "(default: 200)" in out and "(default: 5e-4)" in out

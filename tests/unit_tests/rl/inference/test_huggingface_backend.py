@@ -101,6 +101,18 @@ def test_missing_directory_is_clear_error(tmp_path):
         build_inference_interface("huggingface", model_path=str(tmp_path / "nope"))
 
 
+def test_directory_without_tokenizer_files_says_so(tmp_path):
+    """transformers' own error for this case asks for sentencepiece or tiktoken, which is not what is missing."""
+    import shutil
+
+    path = build_tiny_hf_model(tmp_path / "m")
+    for f in path.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            f.unlink() if f.is_file() else shutil.rmtree(f)
+    with pytest.raises(InferenceError, match="has no tokenizer files.*convert_megatron_to_hf"):
+        build_inference_interface("huggingface", model_path=str(path))
+
+
 def test_sample_batch_truncation_and_distribution():
     from megatron.rl.inference.huggingface import sample_batch
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -162,21 +163,23 @@ def test_policy_gap_check():
     check_policy_gap({"logprob_gap_mean": 0.7}, 5, 0.1, True, "openai")  # off-policy by design
 
 
-def _start_env_server(policy_url: str) -> tuple[subprocess.Popen, str]:
+def _start_env_server(policy_url: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """The environment server at its default log level, its output in ``log``."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{E2E}{os.pathsep}{REPO_ROOT}", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "megatron.rl.server.agent", "--agent-type", "digits_please",
            "--imports", "digit_agents", "--allow-imports", "--inference-backend", "openai",
            "--inference-kwargs", json.dumps({"base_url": policy_url + "/v1", "timeout": 300}),
-           "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--port", str(port)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     import httpx
 
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         if proc.poll() is not None:
-            raise AssertionError(f"environment server exited: {proc.stdout.read()}")
+            raise AssertionError(f"environment server exited: {log.read_text()}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
@@ -193,7 +196,8 @@ def test_remote_environment_trains_against_the_served_policy(tmp_path):
     (tests/unit_tests/rl/e2e/test_reward_rises.py), and the served log-probs are the trainer's."""
     policy_port = free_port()
     policy_url = f"http://127.0.0.1:{policy_port}"
-    server, env_url = _start_env_server(policy_url)
+    server_log = tmp_path / "env_server.log"
+    server, env_url = _start_env_server(policy_url, server_log)
     try:
         env = tmp_path / "remote.yaml"
         env.write_text(f"environments:\n  - type: remote\n    weight: 1\n    args:\n      url: {env_url}\n")
@@ -219,6 +223,15 @@ def test_remote_environment_trains_against_the_served_policy(tmp_path):
     assert max(r["logprob_gap_max"] for r in records if "logprob_gap_max" in r) < 1e-4  # (not sample lines)
     first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
     assert last > first + 0.2 and last > 2 * first, f"reward did not rise: {rewards}"
+    # quiet at INFO, both sides: no line per HTTP request (httpx's client lines, uvicorn's access lines; there were
+    # 96 requests to each server here), the iteration lines and a start-up that does not grow with the run
+    for name, text in (("trainer", proc.stdout + proc.stderr), ("environment server", server_log.read_text())):
+        per_request = [line for line in text.splitlines() if "HTTP Request:" in line or '" 200' in line]
+        assert not per_request, (name, per_request[:3])
+    trainer = (proc.stdout + proc.stderr).splitlines()
+    assert sum(bool(re.search(r" iteration +\d+/ +12 \|", line)) for line in trainer) == 12
+    assert len(trainer) < 12 + 40, "\n".join(trainer)
+    assert len(server_log.read_text().splitlines()) < 20, server_log.read_text()
 
 
 @pytest.mark.slow  # an environment server and two train_rl.py ranks (a few minutes on 2 cores)
@@ -230,7 +243,7 @@ def test_asynchronous_rollouts_generate_through_the_served_policy(tmp_path):
     from tests.conftest import run_torchrun
 
     policy_port = free_port()
-    server, env_url = _start_env_server(f"http://127.0.0.1:{policy_port}")
+    server, env_url = _start_env_server(f"http://127.0.0.1:{policy_port}", tmp_path / "env_server.log")
     try:
         env = tmp_path / "remote.yaml"
         env.write_text(f"environments:\n  - type: remote\n    weight: 1\n    args:\n      url: {env_url}\n")

@@ -195,7 +195,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
                          ids=["llama", "qwen2", "qwen3", "llama3-rope-scaling"])
 def test_megatron_to_hf_without_the_original_config(tmp_path, family, overrides):
     """A checkpoint without hf_config/ (e.g. copied without it) gets a synthesised config.json that transformers
-    loads into a model with the same logits."""
+    loads into a model with the same logits (over Megatron's padded vocabulary, which the synthesised config keeps:
+    the padded rows, zero here, give logit 0)."""
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -221,8 +222,11 @@ def test_megatron_to_hf_without_the_original_config(tmp_path, family, overrides)
     assert (scaling or {}).get("rope_type") == ("llama3" if overrides else None)
     if overrides:
         assert scaling["factor"] == 8.0
+    assert config["vocab_size"] == 256
     tokens = torch.randint(0, 200, (1, 9))
-    torch.testing.assert_close(hf_logits(reloaded, tokens), hf_logits(hf_model, tokens), atol=1e-5, rtol=0)
+    got = hf_logits(reloaded, tokens)
+    torch.testing.assert_close(got[..., :200], hf_logits(hf_model, tokens), atol=1e-5, rtol=0)
+    assert not got[..., 200:].any()
 
 
 @pytest.mark.slow  # two fresh interpreters importing torch, transformers and megatron-core

@@ -1,0 +1,63 @@
+"""Known warnings of our dependencies, said once in one line instead of a screenful on every start.
+
+megatron-core warns at import and build time about what it falls back on, and torch about its own
+deprecations that megatron-core's checkpointing triggers. None of them asks the user to do anything here:
+
+- "Apex is not installed" / "Transformer Engine and Apex are not installed" (five places in megatron-core):
+  its fused norm, Adam and multi-tensor kernels are replaced by torch code. Summarised in one INFO line the
+  first time one appears (the cost: speed on GPU; nothing on CPU, where those kernels do not run);
+- deprecation notices raised inside megatron-core or torch ("full scope is deprecated", ShardedTensor,
+  ``load_state_dict``, the ``custom_layers.transformer_engine`` module): logged at DEBUG only.
+
+Every other warning is shown as before. :func:`summarize_dependency_warnings` installs the filter (idempotent).
+"""
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+__all__ = ["summarize_dependency_warnings", "MISSING_KERNELS_NOTE", "classify"]
+
+logger = logging.getLogger("megatron.rl.dependencies")
+
+MISSING_KERNELS_NOTE = (
+    "Apex and TransformerEngine are not installed: megatron-core uses torch for fused norms, Adam and multi-tensor "
+    "ops (same results; slower on GPU, no difference on CPU). On GPU: pip install transformer-engine (and apex) "
+    "for speed.")
+
+_MISSING = re.compile(r"\b(Apex|Transformer Engine and Apex) (is|are) not installed")
+_INTERNAL = re.compile(r"full scope is deprecated|deprecating ShardedTensor|`load_state_dict` is deprecated|"
+                       r"custom_layers\.transformer_engine.*deprecated", re.S)
+
+_state = {"installed": False, "noted": False}
+
+
+def classify(message: str) -> str | None:
+    """``"missing"`` (Apex/TransformerEngine fallbacks), ``"internal"`` (a dependency's own deprecation) or None
+    (not a known warning: shown as usual). Pure."""
+    if _MISSING.search(message):
+        return "missing"
+    if _INTERNAL.search(message):
+        return "internal"
+    return None
+
+
+def summarize_dependency_warnings() -> None:
+    """Route the known warnings through :func:`classify` from now on (idempotent, process-wide)."""
+    if _state["installed"]:
+        return
+    _state["installed"] = True
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        kind = classify(str(message))
+        if kind is None:
+            return shown(message, category, filename, lineno, file, line)
+        if kind == "missing" and not _state["noted"]:
+            _state["noted"] = True
+            logger.info(MISSING_KERNELS_NOTE)
+        logger.debug("%s: %s (%s:%s)", category.__name__, message, filename, lineno)
+        return None
+
+    warnings.showwarning = showwarning

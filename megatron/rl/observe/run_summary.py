@@ -1,0 +1,84 @@
+"""The start-up summary of an RL run: what it starts from and how it generates, packs and lays out its work.
+
+One log record, logged once before the first iteration, so a glance at the top of a log says which run this is:
+
+    RL run: 200 iterations from 0 (16 prompts x 8 rollouts each, 1 optimizer step per iteration)
+      start:    the pretrained checkpoint runs/quickstart/pretrain (weights only)
+      backend:  megatron (the in-process engine on the training weights)
+      layout:   TP=1 PP=1 EP=1 DP=1 (world 1); generation at the training layout
+      rollouts: synchronous (every iteration generates its own groups)
+      packing:  sequence packing into --seq-length 64 rows (prompt sharing auto, attention auto, at most 16
+                sequences per row)
+
+The rollout line is the rollout source's own description (:meth:`RolloutSource.describe`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["run_summary"]
+
+
+def _start(cfg, start) -> str:
+    loaded = start.loaded
+    c = cfg.checkpoint
+    if start.from_checkpoint and loaded is not None:
+        if c.finetune:
+            return f"the weights of {loaded.path} (--finetune: iteration 0, fresh optimizer and prompt streams)"
+        restored = [name for name, done in (("optimizer", loaded.loaded_optimizer),
+                                            ("scheduler", loaded.loaded_scheduler), ("RNG", loaded.loaded_rng)) if done]
+        return (f"resumed from {loaded.path} at iteration {start.iteration} (weights, "
+                f"{', '.join(restored + ['prompt positions'])})")
+    if c.pretrained_checkpoint:
+        return f"the pretrained checkpoint {c.pretrained_checkpoint} (weights only)"
+    return "randomly initialised weights (no --pretrained-checkpoint)"
+
+
+def _backend(rl) -> str:
+    name = rl.inference_backend
+    if name == "megatron":
+        text = "megatron (the in-process engine on the " + \
+            ("inference copy)" if rl.inference_layout.enabled else "training weights)")
+    elif rl.inference_server_url:
+        text = f"{name} at {rl.inference_server_url}" + (" (off-policy server)" if rl.off_policy_server else "")
+    else:
+        text = name
+    if rl.serve_inference:
+        text += f"; serving the policy at {rl.serve_inference}"
+    return text
+
+
+def _layout(cfg, rl) -> str:
+    p = cfg.parallel
+    text = (f"TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+            f"EP={p.expert_model_parallel_size} DP={p.data_parallel_size} (world {p.world_size})")
+    if rl.inference_layout.enabled:
+        s = rl.inference_layout.sizes(cfg)
+        method = rl.inference_layout.refit_method or "gloo on CPU, nccl on CUDA"
+        return text + f"; generation on an inference copy at TP={s.tp} PP={s.pp} EP={s.ep} (refit: {method})"
+    if rl.inference_backend != "megatron":
+        return text + "; generation on the backend's own devices"
+    return text + "; generation at the training layout"
+
+
+def _packing(cfg, rl) -> str:
+    if not rl.use_sequence_packing:
+        return "off (one sequence per row)"
+    return (f"sequence packing into --seq-length {cfg.model.seq_length} rows (prompt sharing "
+            f"{rl.share_prompt_prefix}, attention {rl.packed_attention}, at most {rl.max_sequences_per_bin} "
+            f"sequences per row)")
+
+
+def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str) -> str:
+    """The summary text for ``cfg`` (TrainingConfig), ``rl`` (RLConfig), ``start`` (the run's
+    :class:`~megatron.rl.training.run.Resumed`) and ``rollouts`` (the rollout source's
+    :meth:`~megatron.rl.rollout.source.RolloutSource.describe`). Pure: reads its arguments only."""
+    steps = max(rl.grpo_iterations * rl.rollouts_per_step // cfg.train.global_batch_size, 1)
+    lines = [f"RL run: {cfg.train.train_iters} iterations from {start.iteration} ({rl.prompts_per_step} prompts x "
+             f"{rl.group_size} rollouts each, {steps} optimizer step{'s' if steps > 1 else ''} per iteration)",
+             f"  start:    {_start(cfg, start)}",
+             f"  backend:  {_backend(rl)}",
+             f"  layout:   {_layout(cfg, rl)}",
+             f"  rollouts: {rollouts}",
+             f"  packing:  {_packing(cfg, rl)}"]
+    return "\n".join(lines)
