@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 
+from megatron.rl.base.dependency_warnings import summarize_dependency_warnings
+
 _HANDLER_FLAG = "_megatron_rl_handler"
 
 
@@ -51,9 +53,7 @@ class _CoreRootInfoFilter(logging.Filter):
 
 def quiet_dependencies(level_no: int) -> None:
     """At INFO and above: the loggers of QUIET_LOGGERS at WARNING, and megatron-core's and torch's known start-up
-    warnings said once in one line (:mod:`megatron.rl.observe.dependency_warnings`). DEBUG shows everything."""
-    from megatron.rl.observe.dependency_warnings import summarize_dependency_warnings
-
+    warnings said once in one line (:mod:`megatron.rl.base.dependency_warnings`). DEBUG shows everything."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING if level_no > logging.DEBUG else logging.NOTSET)
     if level_no > logging.DEBUG:

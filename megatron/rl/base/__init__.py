@@ -8,7 +8,9 @@
 * :mod:`.types`: the rollout types agents hand to the trainer (``Rollout``, ``TokenRollout``,
   ``RolloutGroup``);
 * :mod:`.chat`: chat messages and the built-in chat template;
-* :mod:`.optional`: importing an optional package, or one line naming the pip extra that installs it.
+* :mod:`.optional`: importing an optional package, or one line naming the pip extra that installs it;
+* :mod:`.dependency_warnings`: the known start-up warnings of megatron-core and torch said once, in one line
+  (installed by :func:`megatron.rl.logging.quiet_dependencies`).
 
 Import the submodules; this package imports none of them, so ``megatron.rl.base.registry`` stays free
 of pydantic for the pure-math packages.

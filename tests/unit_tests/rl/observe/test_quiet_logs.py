@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.rl.observe.dependency_warnings import MISSING_KERNELS_NOTE, classify
+from megatron.rl.base.dependency_warnings import MISSING_KERNELS_NOTE, classify
 from megatron.rl.observe.run_summary import run_summary
 from megatron.rl.rollout.source import SynchronousRollouts
 from megatron.rl.training.run import Resumed
