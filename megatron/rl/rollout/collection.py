@@ -16,15 +16,18 @@ from megatron.rl.agent.api import GroupedRolloutRequest
 from megatron.rl.base.types import RolloutGroup
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface
 from megatron.rl.inference.control import RolloutShard, control_of
+from megatron.rl.inference.validation import SEED_MAX
 from megatron.rl.rl_config import RLConfig
 
 __all__ = ["derive_seed", "data_parallel", "generation_split", "rollout_request", "for_training"]
 
 
 def derive_seed(*parts: Any) -> int:
-    """A stable 63-bit seed from any parts (the same on every machine and Python version)."""
+    """A stable seed from any parts (the same on every machine and Python version), within the requests' seed
+    range (``SEED_MAX``, exact in a JSON number, so a remote environment server takes it as sent). The low bits,
+    from which agents derive their per-sample seeds, are those of the hash's first 60 bits."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()
-    return int(digest[:15], 16)
+    return int(digest[:15], 16) & SEED_MAX
 
 
 def data_parallel() -> tuple[Any, int, int]:
