@@ -33,6 +33,7 @@ def request_body_schema(limits: RequestLimits, max_rollouts: int, max_ks: int) -
         props = schema.setdefault("properties", {})
         props["type_name"] = {"type": "string", "enum": [name]}
         schema["required"] = sorted({*schema.get("required", []), "type_name"})
+        schema["additionalProperties"] = False  # the server refuses unknown fields (422 naming them)
         for count in ("num_groups", "rollouts_per_group", "num_rollouts", "num_prompts", "num_samples"):
             if count in props:
                 _set_max(props[count], max_rollouts)

@@ -253,4 +253,8 @@ def test_openapi_declares_errors_and_limits_and_needs_the_token():
     variants = post["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
     grouped = [v for v in variants if v["properties"]["type_name"]["enum"] == ["GroupedRolloutRequest"]][0]
     assert grouped["properties"]["num_groups"]["maximum"] == 77 and grouped["properties"]["num_groups"]["minimum"] == 1
+    # the schema states what the server enforces: no fields beyond the request type's own
+    assert all(v["additionalProperties"] is False for v in variants)
+    r = client.post("/request", json={**_grouped(1), "extra_field": 1}, headers=AUTH)
+    assert r.status_code == 422 and "extra_field" in r.json()["detail"], r.text
     assert client.get("/docs", headers=AUTH).status_code == 200
