@@ -26,7 +26,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seed", "3", "--grpo-prompts-per-step", "4", "--grpo-group-size", "4", "--rl-max-new-tokens", "24",
         "--grpo-entropy-term-weight", "0.01", "--rl-default-temperature", "0.7"]
 # aux loss 0: the router's load-balancing loss is computed over every row a rank holds, padding rows included,
-# and the number of padding rows depends on DP x micro-batch size (see the helper's report).
+# and the number of padding rows depends on DP x micro-batch size, so the layouts would differ by design.
 # The other loss terms: KL to the reference (k3), truncated IS correction, sequence-level aggregation.
 ALT = ["--grpo-kl-beta", "0.05", "--rl-inference-logprobs-is-correction", "--grpo-loss-aggregation", "sequence",
        "--grpo-clamp-eps-upper", "0.28"]
