@@ -245,7 +245,8 @@ async def _wait_unless_disconnected(request: Request, coro: Any) -> Any:
     if work in done:
         return work.result()
     work.cancel()
-    logger.info("client disconnected before its response was ready; request dropped")
+    logger.info("client disconnected before its response was ready: its requests are dropped from the queue, or "
+                "cancelled if their batch is running")
     return None
 
 
