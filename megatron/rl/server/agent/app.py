@@ -241,7 +241,8 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
 
     @app.post("/request", dependencies=[Depends(check_token)], responses=_responses(400, 401, 403, 413, 422),
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": request_body_schema(cfg.limits, cfg.max_rollouts, cfg.max_ks)}}}})
+                  "schema": request_body_schema(cfg.limits, cfg.max_rollouts, cfg.max_ks,
+                                                num_prompts_required=_validation_size(agent) is None)}}}})
     async def handle(request: Request) -> JSONResponse:
         data = await json_body(request)
         try:

@@ -22,9 +22,11 @@ class _SkipInProcessFields(GenerateJsonSchema):
         raise PydanticOmit  # the backend object (inference_interface) never travels over HTTP
 
 
-def request_body_schema(limits: RequestLimits, max_rollouts: int, max_ks: int) -> dict[str, Any]:
+def request_body_schema(limits: RequestLimits, max_rollouts: int, max_ks: int,
+                        num_prompts_required: bool = False) -> dict[str, Any]:
     """``{"oneOf": [...]}`` of the registered request types, each with ``type_name`` fixed and the server's
-    limits set (``EnvServerConfig.limits`` / ``max_rollouts`` / ``max_ks``)."""
+    limits set (``EnvServerConfig.limits`` / ``max_rollouts`` / ``max_ks``). ``num_prompts_required``: the
+    environment cannot tell its evaluation split's size, so an evaluation request must bound its work itself."""
     variants = []
     for name, cls in AgentRequest.registered_types().items():
         schema = cls.model_json_schema(schema_generator=_SkipInProcessFields, ref_template="#/$defs/{model}")
@@ -39,6 +41,10 @@ def request_body_schema(limits: RequestLimits, max_rollouts: int, max_ks: int) -
                 _set_max(props[count], max_rollouts)
         if "num_groups" in props:
             props["num_groups"]["minimum"] = 1  # an empty request is a client mistake over HTTP
+        if num_prompts_required and "num_prompts" in props:
+            props["num_prompts"] = next(o for o in props["num_prompts"].get("anyOf", [props["num_prompts"]])
+                                        if o.get("type") == "integer")
+            schema["required"] = sorted({*schema["required"], "num_prompts"})
         if "ks" in props:
             _set_max(props["ks"], max_ks, key="maxItems")
         gen = props.get("generation_args", {}).get("properties", {})

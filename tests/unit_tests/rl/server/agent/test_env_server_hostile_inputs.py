@@ -258,3 +258,21 @@ def test_openapi_declares_errors_and_limits_and_needs_the_token():
     r = client.post("/request", json={**_grouped(1), "extra_field": 1}, headers=AUTH)
     assert r.status_code == 422 and "extra_field" in r.json()["detail"], r.text
     assert client.get("/docs", headers=AUTH).status_code == 200
+
+
+class _UnsizedAgent(ReverseWordAgent):
+    def dataset_size(self, validation):
+        raise NotImplementedError  # a generated task: the server cannot tell its evaluation split's size
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_evaluation_schema_requires_num_prompts_exactly_where_the_server_does(sized):
+    client = _client(agent=ReverseWordAgent() if sized else _UnsizedAgent())
+    spec = client.get("/openapi.json", headers=AUTH).json()
+    variants = spec["paths"]["/request"]["post"]["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
+    [evaluation] = [v for v in variants if v["properties"]["type_name"]["enum"] == ["EvaluationRequest"]]
+    r = client.post("/request", json={"type_name": "EvaluationRequest", "generation_args": {"max_tokens": 3}},
+                    headers=AUTH)
+    assert ("num_prompts" in evaluation["required"]) == (not sized) == (r.status_code == 422), r.text
+    if not sized:
+        assert evaluation["properties"]["num_prompts"]["type"] == "integer"  # null is no bound either
