@@ -72,7 +72,7 @@ def test_resume_with_changed_flags_is_a_named_error(tmp_path):
     proc = _run([*longer, "--load", ckpt], cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in out, out[-4000:]
-    assert "CheckpointError" in out and "(--train-iters)" in out and "--use-checkpoint-opt-param-scheduler" in out
+    assert "CheckpointError" in out and "--train-iters)" in out and "--use-checkpoint-opt-param-scheduler" in out
     proc = _run([*longer, "--load", ckpt, "--use-checkpoint-opt-param-scheduler"], cwd=tmp_path)
     assert proc.returncode == 0 and "iteration        4/       4" in proc.stdout + proc.stderr
     wider = [*TINY[:TINY.index("--hidden-size")], "--hidden-size", "64", *TINY[TINY.index("--hidden-size") + 2:]]
