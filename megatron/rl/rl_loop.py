@@ -26,6 +26,7 @@ from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
 from megatron.rl.rollout.collection import generation_split
 from megatron.rl.rollout.source import build_rollout_source
+from megatron.rl.routing.replay import install_router_replay
 from megatron.rl.runtime import flush_denormals
 from megatron.rl.server.policy_server import serve_policy
 from megatron.rl.training.config import TrainingConfig
@@ -129,8 +130,6 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
     if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
-        from megatron.rl.routing.replay import install_router_replay  # heavy: megatron-core's RouterReplay
-
         for chunks in (run.model, run.ref_model):
             if chunks is not None:
                 install_router_replay(chunks)

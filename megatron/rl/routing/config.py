@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from megatron.rl.training.config import ConfigError
 
-__all__ = ["REPLAY_MODES", "RouterReplayConfigError", "validate_router_replay"]
+__all__ = ["REPLAY_MODES", "RouterReplayConfigError", "RouterReplayError", "validate_router_replay"]
 
 REPLAY_MODES = ("off", "rollout")
+
+
+class RouterReplayError(RuntimeError):
+    """Routing replay cannot run on this data or model (rollouts without routes, routes of another model)."""
 
 
 class RouterReplayConfigError(ConfigError):

@@ -11,7 +11,7 @@ rollout (:class:`~megatron.rl.base.routes.Routes`) and makes the trainer's route
 Built on megatron-core 0.16.1's router replay hook: ``TopKRouter`` hands its top-k to its ``router_replay`` object
 (``RouterReplay.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)``) whenever one is
 set; ``TransformerConfig.moe_enable_routing_replay`` makes the router create one. We set our own
-:class:`RolloutRouterReplay` (a ``RouterReplay`` subclass) on each router of the models that need it instead,
+:class:`~megatron.rl.routing.replay_slot.RolloutRouterReplay` (a ``RouterReplay`` subclass) on each router of the models that need it instead,
 because megatron-core's instances register in one process-wide list (every model built in the process: trainer,
 reference, inference copy), so its class-level ``set_replay_data`` cannot address one model, and its replay takes
 every row from the target (we need rows without a recorded route, padding and each sequence's last token, to keep
@@ -29,65 +29,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
-__all__ = ["RolloutRouterReplay", "RouterReplaySet", "RouterReplayError", "install_router_replay",
-           "router_replay_of", "moe_layer_numbers", "router_token_order", "replaying", "disagreement_share"]
+from megatron.rl.routing.config import RouterReplayError
+
+if TYPE_CHECKING:
+    from megatron.rl.routing.replay_slot import RolloutRouterReplay
+
+__all__ = ["RouterReplaySet", "RouterReplayError", "install_router_replay", "router_replay_of", "moe_layer_numbers",
+           "router_token_order", "replaying", "disagreement_share"]
 
 _ATTR = "_rl_router_replay"
-
-
-class RouterReplayError(RuntimeError):
-    """Routing replay cannot run on this data or model (rollouts without routes, routes of another model)."""
-
-
-def _replay_base() -> type:
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    return RouterReplay
-
-
-class RolloutRouterReplay(_replay_base()):
-    """One router's replay slot: records its top-k (engine) or replays targets where given (trainer).
-
-    ``target_topk_idx`` [tokens, k]: expert indices in the router's token order, rows of ``-1`` = no target (the
-    router chooses itself). While replaying it counts, over rows with a target, how many the router's own top-k
-    would have sent elsewhere (``differ`` of ``compared``), without a host synchronisation.
-    """
-
-    def __init__(self) -> None:
-        # Not RouterReplay.__init__: it appends the instance to megatron-core's process-wide list.
-        self.target_topk_idx: torch.Tensor | None = None
-        self.recorded_topk_idx: torch.Tensor | None = None
-        self.router_replay_action = None
-        self.replay_backward_list: list[torch.Tensor] = []
-        self.differ: torch.Tensor | int = 0
-        self.compared: torch.Tensor | int = 0
-
-    def set_target_indices(self, topk_indices: torch.Tensor) -> None:
-        self.target_topk_idx = topk_indices  # no backward list: activation recomputation is refused
-
-    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
-                        group_topk: int | None = None, default_compute_topk: Any = None):
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        if self.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
-            return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-        _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        target = self.target_topk_idx
-        if target is None or tuple(target.shape) != tuple(own.shape):
-            raise RouterReplayError(f"replay targets of shape {None if target is None else tuple(target.shape)} for "
-                                    f"a router that routes {tuple(own.shape)} (tokens, top-k): the routes do not "
-                                    f"match this forward's tokens")
-        target = target.to(device=own.device, dtype=own.dtype)
-        given = target[:, :1] >= 0
-        chosen = torch.where(given, target, own)
-        moved = (own.sort(dim=-1).values != chosen.sort(dim=-1).values).any(dim=-1)
-        self.differ = self.differ + moved.sum()
-        self.compared = self.compared + given.sum()
-        return scores.gather(1, chosen), chosen
 
 
 def moe_layer_numbers(config: Any) -> list[int]:
@@ -168,6 +122,8 @@ def install_router_replay(model: Any) -> RouterReplaySet:
     same set). Raises :class:`RouterReplayError` for a model without MoE routers."""
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.utils import get_model_config
+
+    from megatron.rl.routing.replay_slot import RolloutRouterReplay  # a megatron-core class: loads megatron-core
 
     gpt = _unwrap(model)
     existing = getattr(gpt, _ATTR, None)

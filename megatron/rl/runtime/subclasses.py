@@ -55,7 +55,7 @@ _ENTRIES = (
      "._get_num_epochs",
      "JSONL and mock corpora as low-level datasets, their settings in the index-cache key, and a clear error "
      "instead of megatron-core's endless loop over a split without tokens"),
-    ("MoE routing replay slot", "megatron.rl.routing.replay:RolloutRouterReplay",
+    ("MoE routing replay slot", "megatron.rl.routing.replay_slot:RolloutRouterReplay",
      "megatron.core.transformer.moe.router_replay:RouterReplay.__init__, .get_replay_topk, "
      ".set_target_indices; megatron.core.transformer.moe.router:TopKRouter (its router_replay, set per "
      "router)",

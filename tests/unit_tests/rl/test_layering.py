@@ -235,3 +235,12 @@ def test_the_light_modules_import_without_torch():
             "print(sorted(m for m in ('torch', 'numpy', 'megatron.core') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+def test_the_trainer_modules_import_without_megatron_core():
+    """The trainer's modules (and routing replay's bookkeeping) load megatron-core only when a run builds a model,
+    so a tool or test that imports them for their functions does not pay its seconds and start-up warnings."""
+    trainer = ("megatron.rl.rl_loss", "megatron.rl.rl_utils", "megatron.rl.rl_loop", "megatron.rl.routing.replay")
+    code = "import sys\n" + "".join(f"import {m}\n" for m in trainer) + "print('megatron.core' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]

@@ -36,6 +36,7 @@ from megatron.rl.inference.engine.route_recorder import RouteRecorder
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
 from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS, set_decode_lengths
+from megatron.rl.routing.replay import install_router_replay
 
 log = logging.getLogger(__name__)
 
@@ -398,8 +399,6 @@ def route_recorder(model: torch.nn.Module, config: Any, pg_collection: Any = Non
     """A :class:`RouteRecorder` over ``model``'s routers, combining over its model-parallel group when its pipeline
     stages or sequence-parallel ranks each see part of a step's routes."""
     from megatron.core import parallel_state as ps
-
-    from megatron.rl.routing.replay import install_router_replay
 
     if pg_collection is None:
         tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()

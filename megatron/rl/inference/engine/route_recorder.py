@@ -2,7 +2,7 @@
 
 Each engine step runs one forward over the step's tokens: prompt chunks of newly admitted requests and one token
 per decoding request, flattened into one row (plus padding to the token rounder). The routers record their top-k
-for that row (:class:`~megatron.rl.routing.replay.RolloutRouterReplay` in RECORD mode); right after the forward,
+for that row (:class:`~megatron.rl.routing.replay_slot.RolloutRouterReplay` in RECORD mode); right after the forward,
 before megatron-core's ``update_requests`` moves requests between slots, :meth:`RouteRecorder.harvest` maps each
 row back to its request and position with the context's per-token arrays (``token_to_request_idx`` ->
 ``request_ids``, ``token_to_position_in_request``), so routes land where the token sits in the request:

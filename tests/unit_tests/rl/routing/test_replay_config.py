@@ -67,7 +67,7 @@ def test_replayed_rows_keep_targets_and_count_where_the_router_differed():
     """One router call: rows with a target take it (gates gathered at it), rows of -1 keep the router's choice."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    from megatron.rl.routing.replay import RolloutRouterReplay
+    from megatron.rl.routing.replay_slot import RolloutRouterReplay
 
     replay = RolloutRouterReplay()
     scores = torch.tensor([[0.9, 0.1, 0.5, 0.3], [0.2, 0.8, 0.7, 0.1], [0.4, 0.3, 0.2, 0.1]])
