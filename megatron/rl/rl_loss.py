@@ -26,6 +26,8 @@ from megatron.rl.packing.packed_forward import isolate_sequences
 from megatron.rl.routing.replay import replaying
 from megatron.rl.sequence_packing_utils import PackedBatch
 
+# The per-token values of a micro-batch the loss reads.
+_LOSS_VALUES = ("old_logprobs", "advantages", "ref_logprobs", "inference_logprobs")
 # Per-token stats reported token-weighted as [value * n, n] pairs (see megatron.rl.training.loop).
 _WEIGHTED_STATS = ("clip_fraction_low", "clip_fraction_high", "ratio_mean", "kl_mean", "entropy_mean",
                    "is_weight_mean", "is_truncated_fraction", "is_masked_fraction")
@@ -141,7 +143,8 @@ def compute_rl_loss(logits: torch.Tensor, mb: PackedBatch, loss_cfg: PolicyLossC
     logprobs = vocab_parallel_logprobs(logits, labels, temperature).reshape(-1)
     if old_logprobs_from_forward:
         _store(mb.values["old_logprobs"], logprobs.detach() * mask)
-    values = {k: v.to(device).reshape(-1) for k, v in mb.values.items()}
+    # only what the loss reads (a batch also carries per-token values the iteration's metrics read on the host)
+    values = {k: mb.values[k].to(device).reshape(-1) for k in _LOSS_VALUES if k in mb.values}
     entropy = None
     if loss_cfg.needs_entropy:  # without a bonus it is only reported: no graph
         with torch.set_grad_enabled(torch.is_grad_enabled() and loss_cfg.entropy_weight != 0):
