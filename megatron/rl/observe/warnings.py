@@ -224,6 +224,8 @@ class RunWarnings:
         w = self.thresholds.trend_window
         for key, value in metrics.items():
             if key in ("reward_mean", "entropy_mean") or (key.startswith("env/") and key.endswith("/reward_mean")):
+                if value is None or not math.isfinite(value):
+                    continue  # an iteration without a successful rollout of it: no point, not a window slot
                 first = self._first.setdefault(key, [])
                 if len(first) < w:
                     first.append(value)

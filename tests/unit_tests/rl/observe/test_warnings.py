@@ -151,3 +151,16 @@ def test_run_warnings_follow_a_collapsing_asynchronous_run_and_stay_quiet_on_a_l
     first_drop = next(i for i, f in enumerate(collapse) if "reward_drop/arith" in f)
     assert 20 < first_drop < 50 and all("reward_drop/arith" in f for f in collapse[first_drop:])
     assert all("off_policy" in f for f in collapse[30:]) and not any("off_policy" in f for f in collapse[:30])
+
+
+def test_an_iteration_without_a_value_does_not_silence_the_trend():
+    """A NaN reward (an iteration where no rollout of the environment succeeded) is no point of the trend: it must
+    not take a slot of the first window and leave the check short of two whole windows for the rest of the run."""
+    def drops(rewards):
+        checks = RunWarnings(WarningThresholds(trend_window=3), interval=1, max_new_tokens=8, report=False)
+        return sum("reward_drop/arith" in {f.kind for f in checks.check({**ASYNC, "env/arith/reward_mean": r})}
+                   for r in rewards)
+
+    falling = [1.0] * 3 + [0.2] * 7
+    assert drops(falling) > 0
+    assert drops([float("nan")] + falling) == drops(falling)
