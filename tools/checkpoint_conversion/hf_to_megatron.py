@@ -212,9 +212,10 @@ def _tokenizer_argv(settings: dict[str, str | None]) -> str:
                        for arg in ("--" + key.replace("_", "-"), value)])
 
 
-def write_sidecars(plan: ConversionPlan, save: Path) -> None:
-    """Flags files, original HF config, tokenizer and provenance next to the checkpoint."""
-    tok_flags = _tokenizer_argv(tokenizer_settings(plan.hf_dir, save))
+def write_sidecars(plan: ConversionPlan, save: Path, tokenizer: dict[str, str | None]) -> None:
+    """Flags files, original HF config, tokenizer and provenance next to the checkpoint. ``tokenizer``: the
+    checkpoint's :func:`tokenizer_settings`."""
+    tok_flags = _tokenizer_argv(tokenizer)
     hint = (f"# Megatron flags for this checkpoint (converted from {plan.hf_dir}, model_type "
             f"{plan.hf_config.get('model_type')}).\n# Train with: <these flags> --load/--pretrained-checkpoint {save} "
             f"{tok_flags}\n"
@@ -274,10 +275,11 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, save: str | os.PathLike, t
     from megatron.rl.training.checkpoint.args import checkpoint_flags
 
     flags = checkpoint_flags(target_cfg, plan.spec.vocab_size)
-    flags.update(tokenizer_settings(plan.hf_dir, save))
+    tokenizer = tokenizer_settings(plan.hf_dir, save)
+    flags.update(tokenizer)
     out = save_checkpoint(save, "release", [model], model_args={
         **target_cfg.model_args(), "padded_vocab_size": plan.padded_vocab, "flags": flags})
-    write_sidecars(plan, save)
+    write_sidecars(plan, save, tokenizer)
     log.info("converted %s (%s, %.1fM parameters, %s) to %s in %.1f s", plan.hf_dir, plan.family.name,
              sum(p.numel() for p in model.parameters()) / 1e6, plan.dtype, out, time.perf_counter() - t0)
     return out
