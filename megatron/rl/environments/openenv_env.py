@@ -177,8 +177,7 @@ class OpenEnvAgent(PassAtEvaluationAgent):
                 if done:
                     break
         except (_EnvFailure, TokenMismatchError) as e:
-            return Rollout(prompt=prompt, completion="".join(texts), reward=0.0, status="failed",
-                           failure_reason=str(e), env_id=self.name, problem_id=problem["id"])
+            return self._failed(problem, problem["id"], prompt, str(e), "".join(texts))
         given = [float(r) for r in rewards if r is not None]
         reward = (sum(given) if self.reward == "sum" else (given[-1] if given else 0.0))
         return TokenRollout(prompt=prompt, completion="".join(texts), reward=reward, env_id=self.name,
