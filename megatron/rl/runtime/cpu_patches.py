@@ -23,7 +23,7 @@ from torch.overrides import _get_current_function_mode_stack
 
 from megatron.rl.base.errors import UserError
 # cuda_fallbacks registers the paged-attention patch, which install() applies as a CPU patch too
-from megatron.rl.runtime import cuda_fallbacks, kv_append, patches, rope_cache  # noqa: F401
+from megatron.rl.runtime import cuda_fallbacks, kv_append, no_grad_linear, patches, rope_cache  # noqa: F401
 from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
 
 log = logging.getLogger(__name__)
@@ -338,6 +338,16 @@ cpu_patch("dynamic inference KV append: index_copy_",
           "the original)",
           "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.append_key_value_cache")(
     kv_append.install)
+
+
+cpu_patch("local linear layers: no autograd Function without gradients",
+          "megatron-core's ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding call autograd Functions "
+          "(the linear, the copy to and reduce from the tensor-parallel region) on every forward, also under "
+          "inference_mode, where their Python bookkeeping is a few percent of a small model's decode step; while no "
+          "gradient is recorded (and without sequence parallelism) the same torch calls run directly "
+          "(no_grad_linear.py; the same bits, tested against the originals)",
+          "megatron.core.tensor_parallel.layers:linear_with_grad_accumulation_and_async_allreduce, "
+          ".copy_to_tensor_model_parallel_region, .reduce_from_tensor_model_parallel_region")(no_grad_linear.install)
 
 
 @cpu_patch("inference.communication_utils._is_cuda",
