@@ -42,6 +42,12 @@ _ENTRIES = (
      f"arrays add_request fills)",
      "a GRPO group submits its prompt group-size times and the context prefills each copy; followers enter "
      "with their last prompt token and get the leader's KV slots after each layer's append"),
+    ("dynamic context: batched admission", "megatron.rl.inference.engine.batched_admission:BatchedAdmission",
+     f"{_CONTEXT}.add_request, .initialize_attention_state, .reset, .deallocate_all_tensors (and the per-request "
+     f"and per-token arrays add_request fills)",
+     "add_request writes ~20 small tensor entries per request, one request at a time; a rollout phase admits all "
+     "its requests in one step, whose prefill then spent more time admitting than in the forward. Whole-prompt "
+     "admissions are queued and written in one batch of writes before the step's forward (the same values)"),
     ("dynamic context: reused CPU KV buffer", "megatron.rl.inference.engine.kv_reuse:ReusedCpuKvBuffer",
      f"{_CONTEXT}.allocate_all_tensors, .deallocate_all_tensors (and the memory_buffer they make)",
      "every rollout phase builds a context whose KV buffer is a fresh allocation that the kernel page-faults "

@@ -30,6 +30,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 from megatron.core.utils import get_model_config
 
+from megatron.rl.inference.engine.batched_admission import BatchedAdmission
 from megatron.rl.inference.engine.graphs import DecodeGraphs
 from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
 from megatron.rl.inference.engine.route_recorder import RouteRecorder
@@ -62,6 +63,9 @@ class EngineSettings:
         Set False if a step ever fails with a CUDA device error (then everything runs inside the mode).
     share_prompt_prefill: requests admitted in one step with the same prompt (a GRPO group) prefill it once
         (:mod:`megatron.rl.inference.engine.shared_prefill`); False = every request prefills its own prompt.
+    batched_admission: the requests admitted in one step are written into the context's arrays in one batch of
+        tensor writes before the forward (:mod:`megatron.rl.inference.engine.batched_admission`; the same values);
+        False = megatron-core's ``add_request`` writes each request's entries as it admits it.
     keep_cpu_kv_buffer: on CPU, a stopped engine's KV buffer is kept for the next engine of the same shape
         (:mod:`megatron.rl.inference.engine.kv_reuse`: a fresh buffer page-faults every cache page it writes);
         False = freed at exit. GPU buffers are always freed.
@@ -90,6 +94,7 @@ class EngineSettings:
     token_rounder: int | None = 8
     cpu_fast_steps: bool = True
     share_prompt_prefill: bool = True
+    batched_admission: bool = True
     keep_cpu_kv_buffer: bool = True
     record_routes: bool = False
     decode_buckets: tuple[int, ...] | None = None
@@ -299,15 +304,18 @@ class _DecodeBuckets:
 @functools.lru_cache(maxsize=None)
 def _context_class(token_rounder: int | None, share_prompt_prefill: bool = False,
                    keep_cpu_kv_buffer: bool = False, decode_buckets: tuple[int, ...] | None = None,
-                   full_decode_logits: bool = False) -> type[DynamicInferenceContext]:
+                   full_decode_logits: bool = False, batched_admission: bool = False
+                   ) -> type[DynamicInferenceContext]:
     """DynamicInferenceContext with its class-level token padding (``TOKEN_ROUNDER``) replaced and the mixins
-    of :mod:`~megatron.rl.inference.engine.shared_prefill`, :mod:`~megatron.rl.inference.engine.kv_reuse` and
+    of :mod:`~megatron.rl.inference.engine.shared_prefill`, :mod:`~megatron.rl.inference.engine.batched_admission`,
+    :mod:`~megatron.rl.inference.engine.kv_reuse` and
     decode buckets (:class:`_DecodeBuckets`)."""
     if token_rounder is not None and token_rounder < 1:
         raise ValueError(f"EngineSettings.token_rounder must be >= 1 or None, got {token_rounder}")
     if decode_buckets is not None and (not decode_buckets or min(decode_buckets) < 1):
         raise ValueError(f"EngineSettings.decode_buckets must be positive sizes, got {decode_buckets}")
     mixins = ((SharedPromptPrefill,) if share_prompt_prefill else ()) + (
+        (BatchedAdmission,) if batched_admission else ()) + (
         (ReusedCpuKvBuffer,) if keep_cpu_kv_buffer else ()) + ((_DecodeBuckets,) if decode_buckets else ())
     if token_rounder is None and not mixins:
         return DynamicInferenceContext
@@ -354,7 +362,8 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     if buckets is None and settings.decode_cuda_graphs:
         buckets = power_of_two_buckets(settings.token_rounder or 8, settings.max_requests)
     context = _context_class(settings.token_rounder, settings.share_prompt_prefill, settings.keep_cpu_kv_buffer,
-                             tuple(buckets) if buckets else None, settings.decode_cuda_graphs)(
+                             tuple(buckets) if buckets else None, settings.decode_cuda_graphs,
+                             settings.batched_admission)(
         params_dtype=config.params_dtype,
         num_layers=num_local_layers,
         kv_channels=config.kv_channels,

@@ -42,15 +42,13 @@ class SharedPromptPrefill:
         # Kept in __dict__ under one key: the context's constructor runs before any of our methods.
         state = self.__dict__.get("_rl_shared_prefill")
         if state is None:
-            state = self.__dict__["_rl_shared_prefill"] = {"leaders": {}, "src": [], "dst": [], "plan": None,
-                                                            "pairs": [], "shared_tokens": 0}
+            state = self.__dict__["_rl_shared_prefill"] = {"leaders": {}, "plan": None, "pairs": [],
+                                                            "shared_tokens": 0}
         return state
 
     def _clear_shared(self) -> None:
         state = self._shared_state()
         state["leaders"].clear()
-        state["src"].clear()
-        state["dst"].clear()
         state["pairs"].clear()
         state["plan"] = None
 
@@ -77,34 +75,41 @@ class SharedPromptPrefill:
         if leader is None:
             state["leaders"][key] = index
             return
-        # Keep only the last prompt token in the step: move its entries to the request's first token row.
-        last = start + length - 1
-        for name in _TOKEN_ARRAYS:
-            array = getattr(self, name)
-            array[start] = array[last]
-        self.active_token_count = start + 1
-        self.request_query_lengths[index] = 1
-        self.request_kv_length_offsets[index] = length - 1
-        positions = torch.arange(length - 1, device=self.request_to_kv_block_ids.device)
-        state["src"].append(self._cache_slots(leader, positions))
-        state["dst"].append(self._cache_slots(index, positions))
+        # Keep only the last prompt token in the step. Admitted in a batch (BatchedAdmission): say so before its
+        # entries are written; else move its last token's entries to the request's first token row.
+        follow = getattr(self, "follow", None)
+        if follow is None or not follow(index):
+            last = start + length - 1
+            for name in _TOKEN_ARRAYS:
+                array = getattr(self, name)
+                array[start] = array[last]
+            self.active_token_count = start + 1
+            self.request_query_lengths[index] = 1
+            self.request_kv_length_offsets[index] = length - 1
         state["plan"] = None
         state["pairs"].append((index, leader, length - 1))
         state["shared_tokens"] += length - 1
 
-    def _cache_slots(self, index: int, positions: torch.Tensor) -> torch.Tensor:
-        """Flat slots (``block * block_size + offset``) of request ``index``'s cache ``positions``."""
+    def _copy_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat cache slots (``block * block_size + offset``): the leaders' first positions and the followers' same
+        positions, for every follower of the step (read from the block table once the step's entries are written)."""
+        pairs = self._shared_state()["pairs"]
+        table = self.request_to_kv_block_ids
+        counts = torch.tensor([n for _, _, n in pairs], device=table.device)
+        followers = torch.repeat_interleave(torch.tensor([f for f, _, _ in pairs], device=table.device), counts)
+        leaders = torch.repeat_interleave(torch.tensor([lead for _, lead, _ in pairs], device=table.device), counts)
+        positions = torch.cat([torch.arange(n, device=table.device) for _, _, n in pairs])
         size = self.block_size_tokens
-        blocks = self.request_to_kv_block_ids[index][positions // size].long()
-        return blocks * size + positions % size
+        block, offset = positions // size, positions % size
+        return table[leaders, block].long() * size + offset, table[followers, block].long() * size + offset
 
     def append_key_value_cache(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> None:
         super().append_key_value_cache(layer_number, key, value)
         state = self._shared_state()
-        if not state["src"]:
+        if not state["pairs"]:
             return
         if state["plan"] is None:
-            state["plan"] = (torch.cat(state["src"]), torch.cat(state["dst"]))
+            state["plan"] = self._copy_plan()
         src, dst = state["plan"]
         layer = self.layer_map[layer_number - 1]
         for cache in (self.memory_buffer[0, layer], self.memory_buffer[1, layer]):

@@ -1,0 +1,153 @@
+"""Admitting a step's new requests to megatron-core's dynamic context in one batch of tensor writes.
+
+megatron-core 0.16.1's ``DynamicInferenceContext.add_request`` fills the context's per-request and per-token
+arrays one request at a time: about twenty small tensor writes per request (its id, seven sampling-metadata
+entries, lengths, block ids, then six slices of per-token arrays), each a torch call with its own dispatch. A GRPO
+rollout phase admits all its requests in one step (128 on the small peer-benchmark shape), so the prefill step
+spent more time admitting requests than in the model's forward.
+
+:class:`BatchedAdmission` is a mixin for ``DynamicInferenceContext``. ``add_request`` of a request that enters
+whole (not a chunk of a chunked prefill) does at once only what the engine's scheduling reads before the forward
+(the checks, in megatron-core's order and with its errors; the KV-block allocation; the token and request counts)
+and queues the rest. The first thing a step does with the context, ``initialize_attention_state``, writes the
+queued requests' entries with one write per array, the same values megatron-core's ``add_request`` writes
+(``test_batched_admission.py`` compares every array of the context after the same admissions both ways). Any other
+admission (a chunk, a hybrid model's request) first writes what is queued, then runs megatron-core's code.
+
+:mod:`~megatron.rl.inference.engine.shared_prefill` marks a queued request as a follower (:meth:`follow`): it enters
+with its last prompt token only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["BatchedAdmission"]
+
+
+@dataclasses.dataclass
+class _Queued:
+    index: int  # the request's slot in the context
+    request_id: int
+    tokens: torch.Tensor  # the whole prompt (the engine empties the request's own copy after add_request)
+    output_length: int
+    metadata: list[Any]
+    blocks: torch.Tensor  # its KV blocks, in order (a view of the allocator's bag, unchanged until the step runs)
+    kept_from: int = 0  # prompt positions before this are not in the step (a follower keeps only its last token)
+
+
+class BatchedAdmission:
+    """Mixin over ``DynamicInferenceContext`` (before it in the bases); see the module docstring."""
+
+    def _queued(self) -> list[_Queued]:
+        # Kept in __dict__: megatron-core's constructor runs before any of our methods.
+        return self.__dict__.setdefault("_rl_admission_queue", [])
+
+    def add_request(self, req: Any, chunk_length: int | None = None) -> None:
+        length = req.remaining_prompt_length
+        whole = req.finished_chunk_token_count == 0 and chunk_length in (None, length)
+        if not whole or self.is_hybrid_model or not self.is_tensor_state_allocated:
+            self.write_admissions()
+            return super().add_request(req, chunk_length)
+        from megatron.core.inference.contexts.dynamic_context import (BlockOverflowError, RequestOverflowError,
+                                                                      TokenOverflowError)
+
+        # megatron-core's checks, in its order (a failing one leaves the same state behind)
+        assert length > 0, "Chunk length is 0"
+        if self.active_token_count + length > self.max_tokens:
+            raise TokenOverflowError(req.request_id)
+        num_blocks = (length + self.block_size_tokens - 1) // self.block_size_tokens
+        blocks = self.block_allocator.allocate_memory_blocks(num_blocks)
+        if blocks is None or len(blocks) != num_blocks:
+            raise BlockOverflowError(req.request_id)
+        index = self.total_request_count
+        if index >= self.max_requests:
+            raise RequestOverflowError(req.request_id)
+        assert req.get_metadata_types() == self.request_metadata_types, \
+            "Request added to context with invalid metadata types"
+        self._queued().append(_Queued(index, req.request_id, req.remaining_prompt_tokens[:length],
+                                      length + req.sampling_params.num_tokens_to_generate, req.tracked_metadata,
+                                      blocks))
+        self.active_token_count += length
+        self.total_request_count += 1
+        self.num_prefill_requests += 1
+
+    def follow(self, index: int) -> bool:
+        """Make the queued request in slot ``index`` enter with its last prompt token only (a shared-prefill
+        follower; its earlier positions' keys and values come from elsewhere). False if it is not queued."""
+        queued = self._queued()
+        if not queued or queued[-1].index != index:
+            return False
+        entry = queued[-1]
+        self.active_token_count -= len(entry.tokens) - 1
+        entry.kept_from = len(entry.tokens) - 1
+        return True
+
+    def initialize_attention_state(self, *args: Any, **kwargs: Any) -> None:
+        self.write_admissions()
+        return super().initialize_attention_state(*args, **kwargs)
+
+    def reset(self) -> None:
+        self._queued().clear()
+        return super().reset()
+
+    def deallocate_all_tensors(self, *args: Any, **kwargs: Any) -> Any:
+        self._queued().clear()
+        return super().deallocate_all_tensors(*args, **kwargs)
+
+    def write_admissions(self) -> None:
+        """Write the queued requests' entries into the context's arrays (what megatron-core's ``add_request``
+        would have written for each)."""
+        queued = self._queued()
+        if not queued:
+            return
+        self.__dict__["_rl_admission_queue"] = []
+        size = self.block_size_tokens
+        slots = self.request_query_lengths.device
+
+        def column(values: list, like: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+        index = torch.tensor([q.index for q in queued], dtype=torch.long, device=slots)
+        lengths = [len(q.tokens) for q in queued]
+        kept = [n - q.kept_from for n, q in zip(lengths, queued)]
+        self.request_ids[index] = column([q.request_id for q in queued], self.request_ids)
+        for i, (label, dtype, _) in enumerate(self.request_metadata_types):
+            target = self.request_metadata[label]
+            values = [q.metadata[i] for q in queued]
+            if any(isinstance(v, torch.Tensor) for v in values):
+                for row, v in zip(index.tolist(), values):  # tensors as megatron-core assigns them, one by one
+                    target[row] = v if isinstance(v, torch.Tensor) else torch.as_tensor(v, device=target.device,
+                                                                                         dtype=target.dtype)
+            else:
+                target[index] = torch.as_tensor(values, device=target.device, dtype=target.dtype)
+        self.request_query_lengths[index] = column(kept, self.request_query_lengths)
+        self.request_output_lengths[index] = column([q.output_length for q in queued], self.request_output_lengths)
+        self.request_kv_length_offsets[index] = column([q.kept_from for q in queued], self.request_kv_length_offsets)
+        self.request_kv_block_counts[index] = column([len(q.blocks) for q in queued], self.request_kv_block_counts)
+        blocks = torch.cat([q.blocks for q in queued]).to(self.request_to_kv_block_ids.device)
+        counts = torch.tensor([len(q.blocks) for q in queued], device=blocks.device)
+        rows = torch.repeat_interleave(index.to(blocks.device), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        cols = torch.arange(len(blocks), device=blocks.device) - torch.repeat_interleave(starts, counts)
+        self.request_to_kv_block_ids[rows, cols] = blocks.to(self.request_to_kv_block_ids.dtype)
+        self.request_last_kv_block_id[index] = self.request_to_kv_block_ids[index, counts.to(slots) - 1].to(
+            self.request_last_kv_block_id.dtype)
+        self.request_last_kv_block_offset[index] = column([(n - 1) % size for n in lengths],
+                                                          self.request_last_kv_block_offset)
+
+        # The step's token rows: each queued request's kept prompt positions, in admission order, contiguous.
+        first = self.active_token_count - sum(kept)
+        end = self.active_token_count
+        device = self.token_to_pos_ids.device
+        kept_t = torch.tensor(kept, device=device)
+        positions = torch.cat([torch.arange(q.kept_from, n, device=device) for q, n in zip(queued, lengths)])
+        request_rows = torch.repeat_interleave(index.to(device), kept_t)
+        self.token_to_pos_ids[first:end] = positions
+        self.token_to_input_ids[first:end] = torch.cat([q.tokens[q.kept_from:] for q in queued]).to(device)
+        self.token_to_request_idx[first:end] = request_rows
+        self.token_to_position_in_request[first:end] = positions
+        self.token_to_block_idx[first:end] = self.request_to_kv_block_ids[request_rows, positions // size]
+        self.token_to_local_position_within_kv_block[first:end] = positions % size
