@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 from pydantic import ValidationError
@@ -234,20 +234,18 @@ class MegatronInference(InferenceInterface, TrainerControl):
         loop = asyncio.get_running_loop()
         flat = expand_checked(requests)  # an invalid request fails alone, before it reaches the engine
         responses: list[InferenceResponse | None] = [None] * len(flat)
-        pending: list[tuple[int, asyncio.Future]] = []
+        jobs: list[tuple[int, Job, Callable[[], bool]]] = []
         for i, request in enumerate(flat):
             if isinstance(request, InferenceResponse):
                 responses[i] = request
                 continue
             try:
-                job = self._prepare(request)
+                jobs.append((i, self._prepare(request), lambda r=request: r.cancelled))
             except _RequestError as e:
                 responses[i] = InferenceResponse.failed(str(e), getattr(e, "prompt_text", None))
-                continue
-            pending.append((i, self._scheduler.submit(job, loop, cancelled=lambda r=request: r.cancelled)))
-        if pending:
-            done = await asyncio.gather(*(f for _, f in pending))
-            for (i, _), response in zip(pending, done):
+        if jobs:  # all of them queued at once: an idle engine's first step takes the whole batch
+            futures = self._scheduler.submit_many([(job, cancelled) for _, job, cancelled in jobs], loop)
+            for (i, _, _), response in zip(jobs, await asyncio.gather(*futures)):
                 responses[i] = response
         return responses  # type: ignore[return-value]
 

@@ -184,25 +184,36 @@ class LockstepScheduler:
                cancelled: Callable[[], bool] | None = None) -> asyncio.Future:
         """Queue ``job`` (numbering it); the future resolves on ``loop`` with its response. On the source, once
         ``cancelled()`` is true every rank ends the request before the next step (see :meth:`Stepper.cancel`)."""
-        future = loop.create_future()
+        return self.submit_many([(job, cancelled)], loop)[0]
+
+    def submit_many(self, jobs: Sequence[tuple[Job, Callable[[], bool] | None]],
+                    loop: asyncio.AbstractEventLoop) -> list[asyncio.Future]:
+        """:meth:`submit` for several ``(job, cancelled)`` at once: they enter the queue together, so an idle
+        engine's first step sees them all (one caller's batch is never split by a pause of the calling thread
+        between two submissions)."""
+        futures = []
         with self._lock:
-            if not self._accepting or self._stop_requested:
-                future.set_result(InferenceResponse.failed("the inference engine is not running "
-                                                           "(inference mode exited)", job.prompt_text))
-                return future
-            job.seq = self._next_seq
-            self._next_seq += 1
-            waiter = _Waiter(loop, future, job, cancelled)
-            if self.is_source:
-                self._waiters[job.seq] = waiter
-                self._queue.append(job)
+            for job, cancelled in jobs:
+                future = loop.create_future()
+                futures.append(future)
+                if not self._accepting or self._stop_requested:
+                    future.set_result(InferenceResponse.failed("the inference engine is not running "
+                                                               "(inference mode exited)", job.prompt_text))
+                    continue
+                job.seq = self._next_seq
+                self._next_seq += 1
+                waiter = _Waiter(loop, future, job, cancelled)
+                if self.is_source:
+                    self._waiters[job.seq] = waiter
+                    self._queue.append(job)
+                elif job.seq in self._early:
+                    source_job, response = self._early.pop(job.seq)
+                    _resolve(waiter, checked(job, source_job, response))
+                else:
+                    self._waiters[job.seq] = waiter
+            if self.is_source and jobs:
                 self._lock.notify_all()
-            elif job.seq in self._early:
-                source_job, response = self._early.pop(job.seq)
-                _resolve(waiter, checked(job, source_job, response))
-            else:
-                self._waiters[job.seq] = waiter
-        return future
+        return futures
 
     # ------------------------------------------------------------------ engine thread
 

@@ -87,12 +87,7 @@ def _backend(model, **settings):
     from megatron.rl.inference.megatron import EngineSettings, MegatronInference
     from megatron.rl.training.tokenizer import ByteLevelTokenizer
 
-    backend = MegatronInference(model, ByteLevelTokenizer(), settings=EngineSettings(block_size_tokens=16, **settings))
-    # The tests compare runs bit for bit, so every run must admit all its requests in its first step (a step with
-    # fewer rows may take other matmul kernels): the engine waits for submissions to pause 0.2 s, not 2 ms, so a
-    # submitting thread stalled for a moment cannot split the batch.
-    backend._scheduler._settle_s, backend._scheduler._settle_max_s = 0.2, 5.0
-    return backend
+    return MegatronInference(model, ByteLevelTokenizer(), settings=EngineSettings(block_size_tokens=16, **settings))
 
 
 def _generate(backend, requests):

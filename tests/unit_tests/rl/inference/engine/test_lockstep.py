@@ -350,6 +350,28 @@ def test_an_idle_engine_takes_submissions_arriving_back_to_back_into_one_first_s
     assert len(stepper.batches[0]) == 128, [len(b) for b in stepper.batches]
 
 
+def test_one_submit_many_enters_the_first_step_whole_whatever_the_settle_window():
+    """One caller's batch (MegatronInference.agenerate) goes in with one submit_many: the first step holds all of it
+    even with no settle window at all, where a stall of the caller between two submit calls could split it."""
+    scheduler = LockstepScheduler(True, lambda plan: plan, settle_s=0.0, settle_max_s=0.0)
+    stepper = FakeStepper(scheduler)
+    scheduler.start()
+    engine = threading.Thread(target=lambda: asyncio.run(scheduler.run(stepper)), daemon=True)
+    engine.start()
+    time.sleep(0.05)  # the engine thread is idle, waiting for work
+
+    async def batch():
+        loop = asyncio.get_running_loop()
+        return await asyncio.gather(*scheduler.submit_many([(_job([i], max_new_tokens=2), None) for i in range(40)],
+                                                           loop))
+
+    responses = asyncio.run(batch())
+    scheduler.request_stop()
+    engine.join(5)
+    assert [r.token_ids for r in responses] == [[i, i, i + 1] for i in range(40)]
+    assert len(stepper.batches[0]) == 40, [len(b) for b in stepper.batches]
+
+
 class CancellableStepper(FakeStepper):
     async def step(self) -> None:
         await super().step()
