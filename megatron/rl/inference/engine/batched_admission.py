@@ -122,7 +122,7 @@ class BatchedAdmission:
                     target[row] = v if isinstance(v, torch.Tensor) else torch.as_tensor(v, device=target.device,
                                                                                          dtype=target.dtype)
             else:
-                target[index] = torch.as_tensor(values, device=target.device, dtype=target.dtype)
+                target[index] = column(values, target)
         self.request_query_lengths[index] = column(kept, self.request_query_lengths)
         self.request_output_lengths[index] = column([q.output_length for q in queued], self.request_output_lengths)
         self.request_kv_length_offsets[index] = column([q.kept_from for q in queued], self.request_kv_length_offsets)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from megatron.rl.inference.engine.batched_admission import BatchedAdmission
+
 __all__ = ["SharedPromptPrefill"]
 
 # The per-token arrays megatron-core 0.16.1's ``add_request`` fills for each prompt token of the step.
@@ -77,8 +79,7 @@ class SharedPromptPrefill:
             return
         # Keep only the last prompt token in the step. Admitted in a batch (BatchedAdmission): say so before its
         # entries are written; else move its last token's entries to the request's first token row.
-        follow = getattr(self, "follow", None)
-        if follow is None or not follow(index):
+        if not (isinstance(self, BatchedAdmission) and self.follow(index)):
             last = start + length - 1
             for name in _TOKEN_ARRAYS:
                 array = getattr(self, name)
