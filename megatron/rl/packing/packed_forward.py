@@ -67,7 +67,8 @@ from typing import Iterator, Sequence
 import torch
 
 from megatron.rl.runtime.attention_override import attention_forward_per_call
-from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS, length_class_groups
+from megatron.rl.runtime.length_groups import length_class_groups
+from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
 
 # per row: (start, length) of each real sequence, in row order; (start, length, prefix start, prefix length) for a
 # sequence whose queries also attend to a shared prefix earlier in the row (megatron.rl.packing.prefix_sharing)
@@ -162,7 +163,7 @@ def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0,
 
     ``"exact"``: one group per distinct (length, prefix length) (each call is the sequences' own product).
     ``"grouped"``: power-of-two classes of key length (prefix + length), adjacent classes merged where that is
-    cheaper (:func:`~megatron.rl.runtime.torch_attention.length_class_groups`): a group costs ``overhead + count
+    cheaper (:func:`~megatron.rl.runtime.length_groups.length_class_groups`): a group costs ``overhead + count
     x longest^2`` score elements per head (its queries x its padded keys), and the split minimising the total is
     found exactly. Groups come out shortest first, each in sequence order.
     """

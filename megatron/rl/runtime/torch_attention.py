@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Sequence
 
 import torch
+
+from megatron.rl.runtime import decode_mirror
+from megatron.rl.runtime.length_groups import length_groups
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
@@ -160,11 +162,13 @@ MIN_KEY_SLOTS = 16
 
 
 def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masked: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, real_rows: int | None = None) -> torch.Tensor:
     """megatron-core 0.16.1 ``DotProductAttention.forward``'s arithmetic (fp32, no dropout, no softmax offset).
 
     query: [sq, b, heads, dim]; key/value: [sk, b, kv_heads, dim]; masked: bool [b, 1, sq, sk], True = masked
     (filled with -10000 before the softmax, as megatron's ``attention_mask_func``). Returns [sq, b, heads, dim].
+    ``real_rows``: only the first this many query rows are used (the rest are zeros that give the products their
+    row count): the softmax skips the others, and their rows of the result are not meaningful.
     Same operations in the same layouts as the trainer's attention, so the results round the same way;
     ``test_torch_attention.py`` checks it bit for bit against the module.
     """
@@ -176,7 +180,12 @@ def dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     sk = key.shape[0]
     scores = torch.baddbmm(query.new_empty(b * heads, sq, sk), query.reshape(sq, b * heads, dim).transpose(0, 1),
                            key.reshape(sk, b * heads, dim).transpose(0, 1).transpose(1, 2), beta=0.0, alpha=scale)
-    probs = torch.softmax(scores.view(b, heads, sq, sk).masked_fill(masked, -10000.0), dim=-1)
+    if real_rows is None or real_rows >= sq:
+        probs = torch.softmax(scores.view(b, heads, sq, sk).masked_fill(masked, -10000.0), dim=-1)
+    else:  # the softmax is per row: the real rows' probabilities go over their scores, the zero rows' scores stay
+        real = scores.view(b, heads, sq, sk)[:, :, :real_rows]
+        real.copy_(torch.softmax(real.masked_fill(masked, -10000.0), dim=-1))
+        probs = scores
     context = torch.bmm(probs.view(b * heads, sq, sk), value.reshape(sk, b * heads, dim).transpose(0, 1))
     return context.view(b, heads, sq, dim).permute(2, 0, 1, 3)
 
@@ -186,6 +195,12 @@ def _zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     (NaN in the tests), and a zero probability times NaN would leak into the output."""
     return values.masked_fill(~valid[:, :, None, None], 0.0)
 
+
+# Below this many elements of K (padded batch x slots x KV heads x dim) a step gathers instead of reading the
+# decode mirror: keeping the mirror costs a few scattered copies per layer, which a small gather undercuts (on a
+# 2-core CPU the gather was cheaper at 0.3-0.6M elements and the mirror at 1.2M and more; docs/benchmarks.md).
+# Steps that gather leave the mirror behind; the next step that reads it copies what it missed.
+MIRROR_MIN_ELEMENTS = 1 << 20
 
 _BUFFERS = threading.local()
 # Pairs handed back by threads that stopped stepping an engine (release_thread_buffers), for the next thread:
@@ -227,6 +242,7 @@ def release_thread_buffers() -> None:
 
     One pair per dtype and device is kept (the larger); CPU only: GPU memory goes back to training.
     """
+    decode_mirror.release()
     pairs = getattr(_BUFFERS, "pairs", None) or {}
     _BUFFERS.pairs = {}
     with _FREE_LOCK:
@@ -260,7 +276,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=Fals
     batch, q_len, heads, dim = q.shape
     if block_table is None:
         return _decode_dense(q, k_cache, v_cache, cache_seqlens.long(), causal, softmax_scale)
-    plan = _paged_decode_plan(cache_seqlens, block_table, q.shape, k_cache.shape)
+    host = _mirror_rows(q_len, k_cache, cache_seqlens)
+    plan = _paged_decode_plan(cache_seqlens, block_table, q.shape, k_cache.shape, mirrored=host is not None)
+    if host is not None:
+        mirrored = decode_mirror.for_owner(host[4]).key_values(k_cache, v_cache, block_table, host[5], host[2],
+                                                               max(part.max_len for part in plan))
+        if mirrored is not None:
+            return _attend_mirrored(q, *mirrored, plan, causal, softmax_scale)
     if len(plan) == 1:
         return _decode_paged(q, k_cache, v_cache, plan[0], causal, softmax_scale)
     out = q.new_empty(batch, q_len, heads, dim)
@@ -277,25 +299,36 @@ class _DecodeGroup:
     lens: torch.Tensor  # [b] int64 cache lengths
     max_len: int  # key slots attended (>= MIN_KEY_SLOTS)
     masked: torch.Tensor  # [b, 1, 1, max_len]: slots past a request's length
-    gather_rows: torch.Tensor  # rows of the flattened cache [*, dim] that make K and V [max_len, b, heads', dim]
+    table: torch.Tensor  # [b, blocks] the group's rows of the block table
+    # rows of the flattened cache [*, dim] that make K and V [max_len, b, heads', dim]; worked out when first needed
+    # (a step over the decode mirror gathers nothing)
+    gather_rows: torch.Tensor | None
 
 
 _STEP_PLAN = threading.local()
 
 
-def set_decode_lengths(cache_seqlens: torch.Tensor, key_multiple: int = 1) -> None:
+def set_decode_lengths(cache_seqlens: torch.Tensor, key_multiple: int = 1, request_ids: list | None = None,
+                       owner: object = None) -> None:
     """Give this thread's next decode attention the host-side values of ``cache_seqlens`` (the tensor every layer of
     the step will receive), read once before the forward, so the forward reads nothing back from the device.
 
     ``key_multiple``: key slots attended are rounded up to a multiple of it (fixed shapes for few lengths; the extra
     slots are masked). The values are taken for as long as the tensor is unchanged (its version counter).
+    ``request_ids`` (each row's request) and ``owner`` (the engine's context), on a CPU: attend over the engine's
+    :mod:`decode_mirror` instead of gathering the paged cache in every layer.
     """
-    _STEP_PLAN.host_lengths = (cache_seqlens, cache_seqlens._version, cache_seqlens.tolist(), max(1, key_multiple))
+    host = cache_seqlens.tolist()
+    _STEP_PLAN.host_lengths = (cache_seqlens, cache_seqlens._version, host, max(1, key_multiple), owner, request_ids,
+                               len(host) * max(host, default=0))
 
 
 def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q_shape: torch.Size,
-                       cache_shape: torch.Size) -> list[_DecodeGroup]:
+                       cache_shape: torch.Size, mirrored: bool = False) -> list[_DecodeGroup]:
     """The step's :class:`_DecodeGroup` list, built by the first layer and reused by the others.
+
+    ``mirrored``: K and V come from the :mod:`decode_mirror`, where one padded batch of all rows is read in place
+    and a group's rows are copied out first: groups then pay only when they save more than twice their slots.
 
     megatron-core hands every layer of a step the same ``cache_seqlens`` and ``block_table`` tensors and writes
     the next step's values in place (which bumps their version counters), so the plan is keyed on those two
@@ -303,7 +336,7 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
     """
     batch, q_len, heads, dim = q_shape
     overhead = split_overhead_slots(heads * dim, cache_seqlens.device)
-    key = (q_shape, cache_shape, cache_seqlens._version, block_table._version, overhead, MIN_KEY_SLOTS)
+    key = (q_shape, cache_shape, cache_seqlens._version, block_table._version, overhead, MIN_KEY_SLOTS, mirrored)
     cached = getattr(_STEP_PLAN, "decode", None)
     if cached is not None and cached[0] is cache_seqlens and cached[1] is block_table and cached[2] == key:
         return cached[3]
@@ -316,9 +349,11 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
     groups = [list(range(batch))]
     if batch > 1:
         split = length_groups(host_lens, overhead)
+        if len(split) > 1 and mirrored:  # in place, or each group copied out (its slots twice) and attended
+            copied = sum(overhead + 2 * len(g) * max(host_lens[i] for i in g) for g in split)
+            split = split if copied < batch * max(host_lens) else groups
         if len(split) > 1:  # lengths too far apart for one padded batch
             groups = split
-    kv_heads = cache_shape[-2]
     plan = []
     for group in groups:
         rows = None if len(groups) == 1 else torch.tensor(group, dtype=torch.long, device=cache_seqlens.device)
@@ -326,16 +361,54 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
         max_len = max(max(host_lens[i] for i in group), 1, MIN_KEY_SLOTS)
         max_len = -(-max_len // key_multiple) * key_multiple
         key_valid = torch.arange(max_len, device=lens.device)[None, :] < part_lens[:, None]  # [b, k]
-        gather_rows = _paged_rows(part_table, key_valid, cache_shape[1], kv_heads,
-                                  kv_heads if q_len == 1 else heads)  # one query: K/V per KV head (_attend_decode)
-        plan.append(_DecodeGroup(rows, part_lens, max_len, ~key_valid[:, None, None, :], gather_rows))
+        plan.append(_DecodeGroup(rows, part_lens, max_len, ~key_valid[:, None, None, :], part_table,
+                                 None if mirrored else _group_rows(part_table, key_valid, cache_shape, q_len, heads)))
     _STEP_PLAN.decode = (cache_seqlens, block_table, key, plan)
     return plan
+
+
+def _mirror_rows(q_len, k_cache, cache_seqlens):
+    """This step's host facts (set_decode_lengths) when its attention is to read the :mod:`decode_mirror`: request
+    ids given with the lengths, one query per request, a CPU cache, and a batch whose gather would copy at least
+    :data:`MIRROR_MIN_ELEMENTS`. None otherwise."""
+    host = getattr(_STEP_PLAN, "host_lengths", None)
+    if (q_len != 1 or host is None or host[5] is None or host[0] is not cache_seqlens
+            or host[1] != cache_seqlens._version or k_cache.device.type != "cpu"
+            or host[6] * k_cache.shape[-2] * k_cache.shape[-1] < MIRROR_MIN_ELEMENTS):
+        return None
+    return host
+
+
+def _attend_mirrored(q, keys, values, plan, causal, softmax_scale):
+    """:func:`flash_attn_with_kvcache` over the mirror's K and V [batch, kv_heads, slots, dim]: one padded batch in
+    place, or each group's rows copied out; either way in megatron's order of dimensions [slots, b, kv_heads, dim]
+    (with other strides: the products give the same bits)."""
+    def part_of(cache, part):
+        cache = cache[:, :, :part.max_len]
+        return (cache if part.rows is None else cache.index_select(0, part.rows)).permute(2, 0, 1, 3)
+
+    if len(plan) == 1:
+        part = plan[0]
+        return _attend_decode(q, part_of(keys, part), part_of(values, part), part.lens, part.max_len, part.masked,
+                              causal, softmax_scale)
+    out = q.new_empty(q.shape)
+    for part in plan:
+        out[part.rows] = _attend_decode(q[part.rows], part_of(keys, part), part_of(values, part), part.lens,
+                                        part.max_len, part.masked, causal, softmax_scale)
+    return out
+
+
+def _group_rows(table, key_valid, cache_shape, q_len: int, heads: int) -> torch.Tensor:
+    """A decode group's :func:`_paged_rows` (one query: K/V per KV head, see :func:`_attend_decode`)."""
+    kv_heads = cache_shape[-2]
+    return _paged_rows(table, key_valid, cache_shape[1], kv_heads, kv_heads if q_len == 1 else heads)
 
 
 def _decode_paged(q, k_cache, v_cache, part: _DecodeGroup, causal, softmax_scale):
     """:func:`flash_attn_with_kvcache` of one padded batch of a paged cache (``part`` of the step's plan)."""
     batch, q_len, heads, dim = q.shape
+    if part.gather_rows is None:  # planned for the decode mirror, which declined (its memory budget)
+        part.gather_rows = _group_rows(part.table, ~part.masked[:, 0, 0, :], k_cache.shape, q_len, heads)
     key, value = _gather_rows(k_cache, v_cache, part.gather_rows, (part.max_len, batch, -1, dim))
     return _attend_decode(q, key, value, part.lens, part.max_len, part.masked, causal, softmax_scale)
 
@@ -365,7 +438,7 @@ def _attend_decode(q, key, value, lens, max_len, masked, causal, softmax_scale):
         query = q.view(batch, kv_heads, group, dim).permute(2, 0, 1, 3)  # [group, b, kv_heads, dim]
         if group < MIN_QUERY_ROWS:
             query = torch.cat([query, query.new_zeros(MIN_QUERY_ROWS - group, batch, kv_heads, dim)])
-        out = dot_product_attention(query, key, value, masked, scale)[:group]
+        out = dot_product_attention(query, key, value, masked, scale, real_rows=group)[:group]
         return out.permute(1, 2, 0, 3).reshape(batch, 1, heads, dim).to(q.dtype)
     rows = max(q_len, MIN_QUERY_ROWS)
     query = q.new_zeros(rows, batch, heads, dim)  # megatron's [sq, b, heads, dim] layout
@@ -389,50 +462,6 @@ def split_overhead_slots(slot_elements: int, device: torch.device) -> int:
     if overhead is None:  # other accelerators: as a GPU
         overhead = _SPLIT_OVERHEAD_ELEMENTS["cuda"]
     return max(1, overhead // max(slot_elements, 1))
-
-
-def length_groups(lens: list[int], overhead: int) -> list[list[int]]:
-    """Split requests (their key lengths ``lens``) into groups, each attended as one padded batch (pure).
-
-    Minimises the sum over groups of ``overhead + size x longest length`` (padded slots plus a group's fixed
-    cost in slots): :func:`length_class_groups`. One group (all of ``range(len(lens))``) when splitting does
-    not pay.
-    """
-    # Not even a perfect split would pay: the common case, so it is checked before the per-request loop (this
-    # runs once per layer and step).
-    if not lens or len(lens) * max(lens) - sum(lens) <= overhead:
-        return [list(range(len(lens)))]
-    return length_class_groups(lens, overhead)
-
-
-def length_class_groups(lens: Sequence[int], overhead: int, power: int = 1) -> list[list[int]]:
-    """Groups of indices of ``lens`` minimising the sum over groups of ``overhead + size x longest^power`` (pure).
-
-    Groups are made of whole power-of-two length classes (``(2^(c-1), 2^c]``): within a class padding at most
-    doubles a request's length, and the few classes make an exact search cheap (a group spans adjacent
-    classes). Groups come out from the shortest lengths to the longest, each in index order. ``power`` 1 is
-    the cost of attending one query per request (decode), 2 of a whole sequence's queries (training).
-    """
-    classes: dict[int, list[int]] = {}
-    for i, n in enumerate(lens):
-        classes.setdefault((max(int(n), 1) - 1).bit_length(), []).append(i)  # n in (2^(c-1), 2^c]
-    keys = sorted(classes)
-    sizes = [len(classes[c]) for c in keys]
-    longest = [max(lens[i] for i in classes[c]) ** power for c in keys]
-    # best[j]: the cheapest split of classes[:j]; a group spans classes i..j-1 and pads to longest[j - 1]
-    best, cut = [0] * (len(keys) + 1), [0] * (len(keys) + 1)
-    for j in range(1, len(keys) + 1):
-        best[j], count = None, 0
-        for i in range(j - 1, -1, -1):
-            count += sizes[i]
-            cost = best[i] + overhead + count * longest[j - 1]
-            if best[j] is None or cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], len(keys)
-    while j > 0:
-        groups.append(sorted(r for c in keys[cut[j]:j] for r in classes[c]))
-        j = cut[j]
-    return groups[::-1]
 
 
 def _expand_heads(cache: torch.Tensor, heads: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
 from megatron.rl.inference.engine.route_recorder import RouteRecorder
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
+from megatron.rl.runtime import decode_mirror
 from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS, set_decode_lengths
 from megatron.rl.routing.replay import install_router_replay
 
@@ -69,6 +70,10 @@ class EngineSettings:
     keep_cpu_kv_buffer: on CPU, a stopped engine's KV buffer is kept for the next engine of the same shape
         (:mod:`megatron.rl.inference.engine.kv_reuse`: a fresh buffer page-faults every cache page it writes);
         False = freed at exit. GPU buffers are always freed.
+    decode_mirror: on CPU, decode attention reads each layer's keys and values from a dense copy of the batch's
+        cache that each step extends by its new tokens (:mod:`megatron.rl.runtime.decode_mirror`; the same bits,
+        more memory: at most ``decode_mirror.BUDGET_BYTES``), instead of gathering them from the paged cache in
+        every layer of every step; False = gather.
     record_routes: record every processed token's MoE routes into ``InferenceResponse.routes``
         (:mod:`megatron.rl.inference.engine.route_recorder`; ``--rl-router-replay rollout``). MoE models only.
 
@@ -96,6 +101,7 @@ class EngineSettings:
     share_prompt_prefill: bool = True
     batched_admission: bool = True
     keep_cpu_kv_buffer: bool = True
+    decode_mirror: bool = True
     record_routes: bool = False
     decode_buckets: tuple[int, ...] | None = None
     decode_cuda_graphs: bool = False
@@ -185,6 +191,7 @@ class SamplingController(TextGenerationController):
         self.route_recorder: RouteRecorder | None = None  # set by build_engine with EngineSettings.record_routes
         self._step_sampling: _StepSampling | None = None
         self.key_multiple = 1  # decode attention's key slots are rounded up to this (EngineSettings.decode_buckets)
+        self.decode_mirror = False  # decode attention over decode_mirror (EngineSettings.decode_mirror)
         self.graphs: DecodeGraphs | None = None  # EngineSettings.decode_cuda_graphs on a GPU
         self.graph_buckets: frozenset[int] = frozenset()
 
@@ -212,11 +219,17 @@ class SamplingController(TextGenerationController):
             self.route_recorder.before_forward()
         result = super()._dynamic_step_context_init(*args, **kwargs)
         context = self.inference_wrapped_model.inference_context
+        active = slice(context.paused_request_count, context.total_request_count)
+        request_ids = context.request_ids[active].tolist()
         if context.is_decode_only():
             lengths = context.active_attn_metadata["mha_metadata"].state_data["kv_seq_lengths"]
             if lengths.device.type == "cpu":  # our attention stand-in (no flash-attn): a read of host memory
-                set_decode_lengths(lengths, key_multiple=self.key_multiple)
-        self._step_sampling = self._prepare_sampling(context)
+                set_decode_lengths(lengths, key_multiple=self.key_multiple,
+                                   request_ids=request_ids if self.decode_mirror else None, owner=context)
+        elif decode_mirror.current() is not None:  # a prefill step: readmitted requests compute their tokens anew
+            prefilled = context.request_query_lengths[active] > 1
+            decode_mirror.current().forget(context.request_ids[active][prefilled].tolist())
+        self._step_sampling = self._prepare_sampling(context, request_ids)
         return result
 
     def _dynamic_step_forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -226,9 +239,9 @@ class SamplingController(TextGenerationController):
             return self.graphs(rows, input_ids, position_ids)
         return super()._dynamic_step_forward_logits(input_ids, position_ids)
 
-    def _prepare_sampling(self, context: Any) -> "_StepSampling":
-        """The active requests' sampling settings as tensors, their generators and the host-side facts."""
-        request_ids = context.request_ids[context.paused_request_count:context.total_request_count].tolist()
+    def _prepare_sampling(self, context: Any, request_ids: list[int]) -> "_StepSampling":
+        """The active requests' (``request_ids``) sampling settings as tensors, their generators and the host-side
+        facts."""
         specs = [self.specs[i] for i in request_ids]
         device = self._sampled_tokens_cuda.device
         # A request being prefilled in chunks samples a throw-away token: keep its own generator untouched.
@@ -394,6 +407,7 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
         controller.route_recorder = route_recorder(model, config, pg_collection)
     if buckets:
         controller.key_multiple = MIN_KEY_SLOTS
+    controller.decode_mirror = settings.decode_mirror
     if settings.decode_cuda_graphs and context.memory_buffer.device.type in GRAPH_DEVICES:
         forward = super(SamplingController, controller)._dynamic_step_forward_logits
         controller.graphs, controller.graph_buckets = DecodeGraphs(forward), frozenset(buckets)

@@ -297,7 +297,8 @@ def test_short_requests_attend_over_at_least_16_keys_like_longer_rows(monkeypatc
     rounds differently depends on the CPU, so the check that the test bites is on the key slots attended."""
     slots = []
     attend = ta.dot_product_attention
-    monkeypatch.setattr(ta, "dot_product_attention", lambda q, k, *a: slots.append(k.shape[0]) or attend(q, k, *a))
+    monkeypatch.setattr(ta, "dot_product_attention",
+                        lambda q, k, *a, **kw: slots.append(k.shape[0]) or attend(q, k, *a, **kw))
     alone, batched = _short_and_long_decode()
     assert slots == [16, 40]  # the 13-key request alone attends over 16 slots
     assert torch.equal(alone, batched)
