@@ -1,6 +1,6 @@
 """The engine's decode attention over the dense mirror (EngineSettings.decode_mirror) generates the tokens and
 log-probs of the paged gather bit for bit, with requests finishing at different steps (rows move), shared-prompt
-groups, chunked prefill, and a cache too small for all requests (requests paused and evicted, then prefilled
+groups, chunked prefill, decode steps padded to buckets, and a cache too small for all requests (requests paused and evicted, then prefilled
 again). A readmitted request that the mirror still holds in its old row is dropped from it
 (``DecodeMirror.forget``); tests/unit_tests/rl/runtime/test_decode_mirror.py makes that case happen, which an
 engine run rarely does."""
@@ -24,12 +24,13 @@ def _generate(model, mirror: bool, requests, **settings):
     from megatron.rl.runtime import decode_mirror
     from megatron.rl.training.tokenizer import ByteLevelTokenizer
 
-    used, evicted = [], []
+    used, evicted, padded = [], [], []
     key_values, post_process = decode_mirror.DecodeMirror.key_values, DynamicInferenceEngine.post_process_requests
 
     def counting(self, *args, **kwargs):
         result = key_values(self, *args, **kwargs)
         used.append(result is not None)
+        padded.append(len(args[4]) > len(args[3]))  # more rows (lengths) than requests (ids)
         return result
 
     def noting_evictions(self, *args, **kwargs):
@@ -44,7 +45,7 @@ def _generate(model, mirror: bool, requests, **settings):
     finally:
         decode_mirror.DecodeMirror.key_values, DynamicInferenceEngine.post_process_requests = key_values, post_process
         backend.exit_inference_mode()
-    return out, used, evicted
+    return out, used, evicted, padded
 
 
 def _requests(lengths):
@@ -55,21 +56,25 @@ def _requests(lengths):
             for j, p in enumerate(prompts) for i, n in enumerate(lengths) for t in (0.0, 1.0)]
 
 
-@pytest.mark.parametrize("case", ["rows move", "evictions"])
+@pytest.mark.parametrize("case", ["rows move", "evictions", "decode buckets"])
 def test_generation_over_the_mirror_is_bit_identical_to_the_gather(model, case, monkeypatch):
     from megatron.rl.runtime import torch_attention
 
     monkeypatch.setattr(torch_attention, "MIRROR_MIN_ELEMENTS", 0)  # a small model's steps: the mirror at any size
     if case == "rows move":  # max_tokens 64: the long prompt's group is prefilled in chunks
         requests, settings = _requests([3, 9, 17, 30]), dict(max_tokens=64)
-    else:  # room for ~10 requests' worth of blocks: the engine pauses and evicts, then prefills them again
+    elif case == "evictions":  # room for ~10 requests' worth of blocks: the engine pauses and evicts, then prefills
         requests, settings = _requests([40, 60, 90]), dict(buffer_size_gb=0.0004)
+    else:  # decode steps padded to a few row counts: the padding rows have no request
+        requests, settings = _requests([3, 9, 17, 30]), dict(decode_buckets=(8, 16, 32, 64))
     out = {}
     for mirror in (False, True):
-        out[mirror], used, evicted = _generate(model, mirror, requests, **settings)
+        out[mirror], used, evicted, padded = _generate(model, mirror, requests, **settings)
         assert any(used) == mirror and all(used)  # the mirror served every decode layer, when on
         if case == "evictions":
             assert evicted[-1] > 0, "the cache fit every request: nothing was evicted"
+        if case == "decode buckets" and mirror:
+            assert any(padded)
     for a, b in zip(out[True], out[False]):
         assert a.finish_reason == b.finish_reason != "error", (a.error, b.error)
         assert a.token_ids == b.token_ids
