@@ -15,8 +15,9 @@ the same order per row (only the memory strides differ), and the slots past a re
 values of other tokens, which a zero probability removes exactly
 (``tests/unit_tests/rl/runtime/test_decode_mirror.py``).
 
-CPU only (the engine's decode steps on a GPU use the graph-safe path), and only while the copies fit in
-:data:`BUDGET_BYTES`; the engine gives the rows' request ids with the step's lengths
+CPU only (the engine's decode steps on a GPU use the graph-safe path), and only while a layer's mirror is no larger
+than the layer's paged cache (it holds at most a padded copy of what the cache holds; a batch too wide or too long
+for that gathers); the engine gives the rows' request ids with the step's lengths
 (:func:`torch_attention.set_decode_lengths`), without which attention gathers as before.
 """
 from __future__ import annotations
@@ -28,9 +29,9 @@ from typing import Any
 
 import torch
 
-# Memory the mirrors of one engine thread may take (all layers, keys and values); a step whose mirrors would
-# need more attends by gathering, as without a mirror.
-BUDGET_BYTES = 2 << 30
+# A layer's mirror may hold at most this many times its paged cache's elements (a batch too wide or too long for that
+# gathers): memory stays within what the KV cache was given, once more.
+CACHE_SHARE = 1.0
 ROW_MULTIPLE = 32  # rows and slots are allocated in these multiples, so a mirror is not regrown every step
 SLOT_MULTIPLE = 128
 
@@ -85,9 +86,6 @@ class DecodeMirror:
         self.layers: dict[int, _Layer] = {}  # keyed by the layer's key cache (its data pointer)
         self.plan: _Plan | None = None
 
-    def nbytes(self) -> int:
-        return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers.values())
-
     def forget(self, request_ids) -> None:
         """These requests' tokens are being computed again (readmitted after an eviction): no mirror row keeps
         its old copy of them."""
@@ -105,7 +103,7 @@ class DecodeMirror:
     def key_values(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                    ids: list, lengths: list[int], slots: int):
         """K and V of the step's batch as views [batch, kv_heads, slots, dim] of this layer's mirror, after copying in what the paged caches ``k_cache``/``v_cache`` [blocks, block_size,
-        kv_heads, dim] gained since; None when the mirror would exceed :data:`BUDGET_BYTES`.
+        kv_heads, dim] gained since; None when the mirror would be larger than the layer's paged cache.
 
         ``ids``: the request id of each batch row (rows past its end are padding); ``lengths``: each row's
         valid tokens (this step's included); ``slots``: key slots attended (>= every length). Every layer of a
@@ -123,8 +121,7 @@ class DecodeMirror:
                 width = max(slots, width + width // 2)
             rows = _round_up(max(rows, batch, 1), ROW_MULTIPLE)
             width = _round_up(width, SLOT_MULTIPLE)
-            held = 0 if layer is None else 2 * layer.keys.numel() * layer.keys.element_size()
-            if self.nbytes() - held + 2 * rows * kv_heads * width * dim * k_cache.element_size() > BUDGET_BYTES:
+            if rows * kv_heads * width * dim > CACHE_SHARE * k_cache.numel():
                 return None
             layer = self.layers[k_cache.data_ptr()] = _Layer(*_tensors((rows, kv_heads, width, dim), k_cache),
                                                              _EMPTY)

@@ -72,7 +72,7 @@ class EngineSettings:
         False = freed at exit. GPU buffers are always freed.
     decode_mirror: on CPU, decode attention reads each layer's keys and values from a dense copy of the batch's
         cache that each step extends by its new tokens (:mod:`megatron.rl.runtime.decode_mirror`; the same bits,
-        more memory: at most ``decode_mirror.BUDGET_BYTES``), instead of gathering them from the paged cache in
+        more memory: at most as much again as the KV cache), instead of gathering them from the paged cache in
         every layer of every step; False = gather.
     record_routes: record every processed token's MoE routes into ``InferenceResponse.routes``
         (:mod:`megatron.rl.inference.engine.route_recorder`; ``--rl-router-replay rollout``). MoE models only.

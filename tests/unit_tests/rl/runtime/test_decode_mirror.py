@@ -8,7 +8,7 @@ import torch
 from megatron.rl.runtime import decode_mirror
 from megatron.rl.runtime import torch_attention as ta
 
-HEADS, KV_HEADS, DIM, BLOCK, BLOCKS, LAYERS = 4, 2, 8, 4, 256, 2
+HEADS, KV_HEADS, DIM, BLOCK, BLOCKS, LAYERS = 4, 2, 8, 4, 8192, 2
 
 
 class _Owner:
@@ -170,7 +170,7 @@ def test_without_forgetting_a_recomputed_request_the_mirror_would_be_stale():
     assert torch.equal(mirrored[0][0], gathered[0][0]) and not torch.equal(mirrored[0][1], gathered[0][1])
 
 
-def test_padding_rows_a_new_engine_and_the_budget():
+def test_padding_rows_a_new_engine_and_a_mirror_larger_than_the_cache():
     paged, owner = _PagedRequests(seed=4), _Owner()
     rows = [0, 1, 2]
     for rid in rows:
@@ -180,14 +180,11 @@ def test_padding_rows_a_new_engine_and_the_budget():
     _assert_same(*_attend_both(paged, rows, _Owner()), rows)  # another engine's context: a mirror of its own
     assert decode_mirror.current() is not first
     decode_mirror.release()
-    budget = decode_mirror.BUDGET_BYTES
-    decode_mirror.BUDGET_BYTES = 1024  # too small for one layer: attention gathers, with the same results
-    try:
-        paged.append(0)
-        _assert_same(*_attend_both(paged, rows, owner), rows)
-        assert not decode_mirror.current().layers
-    finally:
-        decode_mirror.BUDGET_BYTES = budget
+    # a batch whose mirror would be larger than a layer's paged cache: attention gathers, with the same results
+    wide = [rows[0]] * (BLOCKS * BLOCK // decode_mirror.SLOT_MULTIPLE + 1)
+    assert _attend_both(paged, wide, owner)[0][0].shape[0] == len(wide)
+    _assert_same(*_attend_both(paged, wide, owner), wide)
+    assert not decode_mirror.current().layers
 
 
 def test_small_steps_gather_and_the_first_large_one_catches_the_mirror_up(monkeypatch):

@@ -60,7 +60,10 @@ def _requests(lengths):
 def test_generation_over_the_mirror_is_bit_identical_to_the_gather(model, case, monkeypatch):
     from megatron.rl.runtime import torch_attention
 
+    from megatron.rl.runtime import decode_mirror
+
     monkeypatch.setattr(torch_attention, "MIRROR_MIN_ELEMENTS", 0)  # a small model's steps: the mirror at any size
+    monkeypatch.setattr(decode_mirror, "CACHE_SHARE", 1e6)  # and larger than the evictions case's tiny cache
     if case == "rows move":  # max_tokens 64: the long prompt's group is prefilled in chunks
         requests, settings = _requests([3, 9, 17, 30]), dict(max_tokens=64)
     elif case == "evictions":  # room for ~10 requests' worth of blocks: the engine pauses and evicts, then prefills
