@@ -18,7 +18,7 @@ import json
 import random
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 from pydantic import Field, model_validator
 
@@ -99,6 +99,7 @@ class ArithmeticAgent(PassAtEvaluationAgent):
     validation_size: int = Field(default=200, ge=1)
     stop: list[str] = Field(default_factory=lambda: [END_MARKER])
     max_tokens: int | None = 16
+    inline_rewards: ClassVar[bool] = True  # arithmetic_reward reads at most 64 characters
 
     @model_validator(mode="after")
     def _check_knobs(self) -> "ArithmeticAgent":

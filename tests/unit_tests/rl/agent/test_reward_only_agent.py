@@ -362,3 +362,40 @@ def test_multi_turn_rollouts_keep_each_tokens_route_from_the_first_turn_that_ran
         ends = [text.index(f"\nOBS {t + 1}\n") + (reasons[t] == "stop") for t in (0, 1)] + [len(text)]
         expected = [next(t for t, end in enumerate(ends) if p < end - 1) * 1000 + p for p in range(len(text) - 1)]
         assert routes == expected + [-1]
+
+
+_REWARD_THREADS: list[str] = []
+
+
+class InlineLettersAgent(LettersAgent):
+    """Its reward records the thread it runs on; with inline_rewards, the event loop's."""
+
+    inline_rewards = True
+
+    def compute_reward(self, problem, completion):
+        _REWARD_THREADS.append(threading.current_thread().name)
+        if problem["id"] == "p1":
+            raise RuntimeError("reward exploded")
+        return super().compute_reward(problem, completion)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_inline_rewards_run_on_the_event_loop_and_still_fail_alone(inline, monkeypatch):
+    monkeypatch.setattr(InlineLettersAgent, "inline_rewards", inline)
+    _REWARD_THREADS.clear()
+    agent = InlineLettersAgent(seed=0)
+    req = GroupedRolloutRequest(num_groups=3, rollouts_per_group=2, generation_args=GenerationArgs(max_tokens=4),
+                                inference_interface=FakeInference())
+    out = asyncio.run(agent.generate_grouped_rollouts(req))
+    here = threading.current_thread().name  # asyncio.run's loop runs on this thread
+    assert len(_REWARD_THREADS) == 6
+    assert all((name == here) == inline for name in _REWARD_THREADS), _REWARD_THREADS
+    by_id = {g.problem_id: g for g in out.groups}
+    assert all(r.status == "failed" and "reward exploded" in r.failure_reason for r in by_id["p1"].rollouts)
+    assert all(r.status == "ok" for pid, g in by_id.items() if pid != "p1" for r in g.rollouts)
+
+
+def test_the_arithmetic_environment_scores_inline():
+    from megatron.rl.environments.arithmetic import ArithmeticAgent
+
+    assert ArithmeticAgent.inline_rewards and not RewardOnlyAgent.inline_rewards
