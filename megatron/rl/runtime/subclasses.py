@@ -52,6 +52,11 @@ _ENTRIES = (
      f"{_CONTEXT}.allocate_all_tensors, .deallocate_all_tensors (and the memory_buffer they make)",
      "every rollout phase builds a context whose KV buffer is a fresh allocation that the kernel page-faults "
      "on first write; on CPU a stopped engine's buffer serves the next one of the same shape"),
+    ("engine admission of token-id prompts", "megatron.rl.inference.engine.rollout_engine:RolloutEngine",
+     "megatron.core.inference.engines.dynamic_engine:DynamicInferenceEngine.add_request (calls its _add_request)",
+     "add_request's DynamicInferenceRequest deep-copies the prompt tensor (~70 us a request through Python's copy "
+     "protocol and the CPU device mode); a rollout phase admits all its requests before its first step, so a "
+     "token-id prompt's request is made with the same tokens and a clone()"),
     ("scalar sampling parameters", "megatron.rl.inference.engine.session:_scalar_sampling_params",
      "megatron.core.inference.sampling_params:SamplingParams (a deep copy made shallow)",
      "every request deep-copies its SamplingParams on creation, walking ~30 objects where a shallow copy of "

@@ -33,6 +33,7 @@ from megatron.core.utils import get_model_config
 from megatron.rl.inference.engine.batched_admission import BatchedAdmission
 from megatron.rl.inference.engine.graphs import DecodeGraphs
 from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
+from megatron.rl.inference.engine.rollout_engine import RolloutEngine
 from megatron.rl.inference.engine.route_recorder import RouteRecorder
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
@@ -411,7 +412,7 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     if settings.decode_cuda_graphs and context.memory_buffer.device.type in GRAPH_DEVICES:
         forward = super(SamplingController, controller)._dynamic_step_forward_logits
         controller.graphs, controller.graph_buckets = DecodeGraphs(forward), frozenset(buckets)
-    engine = DynamicInferenceEngine(controller, context, random_seed=settings.seed, pg_collection=pg_collection)
+    engine = RolloutEngine(controller, context, random_seed=settings.seed, pg_collection=pg_collection)
     log.debug("dynamic inference engine: %d KV blocks of %d tokens, max_requests=%d, max_tokens=%d",
               context.block_allocator.total_count, context.block_size_tokens, context.max_requests,
               context.max_tokens)
