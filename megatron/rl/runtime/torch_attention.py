@@ -197,9 +197,9 @@ def _zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 # Below this many elements of K (padded batch x slots x KV heads x dim) a step gathers instead of reading the
-# decode mirror: keeping the mirror costs a few scattered copies per layer, which a small gather undercuts (on a
-# 2-core CPU the gather was cheaper at 0.3-0.6M elements and the mirror at 1.2M and more; docs/benchmarks.md).
-# Steps that gather leave the mirror behind; the next step that reads it copies what it missed.
+# decode mirror: keeping the mirror costs a few scattered copies per layer, which a small gather undercuts (the
+# crossover measured: docs/benchmarks.md). Steps that gather leave the mirror behind; the next step that reads it
+# copies what it missed.
 MIRROR_MIN_ELEMENTS = 1 << 20
 
 _BUFFERS = threading.local()

@@ -2,9 +2,9 @@
 
 ``DynamicInferenceEngine.add_request`` builds a ``DynamicInferenceRequest``, whose ``__post_init__`` deep-copies
 the prompt tensor into ``remaining_prompt_tokens``. ``copy.deepcopy`` of a tensor walks Python's copy protocol and
-the tensor's storage (under the CPU layer's device mode, every torch call of it through the mode too): ~70 us a
-request, where ``clone()`` makes the same copy in a few. A rollout phase admits all its requests before its first
-step, so the phase waited ~10 ms on a 2-core CPU for 128 of them (docs/benchmarks.md). :class:`RolloutEngine`
+the tensor's storage (under the CPU layer's device mode, every torch call of it through the mode too), many times
+the cost of ``clone()``, which makes the same copy. A rollout phase admits all its requests before its first step,
+and waits for their copies (figures: docs/benchmarks.md). :class:`RolloutEngine`
 admits a token-id list with the same request, tokens and copy, made directly; other prompts go to megatron-core's
 ``add_request``. A registered change (:mod:`megatron.rl.runtime.subclasses`).
 """
