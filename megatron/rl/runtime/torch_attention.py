@@ -196,10 +196,8 @@ def _zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(~valid[:, :, None, None], 0.0)
 
 
-# Below this many elements of K (padded batch x slots x KV heads x dim) a step gathers instead of reading the
-# decode mirror: keeping the mirror costs a few scattered copies per layer, which a small gather undercuts (the
-# crossover measured: docs/benchmarks.md). Steps that gather leave the mirror behind; the next step that reads it
-# copies what it missed.
+# Below this many elements of K (padded batch x slots x KV heads x dim) a step gathers: a small gather undercuts the
+# mirror's scattered per-layer copies (docs/benchmarks.md). The next step that reads the mirror copies what it missed.
 MIRROR_MIN_ELEMENTS = 1 << 20
 
 _BUFFERS = threading.local()
