@@ -102,8 +102,9 @@ class DecodeMirror:
 
     def key_values(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                    ids: list, lengths: list[int], slots: int):
-        """K and V of the step's batch as views [batch, kv_heads, slots, dim] of this layer's mirror, after copying in what the paged caches ``k_cache``/``v_cache`` [blocks, block_size,
-        kv_heads, dim] gained since; None when the mirror would be larger than the layer's paged cache.
+        """K and V of the step's batch as views [batch, kv_heads, slots, dim] of this layer's mirror, after copying in
+        what the paged caches ``k_cache``/``v_cache`` [blocks, block_size, kv_heads, dim] gained since; None when the
+        mirror would be larger than the layer's paged cache.
 
         ``ids``: the request id of each batch row (rows past its end are padding); ``lengths``: each row's
         valid tokens (this step's included); ``slots``: key slots attended (>= every length). Every layer of a

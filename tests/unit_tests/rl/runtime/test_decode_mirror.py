@@ -114,7 +114,8 @@ def test_mirrored_decode_steps_equal_the_gathered_ones_through_finishes_moves_ar
         _assert_same(*_attend_both(paged, rows, owner), rows)
         if split_elements is not None and step == 20:
             lens, table = paged.step_inputs(rows)
-            plan = ta._paged_decode_plan(lens, table, (len(rows), 1, HEADS, DIM), paged.caches[0][0].shape, mirrored=True)
+            plan = ta._paged_decode_plan(lens, table, (len(rows), 1, HEADS, DIM), paged.caches[0][0].shape,
+                                         mirrored=True)
             assert len(plan) > 1, lens  # groups copied out of the mirror
     mirror = decode_mirror.current()
     assert mirror is not None and len(mirror.layers) == LAYERS  # the mirror was used, one per layer

@@ -1,7 +1,7 @@
 """The engine's decode attention over the dense mirror (EngineSettings.decode_mirror) generates the tokens and
 log-probs of the paged gather bit for bit, with requests finishing at different steps (rows move), shared-prompt
-groups, chunked prefill, decode steps padded to buckets, and a cache too small for all requests (requests paused and evicted, then prefilled
-again). A readmitted request that the mirror still holds in its old row is dropped from it
+groups, chunked prefill, decode steps padded to buckets, and a cache too small for all requests (requests paused
+and evicted, then prefilled again). A readmitted request that the mirror still holds in its old row is dropped from it
 (``DecodeMirror.forget``); tests/unit_tests/rl/runtime/test_decode_mirror.py makes that case happen, which an
 engine run rarely does."""
 from __future__ import annotations
