@@ -10,14 +10,32 @@ megatron-rl saves synchronously (``dist_checkpointing.save``): the write functio
 process (it forks short-lived write workers per save and joins them before it returns), so a queue of this process
 carries the results and no long-lived child is started. An asynchronous save (megatron-core's
 ``AsyncCallsQueue``, which megatron-rl does not use) would need the Manager's queue back.
+
+Those short-lived write workers are forked and hand their results back through ``multiprocessing`` queues, whose
+feeder thread a worker joins before it exits. A trainer killed with SIGKILL during a save leaves a worker blocked
+there forever (its pipe full, nobody reading), re-parented to PID 1. On Linux every process this trainer forks
+therefore asks the kernel for SIGKILL when the trainer dies (``PR_SET_PDEATHSIG``), and exits at once if the
+trainer died before it could ask (:func:`die_with_parent`); only processes the trainer's main thread forks (the
+save's), as the kernel signals when the forking thread ends.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import queue
+import signal
+import sys
+import threading
 
 from megatron.rl.runtime.patches import record, register
 
-__all__ = ["WRITER_PATCH", "use_in_process_write_results"]
+__all__ = ["WRITER_PATCH", "use_in_process_write_results", "die_with_parent"]
+
+_PR_SET_PDEATHSIG = 1
+# Set before each fork (the child reads its copy): the forking process's pid, or 0 when a thread other than the main
+# thread forks (the kernel sends the death signal when the forking *thread* exits, which a pool thread may do early)
+_FORKER = [0]
+_REGISTERED: list[bool] = []
 
 WRITER_PATCH = "torch_dist writer: in-process results queue"
 
@@ -35,4 +53,23 @@ def use_in_process_write_results() -> None:
 
     if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
         filesystem_async._results_queue = queue.Queue()  # read by _get_write_results_queue() on every save
+    if sys.platform == "linux" and not _REGISTERED:
+        _REGISTERED.append(True)
+        os.register_at_fork(before=_note_forker, after_in_child=lambda: _FORKER[0] and die_with_parent(_FORKER[0]))
     record(WRITER_PATCH)
+
+
+def _note_forker() -> None:
+    _FORKER[0] = os.getpid() if threading.current_thread() is threading.main_thread() else 0
+
+
+def die_with_parent(parent: int) -> None:
+    """In a process just forked from ``parent``: be killed when ``parent`` dies (Linux; a no-op where the call
+    fails), and exit now if it is already gone (it died between the fork and this call)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
