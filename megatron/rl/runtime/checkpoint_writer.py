@@ -35,7 +35,7 @@ _PR_SET_PDEATHSIG = 1
 # Set before each fork (the child reads its copy): the forking process's pid, or 0 when a thread other than the main
 # thread forks (the kernel sends the death signal when the forking *thread* exits, which a pool thread may do early)
 _FORKER = [0]
-_REGISTERED: list[bool] = []
+_PRCTL: list = []  # libc's prctl, looked up in the parent (a fresh child of a threaded process must not dlopen)
 
 WRITER_PATCH = "torch_dist writer: in-process results queue"
 
@@ -53,8 +53,11 @@ def use_in_process_write_results() -> None:
 
     if not isinstance(getattr(filesystem_async, "_results_queue", None), queue.Queue):
         filesystem_async._results_queue = queue.Queue()  # read by _get_write_results_queue() on every save
-    if sys.platform == "linux" and not _REGISTERED:
-        _REGISTERED.append(True)
+    if sys.platform == "linux" and not _PRCTL:
+        try:
+            _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl)
+        except (OSError, AttributeError):
+            _PRCTL.append(None)
         os.register_at_fork(before=_note_forker, after_in_child=lambda: _FORKER[0] and die_with_parent(_FORKER[0]))
     record(WRITER_PATCH)
 
@@ -64,12 +67,11 @@ def _note_forker() -> None:
 
 
 def die_with_parent(parent: int) -> None:
-    """In a process just forked from ``parent``: be killed when ``parent`` dies (Linux; a no-op where the call
-    fails), and exit now if it is already gone (it died between the fork and this call)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+    """In a process just forked from ``parent``: be killed when ``parent`` dies (Linux, once
+    :func:`use_in_process_write_results` found libc's ``prctl``; else nothing), and exit now if it is already gone
+    (it died between the fork and this call)."""
+    prctl = _PRCTL[0] if _PRCTL else None
+    if prctl is None or prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         return
     if os.getppid() != parent:
         os._exit(1)
