@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from megatron.rl.runtime.ranges import concat_ranges
+
 # A layer's mirror may hold at most this many times its paged cache's elements (a batch too wide or too long for that
 # gathers): memory stays within what the KV cache was given, once more.
 CACHE_SHARE = 1.0
@@ -185,10 +187,8 @@ def _copy_rows(block_table: torch.Tensor, rows: list[int], starts: list[int], en
     ends[i] - 1`` of batch row ``rows[i]``, and the rows of a flattened mirror [rows * kv_heads * width, dim]
     they go to (pure)."""
     device = block_table.device
-    counts = torch.tensor([e - s for s, e in zip(starts, ends)], device=device)
-    row = torch.repeat_interleave(torch.tensor(rows, device=device), counts)
-    first = torch.repeat_interleave(torch.tensor(starts, device=device) - (torch.cumsum(counts, 0) - counts), counts)
-    pos = torch.arange(row.numel(), device=device) + first  # each token's position in its request
+    segment, pos = concat_ranges(starts, ends, device)  # each token's position in its request
+    row = torch.tensor(rows, device=device)[segment]
     slot = block_table[row, pos // block_size].long() * block_size + pos % block_size
     heads = torch.arange(kv_heads, device=device)
     src = (slot[:, None] * kv_heads + heads).reshape(-1)

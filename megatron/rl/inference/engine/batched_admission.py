@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from megatron.rl.runtime.ranges import concat_ranges
+
 __all__ = ["BatchedAdmission"]
 
 
@@ -126,14 +128,14 @@ class BatchedAdmission:
         self.request_query_lengths[index] = column(kept, self.request_query_lengths)
         self.request_output_lengths[index] = column([q.output_length for q in queued], self.request_output_lengths)
         self.request_kv_length_offsets[index] = column([q.kept_from for q in queued], self.request_kv_length_offsets)
-        self.request_kv_block_counts[index] = column([len(q.blocks) for q in queued], self.request_kv_block_counts)
+        counts = [len(q.blocks) for q in queued]
+        self.request_kv_block_counts[index] = column(counts, self.request_kv_block_counts)
         blocks = torch.cat([q.blocks for q in queued]).to(self.request_to_kv_block_ids.device)
-        counts = torch.tensor([len(q.blocks) for q in queued], device=blocks.device)
-        rows = torch.repeat_interleave(index.to(blocks.device), counts)
-        starts = torch.cumsum(counts, 0) - counts
-        cols = torch.arange(len(blocks), device=blocks.device) - torch.repeat_interleave(starts, counts)
-        self.request_to_kv_block_ids[rows, cols] = blocks.to(self.request_to_kv_block_ids.dtype)
-        self.request_last_kv_block_id[index] = self.request_to_kv_block_ids[index, counts.to(slots) - 1].to(
+        owner, cols = concat_ranges([0] * len(queued), counts, blocks.device)
+        self.request_to_kv_block_ids[index.to(blocks.device)[owner], cols] = blocks.to(
+            self.request_to_kv_block_ids.dtype)
+        last = torch.tensor(counts, dtype=torch.long, device=slots) - 1
+        self.request_last_kv_block_id[index] = self.request_to_kv_block_ids[index, last].to(
             self.request_last_kv_block_id.dtype)
         self.request_last_kv_block_offset[index] = column([(n - 1) % size for n in lengths],
                                                           self.request_last_kv_block_offset)
@@ -142,9 +144,8 @@ class BatchedAdmission:
         first = self.active_token_count - sum(kept)
         end = self.active_token_count
         device = self.token_to_pos_ids.device
-        kept_t = torch.tensor(kept, device=device)
-        positions = torch.cat([torch.arange(q.kept_from, n, device=device) for q, n in zip(queued, lengths)])
-        request_rows = torch.repeat_interleave(index.to(device), kept_t)
+        owner, positions = concat_ranges([q.kept_from for q in queued], lengths, device)
+        request_rows = index.to(device)[owner]
         self.token_to_pos_ids[first:end] = positions
         self.token_to_input_ids[first:end] = torch.cat([q.tokens[q.kept_from:] for q in queued]).to(device)
         self.token_to_request_idx[first:end] = request_rows

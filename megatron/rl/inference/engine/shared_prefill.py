@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron.rl.inference.engine.batched_admission import BatchedAdmission
+from megatron.rl.runtime.ranges import concat_ranges
 
 __all__ = ["SharedPromptPrefill"]
 
@@ -96,10 +97,9 @@ class SharedPromptPrefill:
         positions, for every follower of the step (read from the block table once the step's entries are written)."""
         pairs = self._shared_state()["pairs"]
         table = self.request_to_kv_block_ids
-        counts = torch.tensor([n for _, _, n in pairs], device=table.device)
-        followers = torch.repeat_interleave(torch.tensor([f for f, _, _ in pairs], device=table.device), counts)
-        leaders = torch.repeat_interleave(torch.tensor([lead for _, lead, _ in pairs], device=table.device), counts)
-        positions = torch.cat([torch.arange(n, device=table.device) for _, _, n in pairs])
+        owner, positions = concat_ranges([0] * len(pairs), [n for _, _, n in pairs], table.device)
+        followers = torch.tensor([f for f, _, _ in pairs], device=table.device)[owner]
+        leaders = torch.tensor([lead for _, lead, _ in pairs], device=table.device)[owner]
         size = self.block_size_tokens
         block, offset = positions // size, positions % size
         return table[leaders, block].long() * size + offset, table[followers, block].long() * size + offset
