@@ -14,10 +14,9 @@ carries the results and no long-lived child is started. An asynchronous save (me
 Those short-lived write workers are forked and hand their results back through ``multiprocessing`` queues, whose
 feeder thread a worker joins before it exits. A trainer killed with SIGKILL during a save can leave a worker
 blocked there for good (seen: a futex wait in its main thread; the reader of its queue is gone), re-parented to
-PID 1. On Linux every process this trainer forks
-therefore asks the kernel for SIGKILL when the trainer dies (``PR_SET_PDEATHSIG``), and exits at once if the
-trainer died before it could ask (:func:`die_with_parent`); only processes the trainer's main thread forks (the
-save's), as the kernel signals when the forking thread ends.
+PID 1. On Linux every process the trainer's main thread forks (the save's) therefore asks the kernel for SIGKILL
+when the trainer dies (``PR_SET_PDEATHSIG``), and exits at once if the trainer died before it could ask
+(:func:`die_with_parent`). Only the main thread's: the kernel signals when the forking *thread* ends.
 """
 from __future__ import annotations
 

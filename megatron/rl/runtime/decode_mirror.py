@@ -18,7 +18,7 @@ values of other tokens, which a zero probability removes exactly
 CPU only (the engine's decode steps on a GPU use the graph-safe path), and only while a layer's mirror is no larger
 than the layer's paged cache (it holds at most a padded copy of what the cache holds; a batch too wide or too long
 for that gathers); the engine gives the rows' request ids with the step's lengths
-(:func:`torch_attention.set_decode_lengths`), without which attention gathers as before.
+(:func:`decode_lengths.set_decode_lengths`), without which attention gathers as before.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ import threading
 import torch
 
 from megatron.rl.runtime import decode_mirror
+from megatron.rl.runtime.decode_lengths import step_host
 from megatron.rl.runtime.length_groups import length_groups
 
 
@@ -277,8 +278,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, causal=Fals
     host = _mirror_rows(q_len, k_cache, cache_seqlens)
     plan = _paged_decode_plan(cache_seqlens, block_table, q.shape, k_cache.shape, mirrored=host is not None)
     if host is not None:
-        mirrored = decode_mirror.for_owner(host[4]).key_values(k_cache, v_cache, block_table, host[5], host[2],
-                                                               max(part.max_len for part in plan))
+        mirrored = decode_mirror.for_owner(host.owner).key_values(k_cache, v_cache, block_table, host.request_ids,
+                                                                  host.lengths, max(part.max_len for part in plan))
         if mirrored is not None:
             return _attend_mirrored(q, *mirrored, plan, causal, softmax_scale)
     if len(plan) == 1:
@@ -306,21 +307,6 @@ class _DecodeGroup:
 _STEP_PLAN = threading.local()
 
 
-def set_decode_lengths(cache_seqlens: torch.Tensor, key_multiple: int = 1, request_ids: list | None = None,
-                       owner: object = None) -> None:
-    """Give this thread's next decode attention the host-side values of ``cache_seqlens`` (the tensor every layer of
-    the step will receive), read once before the forward, so the forward reads nothing back from the device.
-
-    ``key_multiple``: key slots attended are rounded up to a multiple of it (fixed shapes for few lengths; the extra
-    slots are masked). The values are taken for as long as the tensor is unchanged (its version counter).
-    ``request_ids`` (each row's request) and ``owner`` (the engine's context), on a CPU: attend over the engine's
-    :mod:`decode_mirror` instead of gathering the paged cache in every layer.
-    """
-    host = cache_seqlens.tolist()
-    _STEP_PLAN.host_lengths = (cache_seqlens, cache_seqlens._version, host, max(1, key_multiple), owner, request_ids,
-                               len(host) * max(host, default=0))
-
-
 def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q_shape: torch.Size,
                        cache_shape: torch.Size, mirrored: bool = False) -> list[_DecodeGroup]:
     """The step's :class:`_DecodeGroup` list, built by the first layer and reused by the others.
@@ -338,9 +324,9 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
     cached = getattr(_STEP_PLAN, "decode", None)
     if cached is not None and cached[0] is cache_seqlens and cached[1] is block_table and cached[2] == key:
         return cached[3]
-    host = getattr(_STEP_PLAN, "host_lengths", None)
-    if host is not None and host[0] is cache_seqlens and host[1] == cache_seqlens._version:
-        host_lens, key_multiple = host[2], host[3]
+    host = step_host(cache_seqlens)
+    if host is not None:
+        host_lens, key_multiple = host.lengths, host.key_multiple
     else:  # a caller that did not give the lengths (tests, other engines): read them back
         host_lens, key_multiple = cache_seqlens.tolist(), 1
     lens = cache_seqlens.long()
@@ -366,13 +352,12 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
 
 
 def _mirror_rows(q_len, k_cache, cache_seqlens):
-    """This step's host facts (set_decode_lengths) when its attention is to read the :mod:`decode_mirror`: request
+    """This step's host facts (:mod:`decode_lengths`) when its attention is to read the :mod:`decode_mirror`: request
     ids given with the lengths, one query per request, a CPU cache, and a batch whose gather would copy at least
     :data:`MIRROR_MIN_ELEMENTS`. None otherwise."""
-    host = getattr(_STEP_PLAN, "host_lengths", None)
-    if (q_len != 1 or host is None or host[5] is None or host[0] is not cache_seqlens
-            or host[1] != cache_seqlens._version or k_cache.device.type != "cpu"
-            or host[6] * k_cache.shape[-2] * k_cache.shape[-1] < MIRROR_MIN_ELEMENTS):
+    host = step_host(cache_seqlens)
+    if (q_len != 1 or host is None or host.request_ids is None or k_cache.device.type != "cpu"
+            or host.padded_slots * k_cache.shape[-2] * k_cache.shape[-1] < MIRROR_MIN_ELEMENTS):
         return None
     return host
 
@@ -405,7 +390,7 @@ def _group_rows(table, key_valid, cache_shape, q_len: int, heads: int) -> torch.
 def _decode_paged(q, k_cache, v_cache, part: _DecodeGroup, causal, softmax_scale):
     """:func:`flash_attn_with_kvcache` of one padded batch of a paged cache (``part`` of the step's plan)."""
     batch, q_len, heads, dim = q.shape
-    if part.gather_rows is None:  # planned for the decode mirror, which declined (its memory budget)
+    if part.gather_rows is None:  # planned for the decode mirror, which declined (larger than the paged cache)
         part.gather_rows = _group_rows(part.table, ~part.masked[:, 0, 0, :], k_cache.shape, q_len, heads)
     key, value = _gather_rows(k_cache, v_cache, part.gather_rows, (part.max_len, batch, -1, dim))
     return _attend_decode(q, key, value, part.lens, part.max_len, part.masked, causal, softmax_scale)

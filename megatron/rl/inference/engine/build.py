@@ -38,7 +38,8 @@ from megatron.rl.inference.engine.route_recorder import RouteRecorder
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
 from megatron.rl.runtime import decode_mirror
-from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS, set_decode_lengths
+from megatron.rl.runtime.decode_lengths import set_decode_lengths
+from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
 from megatron.rl.routing.replay import install_router_replay
 
 log = logging.getLogger(__name__)

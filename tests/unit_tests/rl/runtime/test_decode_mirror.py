@@ -7,6 +7,7 @@ import torch
 
 from megatron.rl.runtime import decode_mirror
 from megatron.rl.runtime import torch_attention as ta
+from megatron.rl.runtime.decode_lengths import set_decode_lengths
 
 HEADS, KV_HEADS, DIM, BLOCK, BLOCKS, LAYERS = 4, 2, 8, 4, 8192, 2
 
@@ -68,9 +69,9 @@ def _attend_both(paged: _PagedRequests, rows: list[int], owner, padding: int = 0
     """Every layer's decode attention for batch ``rows``, over the mirror and by gathering."""
     lens, table = paged.step_inputs(rows, padding)
     q = torch.randn(len(rows) + padding, 1, HEADS, DIM, generator=paged.g)
-    ta.set_decode_lengths(lens, request_ids=list(rows), owner=owner)
+    set_decode_lengths(lens, request_ids=list(rows), owner=owner)
     mirrored = [ta.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table) for k, v in paged.caches]
-    ta.set_decode_lengths(lens)  # no request ids: the gather
+    set_decode_lengths(lens)  # no request ids: the gather
     gathered = [ta.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table) for k, v in paged.caches]
     return mirrored, gathered
 

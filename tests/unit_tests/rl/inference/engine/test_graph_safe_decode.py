@@ -165,21 +165,24 @@ def test_the_guard_catches_the_reads_of_the_attention_and_sampler_without_host_k
     """The mode is not vacuous: the attention without the step's host lengths, and the sampler without its
     host-side rows, read tensors back (as both did before), and are stopped."""
     from megatron.rl.inference.sampling import sample_tokens, tempered_log_probs
-    from megatron.rl.runtime import torch_attention
+    from megatron.rl.runtime import decode_lengths, torch_attention
+    from megatron.rl.runtime.decode_lengths import set_decode_lengths
 
     q = torch.randn(3, 1, 4, 8)
     cache = torch.randn(8, 16, 2, 8)
     table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
     lens = torch.tensor([5, 20, 9], dtype=torch.int32)
     torch_attention._STEP_PLAN.__dict__.clear()
+    decode_lengths._HOST.__dict__.clear()
     with pytest.raises(DeviceToHostRead):
         with no_device_to_host_reads():
             torch_attention.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, block_table=table)
     torch_attention._STEP_PLAN.__dict__.clear()
-    torch_attention.set_decode_lengths(lens)
+    set_decode_lengths(lens)
     with no_device_to_host_reads():
         with_host = torch_attention.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens, block_table=table)
     torch_attention._STEP_PLAN.__dict__.clear()
+    decode_lengths._HOST.__dict__.clear()
     assert torch.equal(with_host, torch_attention.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lens,
                                                                           block_table=table))
 
