@@ -1,7 +1,7 @@
 """RL flags for ``train_rl.py``: parsed with the Megatron flags, then checked together up front.
 
 :class:`RLConfig` declares every RL flag on its field (and its sections: :class:`PolicyLossConfig`,
-:class:`InferenceLayoutConfig`, :class:`ObserveConfig`, :class:`AsyncRolloutConfig`); to add a flag, add a field
+:class:`InferenceLayoutConfig`, :class:`EngineFlags`, :class:`ObserveConfig`, :class:`AsyncRolloutConfig`); to add a flag, add a field
 with ``flag(...)`` there (see :mod:`megatron.rl.base.flags`) and its check beside that config's fields
 (:func:`validate_rl_config` here; :func:`~megatron.rl.layout.groups.validate_inference_layout`,
 :func:`~megatron.rl.rollout.async_config.validate_async_rollouts` and
@@ -28,6 +28,7 @@ from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig, validate_policy_loss
 from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
 from megatron.rl.inference import api
+from megatron.rl.inference.engine.engine_flags import EngineFlags, validate_engine_flags
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from megatron.rl.layout.groups import InferenceLayoutConfig, validate_inference_layout
 from megatron.rl.observe.config import ObserveConfig, resolve_observe
@@ -125,6 +126,8 @@ class RLConfig:
                                               "--rl-off-policy-server).")
     # separate inference layout; the default (no flags) generates with the training model itself
     inference_layout: InferenceLayoutConfig = section(InferenceLayoutConfig)
+    # the in-process engine: CUDA graphs of the decode step, request and KV-cache limits (Megatron-LM's flags)
+    engine: EngineFlags = section(EngineFlags)
     # samples, per-environment metrics, warnings, pass@k, --eval-only
     observe: ObserveConfig = section(ObserveConfig)
     # GRPO step speed: which passes run and the shapes they run at
@@ -245,6 +248,7 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
                            recompute_granularity=m.recompute_granularity,
                            load_balancing=m.moe_router_load_balancing_type)
     validate_inference_layout(rl.inference_layout, cfg, rl.inference_backend)
+    validate_engine_flags(rl.engine, rl.inference_backend)
     if rl.inference_layout.enabled:
         replicas = rl.inference_layout.sizes(cfg).dp
         _need(rl.prompts_per_step % replicas == 0,

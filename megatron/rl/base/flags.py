@@ -170,8 +170,9 @@ def _argparse_kwargs(cls: type, f: dataclasses.Field) -> dict:
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> argparse.ArgumentParser:
     """Add the flags of ``cls`` (and of its nested sections) to ``parser``, one argument group per section, and
-    note its ``_removed_flags`` (see the module docstring and :func:`refuse_removed_flags`)."""
+    note their ``_removed_flags`` (see the module docstring and :func:`refuse_removed_flags`)."""
     groups: dict[str, Any] = {}
+    removed = dict(getattr(parser, REMOVED_FLAGS, {}))
 
     def group(name: str):
         if name not in groups:
@@ -180,6 +181,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
 
     def walk(c: type, default_title: str) -> None:
         default_title = getattr(c, "_flag_group", None) or default_title
+        removed.update(getattr(c, "_removed_flags", {}))
         for f in dataclasses.fields(c):
             meta = _meta(f)
             if meta is None or meta["kind"] == _DERIVED:
@@ -190,8 +192,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, title: str | None = No
             group(meta["group"] or default_title).add_argument(option_of(f), **_argparse_kwargs(c, f))
 
     walk(cls, title or cls.__name__)
-    removed = getattr(parser, REMOVED_FLAGS, {})
-    setattr(parser, REMOVED_FLAGS, {**removed, **getattr(cls, "_removed_flags", {})})
+    setattr(parser, REMOVED_FLAGS, removed)
     return parser
 
 

@@ -61,6 +61,7 @@ from megatron.rl.inference.api import (GenerationArgs, InferenceError, Inference
 from megatron.rl.inference.chat_template import render_chat
 from megatron.rl.inference.control import RolloutShard, TrainerControl
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, unwrap_gpt_model
+from megatron.rl.inference.engine.engine_flags import apply_engine_flags
 from megatron.rl.inference.engine.lockstep import (Job, LockstepScheduler, broadcast_plan, lockstep_group,
                                                    lockstep_rank_groups)
 from megatron.rl.inference.engine.session import EngineSession, EosIds
@@ -148,7 +149,9 @@ class MegatronInference(InferenceInterface, TrainerControl):
         from megatron.core.utils import unwrap_model
 
         limit = unwrap_model(model[0]).max_sequence_length
-        settings = dataclasses.replace(EngineSettings.for_device(setup_runtime().device), record_routes=record_routes)
+        device = setup_runtime().device
+        settings = dataclasses.replace(EngineSettings.for_device(device), record_routes=record_routes)
+        settings = apply_engine_flags(settings, rl.engine, device.type, cfg.parallel.tensor_model_parallel_size)
         return cls(model[0], tokenizer, settings=settings, max_sequence_length=min(limit, cfg.model.seq_length))
 
     # ------------------------------------------------------------------ inference mode

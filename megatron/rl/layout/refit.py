@@ -25,6 +25,7 @@ from megatron.rl import parallel_utils
 from megatron.rl.base.errors import RLError
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.inference.control import build_training_inference
+from megatron.rl.inference.engine.engine_flags import EngineFlags, apply_engine_flags
 from megatron.rl.inference.forwarding import ForwardingInference
 from megatron.rl.layout.groups import InferenceGroups, InferenceLayoutConfig, build_inference_groups
 from megatron.rl.rl_utils import build_step_batches, logprob_gap, score
@@ -170,9 +171,11 @@ class LayoutInference(ForwardingInference):
 
 
 def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, train_model: list, tokenizer,
-                           vocab_size: int | None = None, record_routes: bool = False) -> LayoutInference:
+                           vocab_size: int | None = None, record_routes: bool = False,
+                           engine: EngineFlags | None = None) -> LayoutInference:
     """Groups, inference copy and backend for ``layout`` (collective over the world). No refit yet.
-    ``record_routes``: the copy's engine records MoE routes (``--rl-router-replay rollout``)."""
+    ``record_routes``: the copy's engine records MoE routes (``--rl-router-replay rollout``). ``engine``: the
+    engine flags (CUDA graphs, request and KV limits; default none set)."""
     from megatron.rl.inference.megatron import EngineSettings, MegatronInference  # heavy: megatron-core's engine
 
     runtime = setup_runtime()
@@ -188,6 +191,7 @@ def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, t
              "rank, %.1f MB over all ranks; refit via megatron-core %s", s.tp, s.pp, s.ep, groups.num_replicas,
              groups.replica_rank, model_bytes(copy_model) / 2**20, float(size[0]) / 2**20, method)
     settings = dataclasses.replace(EngineSettings.for_device(runtime.device), record_routes=record_routes)
+    settings = apply_engine_flags(settings, engine or EngineFlags(), runtime.device.type, s.tp)
     backend = MegatronInference(copy_model[0], tokenizer, settings=settings, process_groups=groups)
     return LayoutInference(backend, copy, groups)
 
@@ -197,7 +201,8 @@ def build_run_inference(cfg: TrainingConfig, rl: Any, model: list, tokenizer) ->
     flags ask for one (not refit yet), else ``--inference-backend``'s ``build_for_training``."""
     if rl.inference_layout.enabled:
         return build_layout_inference(cfg, rl.inference_layout, model, tokenizer,
-                                      record_routes=rl.router_replay == "rollout")  # MoE routing replay
+                                      record_routes=rl.router_replay == "rollout",  # MoE routing replay
+                                      engine=rl.engine)
     return build_training_inference(cfg, rl, model, tokenizer)
 
 

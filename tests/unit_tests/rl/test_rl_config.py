@@ -316,7 +316,8 @@ def test_megatron_backend_generation_is_capped_at_seq_length(env_yaml, monkeypat
     model = torch.nn.Linear(1, 1)
     model.max_sequence_length = 256  # --max-position-embeddings larger than --seq-length
     rl = _rl(env_yaml)
-    cfg = types.SimpleNamespace(model=types.SimpleNamespace(seq_length=64))
+    cfg = types.SimpleNamespace(model=types.SimpleNamespace(seq_length=64),
+                                parallel=types.SimpleNamespace(tensor_model_parallel_size=1))
     assert isinstance(build_training_inference(cfg, rl, [model], None), MegatronInference)
     assert seen["max_sequence_length"] == 64
     model.max_sequence_length = 32

@@ -1,0 +1,134 @@
+"""The in-process engine's Megatron flags: CUDA graphs of the decode step, and the engine's request and KV limits.
+
+Megatron-LM's RL scripts size the dynamic inference engine and turn its CUDA graphs on with
+``--cuda-graph-impl local``, ``--inference-dynamic-batching-num-cuda-graphs``,
+``--inference-dynamic-batching-max-requests`` and ``--inference-dynamic-batching-buffer-size-gb``. ``train_rl.py``
+takes the same flags for ``--inference-backend megatron`` and turns them into the engine's
+:class:`~megatron.rl.inference.engine.build.EngineSettings` (:func:`apply_engine_flags`):
+
+- ``--cuda-graph-impl local``: on a GPU, each decode bucket's forward is captured in a CUDA graph and replayed
+  (:mod:`megatron.rl.inference.engine.graphs`; a bucket whose capture fails runs eagerly). Training runs eagerly;
+  Megatron-LM's ``--rl-training-cuda-graphs`` is refused with that explanation. On CPU there is nothing to
+  capture: the decode buckets still apply (the same tokens and log-probs) and the run says so once.
+  **Not validated yet**: a CPU replay of the captured step, operator by operator as a GPU replays a graph
+  (``test_decode_graph_replay.py``), does not give the eager tokens yet, so the flag is refused unless
+  ``MEGATRON_RL_UNVALIDATED_CUDA_GRAPHS=1`` asks for it anyway (to measure it on a GPU, comparing its tokens).
+- ``--inference-dynamic-batching-num-cuda-graphs N``: N decode buckets, evenly spaced up to the request limit in
+  multiples of 8 (and of the TP size), as megatron-core spaces its own graph sizes. Unset: powers of two.
+
+This module holds no megatron-core import, so parsing the flags stays light.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any
+
+from megatron.rl.base.errors import ConfigError
+from megatron.rl.base.flags import flag
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineFlags", "validate_engine_flags", "apply_engine_flags", "even_buckets", "GRAPH_IMPLS",
+           "BUCKET_MULTIPLE", "UNVALIDATED_GRAPHS_ENV"]
+
+UNVALIDATED_GRAPHS_ENV = "MEGATRON_RL_UNVALIDATED_CUDA_GRAPHS"
+GRAPH_IMPLS = ("none", "local", "transformer_engine")  # Megatron-LM's choices; "transformer_engine" is refused
+BUCKET_MULTIPLE = 8  # decode bucket sizes are multiples of this (megatron-core's graph sizes are too)
+NO_TRAINING_GRAPHS = ("--cuda-graph-impl local (CUDA graphs of the in-process engine's decode step; the training "
+                      "step runs eagerly in megatron-rl)")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFlags:
+    """The in-process engine's flags (``--inference-backend megatron``); unset values keep the engine's defaults
+    (:meth:`EngineSettings.for_device`)."""
+
+    _flag_group = "in-process inference engine (--inference-backend megatron)"
+    _removed_flags = {"--rl-training-cuda-graphs": NO_TRAINING_GRAPHS}
+
+    cuda_graph_impl: str = flag(
+        "none", choices=GRAPH_IMPLS,
+        help="local = on a GPU, capture each decode bucket's forward in a CUDA graph and replay it (a bucket whose "
+             "capture fails runs eagerly; training stays eager); not validated yet, so it needs "
+             "MEGATRON_RL_UNVALIDATED_CUDA_GRAPHS=1. none (default) = no graphs. transformer_engine is not supported.")
+    num_cuda_graphs: int | None = flag(
+        None, name="--inference-dynamic-batching-num-cuda-graphs",
+        help="With --cuda-graph-impl local: this many decode batch sizes (buckets), evenly spaced up to the request "
+             "limit in multiples of 8. Default: powers of two from 8.")
+    max_requests: int | None = flag(
+        None, name="--inference-dynamic-batching-max-requests",
+        help="Requests the engine runs at once (default 256 on CPU, 512 on GPU).")
+    buffer_size_gb: float | None = flag(
+        None, name="--inference-dynamic-batching-buffer-size-gb",
+        help="KV-cache memory of the engine, GB (default 0.5 on CPU, 4 on GPU).")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.cuda_graph_impl == "local"
+
+
+def validate_engine_flags(f: EngineFlags, inference_backend: str) -> None:
+    """ConfigError for values that cannot work, naming the flag; a warning for flags that will be ignored."""
+    if f.cuda_graph_impl == "transformer_engine":
+        raise ConfigError("--cuda-graph-impl transformer_engine: not supported; megatron-rl captures the in-process "
+                          "engine's decode step itself: use --cuda-graph-impl local.")
+    if f.cuda_graphs and os.environ.get(UNVALIDATED_GRAPHS_ENV) != "1":
+        raise ConfigError(f"--cuda-graph-impl local: CUDA graphs of the decode step are not validated yet (a replay of "
+                          f"the captured step on CPU does not give the eager tokens); drop the flag, or set "
+                          f"{UNVALIDATED_GRAPHS_ENV}=1 to run them anyway (to measure them, checking the tokens).")
+    if f.cuda_graphs and inference_backend != "megatron":
+        raise ConfigError(f"--cuda-graph-impl local captures the in-process engine's decode step, but "
+                          f"--inference-backend={inference_backend}; use --inference-backend megatron, or drop the "
+                          f"flag (a server backend runs its own graphs).")
+    if f.num_cuda_graphs is not None and f.num_cuda_graphs < 1:
+        raise ConfigError(f"--inference-dynamic-batching-num-cuda-graphs={f.num_cuda_graphs}: must be >= 1.")
+    if f.max_requests is not None and f.max_requests < 1:
+        raise ConfigError(f"--inference-dynamic-batching-max-requests={f.max_requests}: must be >= 1.")
+    if f.buffer_size_gb is not None and not (math.isfinite(f.buffer_size_gb) and f.buffer_size_gb > 0):
+        raise ConfigError(f"--inference-dynamic-batching-buffer-size-gb={f.buffer_size_gb}: must be a positive "
+                          f"number of GB.")
+    if f.num_cuda_graphs is not None and not f.cuda_graphs:
+        log.warning("--inference-dynamic-batching-num-cuda-graphs=%d is ignored without --cuda-graph-impl local",
+                    f.num_cuda_graphs)
+    ignored = [name for name, value in (("--inference-dynamic-batching-max-requests", f.max_requests),
+                                        ("--inference-dynamic-batching-buffer-size-gb", f.buffer_size_gb))
+               if value is not None]
+    if ignored and inference_backend != "megatron":
+        log.warning("%s: ignored with --inference-backend=%s (they size the in-process engine)",
+                    " and ".join(ignored), inference_backend)
+
+
+def even_buckets(count: int, largest: int, multiple: int = BUCKET_MULTIPLE) -> tuple[int, ...]:
+    """``count`` decode bucket sizes, ascending: multiples of a step (``largest / count`` rounded up to
+    ``multiple``) below ``largest``, then ``largest`` rounded down to ``multiple`` (at least ``multiple``). Pure."""
+    if count < 1 or largest < 1 or multiple < 1:
+        raise ValueError(f"even_buckets needs positive sizes, got count={count}, largest={largest}, "
+                         f"multiple={multiple}")
+    top = max(multiple, largest // multiple * multiple)
+    step = multiple * math.ceil(int(largest / count) / multiple) if count > 1 else top
+    step = max(step, multiple)
+    sizes = list(range(step, top, step)) if count > 1 else []
+    return tuple(sizes + [top])
+
+
+def apply_engine_flags(settings: Any, f: EngineFlags, device_type: str, tp_size: int = 1) -> Any:
+    """``settings`` (an ``EngineSettings``) with the flags of ``f`` applied, for an engine on ``device_type`` whose
+    model has TP size ``tp_size`` (bucket sizes are multiples of it too)."""
+    changes: dict[str, Any] = {}
+    if f.max_requests is not None:
+        changes["max_requests"] = f.max_requests
+    if f.buffer_size_gb is not None:
+        changes["buffer_size_gb"] = f.buffer_size_gb
+    if f.cuda_graphs:
+        changes["decode_cuda_graphs"] = True
+        if f.num_cuda_graphs is not None:
+            multiple = BUCKET_MULTIPLE * tp_size // math.gcd(BUCKET_MULTIPLE, tp_size)
+            changes["decode_buckets"] = even_buckets(f.num_cuda_graphs, changes.get("max_requests",
+                                                                                    settings.max_requests), multiple)
+        if device_type != "cuda":
+            log.warning("--cuda-graph-impl local: this run's engine is on %s, which has no CUDA graphs; decode steps "
+                        "run eagerly at the decode buckets' shapes (the same tokens and log-probs)", device_type)
+    return dataclasses.replace(settings, **changes)
