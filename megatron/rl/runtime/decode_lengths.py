@@ -27,6 +27,13 @@ class HostLengths(NamedTuple):
     owner: Any  # the engine's context (for the decode mirror), or None
     request_ids: list | None  # each row's request (the decode mirror), or None: gather
     padded_slots: int  # rows x the longest length
+    split_groups: bool = True  # False: one padded batch of all rows (a captured graph has one fixed plan)
+
+    def key_slots(self, min_slots: int) -> int:
+        """The key slots a single padded batch of all rows attends: the longest length (at least ``min_slots``)
+        rounded up to ``key_multiple``."""
+        longest = max(max(self.lengths, default=1), 1, min_slots)
+        return -(-longest // self.key_multiple) * self.key_multiple
 
 
 def step_host(cache_seqlens: torch.Tensor) -> HostLengths | None:
@@ -38,15 +45,17 @@ def step_host(cache_seqlens: torch.Tensor) -> HostLengths | None:
 
 
 def set_decode_lengths(cache_seqlens: torch.Tensor, key_multiple: int = 1, request_ids: list | None = None,
-                       owner: object = None) -> None:
+                       owner: object = None, split_groups: bool = True) -> None:
     """Give this thread's next decode attention the host-side values of ``cache_seqlens`` (the tensor every layer of
     the step will receive), read once before the forward, so the forward reads nothing back from the device.
 
     ``key_multiple``: key slots attended are rounded up to a multiple of it (fixed shapes for few lengths; the extra
     slots are masked). The values are taken for as long as the tensor is unchanged (its version counter).
     ``request_ids`` (each row's request) and ``owner`` (the engine's context), on a CPU: attend over the engine's
-    :mod:`decode_mirror` instead of gathering the paged cache in every layer.
+    :mod:`decode_mirror` instead of gathering the paged cache in every layer. ``split_groups=False``: the rows are
+    attended as one padded batch even when their lengths lie far apart (what a captured graph of the step needs: its
+    plan then depends on the row count and :meth:`HostLengths.key_slots` alone).
     """
     lengths = cache_seqlens.tolist()
     _HOST.lengths = HostLengths(cache_seqlens, cache_seqlens._version, lengths, max(1, key_multiple), owner,
-                                request_ids, len(lengths) * max(lengths, default=0))
+                                request_ids, len(lengths) * max(lengths, default=0), split_groups)

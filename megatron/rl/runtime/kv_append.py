@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["install"]
+__all__ = ["install", "forget"]
 
 _ORIGINAL: dict[str, object] = {}
 
@@ -46,6 +46,11 @@ def _append(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> 
     keys, values = self.memory_buffer[0, layer], self.memory_buffer[1, layer]  # [blocks, block_size, heads, dim]
     keys.view(-1, *keys.shape[2:]).index_copy_(0, slots, key.squeeze(1)[:n])
     values.view(-1, *values.shape[2:]).index_copy_(0, slots, value.squeeze(1)[:n])
+
+
+def forget(context) -> None:
+    """Drop ``context``'s memoised cache slots: the next append computes them afresh (inside a graph capture, say)."""
+    context.__dict__.pop("_rl_kv_slots", None)
 
 
 def _step_slots(context, n: int) -> torch.Tensor:

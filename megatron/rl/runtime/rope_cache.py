@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["install", "rotate"]
+__all__ = ["install", "rotate", "forget"]
 
 _ORIGINALS: dict[str, object] = {}
 
@@ -63,6 +63,11 @@ def _apply_key(self, key, key_emb, config, cp_group, mscale=1.0):
         return rotate(key[:n], cos, sin, config.rotary_interleaved)
     key[:n] = rotate(key[:n], cos, sin, config.rotary_interleaved)
     return key
+
+
+def forget(context) -> None:
+    """Drop ``context``'s memoised cos/sin: the next step computes them afresh (inside a graph capture, say)."""
+    context.__dict__.pop("_rl_rope_cache", None)
 
 
 def _step_cos_sin(context, freqs: torch.Tensor, positions: torch.Tensor, n: int, mscale: float,

@@ -307,6 +307,11 @@ class _DecodeGroup:
 _STEP_PLAN = threading.local()
 
 
+def forget_step_plans() -> None:
+    """Drop this thread's memoised attention plans: the next call plans afresh (inside a graph capture, say)."""
+    _STEP_PLAN.__dict__.clear()
+
+
 def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q_shape: torch.Size,
                        cache_shape: torch.Size, mirrored: bool = False) -> list[_DecodeGroup]:
     """The step's :class:`_DecodeGroup` list, built by the first layer and reused by the others.
@@ -331,7 +336,7 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
         host_lens, key_multiple = cache_seqlens.tolist(), 1
     lens = cache_seqlens.long()
     groups = [list(range(batch))]
-    if batch > 1:
+    if batch > 1 and (host is None or host.split_groups):
         split = length_groups(host_lens, overhead)
         if len(split) > 1 and mirrored:  # in place, or each group copied out (its slots twice) and attended
             copied = sum(overhead + 2 * len(g) * max(host_lens[i] for i in g) for g in split)

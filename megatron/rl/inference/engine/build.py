@@ -37,8 +37,8 @@ from megatron.rl.inference.engine.rollout_engine import RolloutEngine
 from megatron.rl.inference.engine.route_recorder import RouteRecorder
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
-from megatron.rl.runtime import decode_mirror
-from megatron.rl.runtime.decode_lengths import set_decode_lengths
+from megatron.rl.runtime import decode_mirror, kv_append, rope_cache, torch_attention
+from megatron.rl.runtime.decode_lengths import set_decode_lengths, step_host
 from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
 from megatron.rl.routing.replay import install_router_replay
 
@@ -86,7 +86,7 @@ class EngineSettings:
         ``token_rounder``'s padding.
     decode_cuda_graphs: on a GPU, capture each decode bucket's forward in a CUDA graph and replay it
         (:mod:`megatron.rl.inference.engine.graphs`; needs ``decode_buckets``, which it defaults to powers of two);
-        a bucket whose capture fails runs eagerly. Ignored on CPU.
+        a bucket whose capture fails runs eagerly. Ignored on CPU. Not validated yet (see that module).
 
     Defaults: :meth:`for_device`. On CPU, small blocks and a buffer sized for the batch matter most
     (the stock 256-token blocks and 16 384-token steps gather far more cache than a short request uses).
@@ -117,6 +117,15 @@ class EngineSettings:
 
 
 GRAPH_DEVICES = ("cuda",)  # where EngineSettings.decode_cuda_graphs captures (CPU has no graphs to capture)
+GRAPH_KEY_SLOTS = 64  # with graphs, decode attention's key slots are a multiple of this: one graph per (rows, slots)
+
+
+def forget_step_memos(context: Any) -> None:
+    """Drop what a decode forward memoises per step (attention plans, RoPE cos/sin, KV-append slots), so that the
+    next forward computes it: inside the captured run of a graph, rather than taken from a warm-up run."""
+    torch_attention.forget_step_plans()
+    rope_cache.forget(context)
+    kv_append.forget(context)
 
 
 @dataclasses.dataclass
@@ -196,6 +205,7 @@ class SamplingController(TextGenerationController):
         self.decode_mirror = False  # decode attention over decode_mirror (EngineSettings.decode_mirror)
         self.graphs: DecodeGraphs | None = None  # EngineSettings.decode_cuda_graphs on a GPU
         self.graph_buckets: frozenset[int] = frozenset()
+        self._graph_key: tuple[int, int] | None = None  # this decode step's (rows, key slots) when graphs are on
 
     def make_generator(self, seed: int) -> NoiseStream:
         g = torch.Generator(device=self._sampled_tokens_cuda.device)
@@ -223,9 +233,14 @@ class SamplingController(TextGenerationController):
         context = self.inference_wrapped_model.inference_context
         active = slice(context.paused_request_count, context.total_request_count)
         request_ids = context.request_ids[active].tolist()
+        self._graph_key = None
         if context.is_decode_only():
             lengths = context.active_attn_metadata["mha_metadata"].state_data["kv_seq_lengths"]
-            if lengths.device.type == "cpu":  # our attention stand-in (no flash-attn): a read of host memory
+            if self.graphs is not None:  # one read per step, outside the graph: its shapes and plan key the graph
+                set_decode_lengths(lengths, key_multiple=self.key_multiple, owner=context, split_groups=False)
+                host = step_host(lengths)
+                self._graph_key = (context.padded_active_request_count, host.key_slots(MIN_KEY_SLOTS))
+            elif lengths.device.type == "cpu":  # our attention stand-in (no flash-attn): a read of host memory
                 set_decode_lengths(lengths, key_multiple=self.key_multiple,
                                    request_ids=request_ids if self.decode_mirror else None, owner=context)
         elif decode_mirror.current() is not None:  # a prefill step: readmitted requests compute their tokens anew
@@ -237,8 +252,8 @@ class SamplingController(TextGenerationController):
     def _dynamic_step_forward_logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         context = self.inference_wrapped_model.inference_context
         rows = context.padded_active_request_count
-        if self.graphs is not None and context.is_decode_only() and rows in self.graph_buckets:
-            return self.graphs(rows, input_ids, position_ids)
+        if self.graphs is not None and self._graph_key is not None and rows in self.graph_buckets:
+            return self.graphs(self._graph_key, input_ids, position_ids)
         return super()._dynamic_step_forward_logits(input_ids, position_ids)
 
     def _prepare_sampling(self, context: Any, request_ids: list[int]) -> "_StepSampling":
@@ -412,7 +427,9 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     controller.decode_mirror = settings.decode_mirror
     if settings.decode_cuda_graphs and context.memory_buffer.device.type in GRAPH_DEVICES:
         forward = super(SamplingController, controller)._dynamic_step_forward_logits
-        controller.graphs, controller.graph_buckets = DecodeGraphs(forward), frozenset(buckets)
+        controller.graphs = DecodeGraphs(forward, reset=functools.partial(forget_step_memos, context))
+        controller.graph_buckets = frozenset(buckets)
+        controller.key_multiple = GRAPH_KEY_SLOTS  # fewer key lengths, fewer graphs
     engine = RolloutEngine(controller, context, random_seed=settings.seed, pg_collection=pg_collection)
     log.debug("dynamic inference engine: %d KV blocks of %d tokens, max_requests=%d, max_tokens=%d",
               context.block_allocator.total_count, context.block_size_tokens, context.max_requests,

@@ -246,7 +246,8 @@ def test_engine_routes_decode_steps_through_the_graphs_and_keeps_every_token(mod
     # on CPU the flag keeps its fixed shapes (buckets, logits of every padded row) but captures nothing: eager
     eager = _generate(_backend(model, decode_cuda_graphs=True), _requests(seed=2))
     monkeypatch.setattr(build, "GRAPH_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(build, "DecodeGraphs", lambda forward: DecodeGraphs(forward, capture=_emulated_capture(calls)))
+    monkeypatch.setattr(build, "DecodeGraphs",
+                        lambda forward, **kw: DecodeGraphs(forward, capture=_emulated_capture(calls), **kw))
     _generate(_backend(model, decode_buckets=(8, 16, 32, 64)), _requests(seed=2)[:8])
     assert calls == []  # where graphs could be captured, nothing is without the flag (buckets alone do not)
     graphed = _generate(_backend(model, decode_cuda_graphs=True), _requests(seed=2))
