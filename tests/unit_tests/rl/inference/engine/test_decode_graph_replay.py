@@ -68,8 +68,8 @@ def model():
     return peaked_tiny_gpt(hidden=64, layers=2, seq=128)
 
 
-@pytest.mark.xfail(strict=True, reason="a replayed decode graph does not give the eager tokens yet: the first operand "
-                   "found stale is the query after the step's RoPE frequency gather; not resolved")
+@pytest.mark.xfail(strict=True, reason="a replayed decode graph does not give the eager tokens yet (the first replayed "
+                   "steps already differ); the cause is not found")
 def test_replayed_decode_graphs_give_the_eager_tokens_and_log_probs(model, monkeypatch):
     from megatron.rl.inference.engine import build
     from megatron.rl.inference.engine.graphs import DecodeGraphs
