@@ -248,7 +248,7 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
                            recompute_granularity=m.recompute_granularity,
                            load_balancing=m.moe_router_load_balancing_type)
     validate_inference_layout(rl.inference_layout, cfg, rl.inference_backend)
-    validate_engine_flags(rl.engine, rl.inference_backend)
+    validate_engine_flags(rl.engine, rl.inference_backend, rl.router_replay)
     if rl.inference_layout.enabled:
         replicas = rl.inference_layout.sizes(cfg).dp
         _need(rl.prompts_per_step % replicas == 0,

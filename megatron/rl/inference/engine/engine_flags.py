@@ -10,9 +10,9 @@ takes the same flags for ``--inference-backend megatron`` and turns them into th
   (:mod:`megatron.rl.inference.engine.graphs`; a bucket whose capture fails runs eagerly). Training runs eagerly;
   Megatron-LM's ``--rl-training-cuda-graphs`` is refused with that explanation. On CPU there is nothing to
   capture: the decode buckets still apply (the same tokens and log-probs) and the run says so once.
-  **Not validated yet**: a CPU replay of the captured step, operator by operator as a GPU replays a graph
-  (``test_decode_graph_replay.py``), does not give the eager tokens yet, so the flag is refused unless
-  ``MEGATRON_RL_UNVALIDATED_CUDA_GRAPHS=1`` asks for it anyway (to measure it on a GPU, comparing its tokens).
+  Not run on a GPU yet: a CPU replay of the captured step, operator by operator as a GPU replays a graph
+  (``test_decode_graph_replay.py``), gives the eager tokens and log-probs bit for bit, and each graph's first
+  replay after its capture is checked against an eager forward (a mismatch fails the requests in flight).
 - ``--inference-dynamic-batching-num-cuda-graphs N``: N decode buckets, evenly spaced up to the request limit in
   multiples of 8 (and of the TP size), as megatron-core spaces its own graph sizes. Unset: powers of two.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from typing import Any
 
 from megatron.rl.base.errors import ConfigError
@@ -32,9 +31,8 @@ from megatron.rl.base.flags import flag
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineFlags", "validate_engine_flags", "apply_engine_flags", "even_buckets", "GRAPH_IMPLS",
-           "BUCKET_MULTIPLE", "UNVALIDATED_GRAPHS_ENV"]
+           "BUCKET_MULTIPLE"]
 
-UNVALIDATED_GRAPHS_ENV = "MEGATRON_RL_UNVALIDATED_CUDA_GRAPHS"
 GRAPH_IMPLS = ("none", "local", "transformer_engine")  # Megatron-LM's choices; "transformer_engine" is refused
 BUCKET_MULTIPLE = 8  # decode bucket sizes are multiples of this (megatron-core's graph sizes are too)
 NO_TRAINING_GRAPHS = ("--cuda-graph-impl local (CUDA graphs of the in-process engine's decode step; the training "
@@ -51,9 +49,9 @@ class EngineFlags:
 
     cuda_graph_impl: str = flag(
         "none", choices=GRAPH_IMPLS,
-        help="local = on a GPU, capture each decode bucket's forward in a CUDA graph and replay it (a bucket whose "
-             "capture fails runs eagerly; training stays eager); not validated yet, so it needs "
-             "MEGATRON_RL_UNVALIDATED_CUDA_GRAPHS=1. none (default) = no graphs. transformer_engine is not supported.")
+        help="local = on a GPU, capture the decode step's forward in CUDA graphs (one per batch bucket and attention "
+             "key length) and replay them; a shape whose capture fails runs eagerly, training stays eager. Not run "
+             "on a GPU yet. none (default) = no graphs. transformer_engine is not supported.")
     num_cuda_graphs: int | None = flag(
         None, name="--inference-dynamic-batching-num-cuda-graphs",
         help="With --cuda-graph-impl local: this many decode batch sizes (buckets), evenly spaced up to the request "
@@ -70,19 +68,19 @@ class EngineFlags:
         return self.cuda_graph_impl == "local"
 
 
-def validate_engine_flags(f: EngineFlags, inference_backend: str) -> None:
+def validate_engine_flags(f: EngineFlags, inference_backend: str, router_replay: str = "off") -> None:
     """ConfigError for values that cannot work, naming the flag; a warning for flags that will be ignored."""
     if f.cuda_graph_impl == "transformer_engine":
         raise ConfigError("--cuda-graph-impl transformer_engine: not supported; megatron-rl captures the in-process "
                           "engine's decode step itself: use --cuda-graph-impl local.")
-    if f.cuda_graphs and os.environ.get(UNVALIDATED_GRAPHS_ENV) != "1":
-        raise ConfigError(f"--cuda-graph-impl local: CUDA graphs of the decode step are not validated yet (a replay of "
-                          f"the captured step on CPU does not give the eager tokens); drop the flag, or set "
-                          f"{UNVALIDATED_GRAPHS_ENV}=1 to run them anyway (to measure them, checking the tokens).")
     if f.cuda_graphs and inference_backend != "megatron":
         raise ConfigError(f"--cuda-graph-impl local captures the in-process engine's decode step, but "
                           f"--inference-backend={inference_backend}; use --inference-backend megatron, or drop the "
                           f"flag (a server backend runs its own graphs).")
+    if f.cuda_graphs and router_replay == "rollout":
+        raise ConfigError("--cuda-graph-impl local with --rl-router-replay rollout: the engine records each decode "
+                          "step's MoE routes from Python hooks in the forward, which a replayed graph does not run; "
+                          "drop one of the two.")
     if f.num_cuda_graphs is not None and f.num_cuda_graphs < 1:
         raise ConfigError(f"--inference-dynamic-batching-num-cuda-graphs={f.num_cuda_graphs}: must be >= 1.")
     if f.max_requests is not None and f.max_requests < 1:

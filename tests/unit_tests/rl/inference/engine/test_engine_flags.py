@@ -19,11 +19,6 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--train-iters", "3", "--lr", "1e-4"]
 
 
-@pytest.fixture(autouse=True)
-def unvalidated_graphs_allowed(monkeypatch):
-    monkeypatch.setenv("MEGATRON_RL_UNVALIDATED_CUDA_GRAPHS", "1")
-
-
 @pytest.fixture
 def env_yaml(tmp_path):
     p = tmp_path / "env.yaml"
@@ -78,18 +73,12 @@ def test_graphs_on_cpu_keep_the_buckets_and_say_so_once(env_yaml, caplog):
     (("--inference-dynamic-batching-buffer-size-gb", -1), "--inference-dynamic-batching-buffer-size-gb=-1.0"),
     (("--rl-training-cuda-graphs",), "--rl-training-cuda-graphs is not a flag of this version: use "
                                      "--cuda-graph-impl local"),
+    (("--cuda-graph-impl", "local", "--rl-router-replay", "rollout", "--num-experts", 4, "--moe-router-topk", 2),
+     "--cuda-graph-impl local with --rl-router-replay rollout"),
 ])
 def test_bad_values_name_the_flag(env_yaml, flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         _rl(env_yaml, *flags)
-
-
-def test_graphs_are_refused_until_asked_for_explicitly(env_yaml, monkeypatch):
-    monkeypatch.delenv("MEGATRON_RL_UNVALIDATED_CUDA_GRAPHS")
-    with pytest.raises(ConfigError, match="--cuda-graph-impl local: CUDA graphs of the decode step are not validated "
-                                          "yet .* MEGATRON_RL_UNVALIDATED_CUDA_GRAPHS=1"):
-        _rl(env_yaml, "--cuda-graph-impl", "local")
-    assert _rl(env_yaml, "--cuda-graph-impl", "none").engine.cuda_graph_impl == "none"
 
 
 def test_ignored_flags_are_reported(env_yaml, caplog):
