@@ -9,7 +9,7 @@ takes the same flags for ``--inference-backend megatron`` and turns them into th
 - ``--cuda-graph-impl local``: on a GPU, each decode bucket's forward is captured in a CUDA graph and replayed
   (:mod:`megatron.rl.inference.engine.graphs`; a bucket whose capture fails runs eagerly). Training runs eagerly;
   Megatron-LM's ``--rl-training-cuda-graphs`` is refused with that explanation. On CPU there is nothing to
-  capture: the decode buckets still apply (the same tokens and log-probs) and the run says so once.
+  capture: the decode steps run eagerly at the buckets' shapes, and the run says so once.
   Not run on a GPU yet: a CPU replay of the captured step, operator by operator as a GPU replays a graph
   (``test_decode_graph_replay.py``), gives the eager tokens and log-probs bit for bit, and each graph's first
   replay after its capture is checked against an eager forward (a mismatch fails the requests in flight).
@@ -128,5 +128,5 @@ def apply_engine_flags(settings: Any, f: EngineFlags, device_type: str, tp_size:
                                                                                     settings.max_requests), multiple)
         if device_type != "cuda":
             log.warning("--cuda-graph-impl local: this run's engine is on %s, which has no CUDA graphs; decode steps "
-                        "run eagerly at the decode buckets' shapes (the same tokens and log-probs)", device_type)
+                        "run eagerly at the decode buckets' shapes", device_type)
     return dataclasses.replace(settings, **changes)
