@@ -1,7 +1,9 @@
 """The Megatron inference backend on a saved checkpoint: what ``python -m megatron.rl.server.inference
 --backend megatron -- --load CKPT`` builds.
 
-The flags after ``--`` are ``pretrain_gpt.py`` / ``train_rl.py`` flags. Without model flags
+The flags after ``--`` are ``pretrain_gpt.py`` / ``train_rl.py`` flags, and the engine's flags
+(``--inference-dynamic-batching-max-requests`` / ``-buffer-size-gb``, ``--cuda-graph-impl local``: see
+:mod:`megatron.rl.inference.engine.engine_flags`). Without model flags
 (``--num-layers`` ...) they are read from the checkpoint (``--use-checkpoint-args`` is implied; see
 :mod:`megatron.rl.training.checkpoint.args`), so a checkpoint saved by this version serves from its
 directory alone; older checkpoints need their model flags. Only the model weights are loaded.
@@ -12,7 +14,9 @@ import logging
 import os
 from typing import Sequence
 
+from megatron.rl.base.flags import add_flags, from_namespace
 from megatron.rl.inference.api import InferenceError, backend_class
+from megatron.rl.inference.engine.engine_flags import EngineFlags, apply_engine_flags, validate_engine_flags
 from megatron.rl.training.checkpoint.args import FLAG, has_model_flags
 from megatron.rl.training.checkpoint.save_load import CheckpointError, load_checkpoint
 from megatron.rl.training.config import ConfigError, parse_args
@@ -45,7 +49,9 @@ def megatron_backend_from_cli(argv: Sequence[str]):
                              "server without torchrun; for model-parallel serving use train_rl.py's "
                              "--rl-serve-inference or convert the checkpoint to Hugging Face and use vLLM")
     try:
-        cfg = parse_args(argv, world_size=1)
+        cfg = parse_args(argv, extra_args_providers=[lambda parser: add_flags(parser, EngineFlags)], world_size=1)
+        engine = from_namespace(EngineFlags, cfg.extra)
+        validate_engine_flags(engine, "megatron")
     except ConfigError as e:
         raise InferenceError(str(e)) from e
     initialize_megatron(cfg)
@@ -58,4 +64,9 @@ def megatron_backend_from_cli(argv: Sequence[str]):
     except CheckpointError as e:
         raise InferenceError(f"cannot serve {path}: {e}") from e
     log.info("serving %s (iteration %s)", loaded.path, loaded.iteration)
-    return backend_class("megatron")(model[0], tokenizer)
+    from megatron.rl.inference.engine.build import EngineSettings  # megatron-core's engine: after the checks
+    from megatron.rl.runtime import setup_runtime
+
+    device = setup_runtime().device
+    settings = apply_engine_flags(EngineSettings.for_device(device), engine, device.type)
+    return backend_class("megatron")(model[0], tokenizer, settings=settings)

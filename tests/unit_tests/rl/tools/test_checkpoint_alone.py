@@ -81,7 +81,9 @@ def test_convert_to_hf_and_serve_from_the_checkpoint_alone(pretrained):
     assert hf.config.vocab_size == 384  # Megatron's padded vocabulary: the softmax the model was trained with
     assert hf.config.bos_token_id is None and tok.bos_token_id is None  # trained without BOS: none is declared
 
-    server = _serve(["--backend", "megatron", "--", "--load", str(ckpt)])
+    # the engine's own flags pass through too (a small request limit: the prompts come one at a time)
+    server = _serve(["--backend", "megatron", "--", "--load", str(ckpt),
+                     "--inference-dynamic-batching-max-requests", "8"])
     try:
         engine = {prompt: _ask(server, prompt) for prompt in PROMPTS}
     finally:
