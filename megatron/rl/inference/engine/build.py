@@ -388,6 +388,9 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     config = get_model_config(gpt)
     num_local_layers = len(gpt.decoder.layers)
     padded_vocab_size = gpt.vocab_size  # the model's (padded) vocabulary: logits have this width
+    if settings.decode_cuda_graphs and settings.record_routes:
+        raise ValueError("EngineSettings: decode_cuda_graphs with record_routes: the routes are recorded by Python "
+                         "hooks in the forward, which a replayed graph does not run")
     buckets = settings.decode_buckets
     if buckets is None and settings.decode_cuda_graphs:
         buckets = power_of_two_buckets(settings.token_rounder or 8, settings.max_requests)

@@ -177,3 +177,11 @@ def test_a_graph_holds_the_tensors_its_captured_run_touched():
     del kept
     gc.collect()
     assert alive() is None  # released with the graph
+
+
+def test_graphs_and_route_recording_are_refused_together(model):
+    """MoE routes are recorded by Python hooks during the forward, which a replayed graph does not run."""
+    from megatron.rl.inference.api import InferenceError
+
+    with pytest.raises(InferenceError, match="decode_cuda_graphs with record_routes"):
+        _generate(_backend(model, decode_cuda_graphs=True, record_routes=True), _requests()[:2])
