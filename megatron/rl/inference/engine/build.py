@@ -84,9 +84,10 @@ class EngineSettings:
         ``MIN_KEY_SLOTS``, so a decode step takes one of a few shapes (what a captured graph or a compiled step
         needs). None = pad to ``token_rounder`` only (fastest without graphs). Counts above the largest size keep
         ``token_rounder``'s padding.
-    decode_cuda_graphs: on a GPU, capture each decode bucket's forward in a CUDA graph and replay it
-        (:mod:`megatron.rl.inference.engine.graphs`; needs ``decode_buckets``, which it defaults to powers of two);
-        a bucket whose capture fails runs eagerly. Ignored on CPU. Not validated yet (see that module).
+    decode_cuda_graphs: on a GPU, capture the decode forward in a CUDA graph per bucket and attention key length
+        and replay it (:mod:`megatron.rl.inference.engine.graphs`; needs ``decode_buckets``, which it defaults to
+        powers of two); a shape whose capture fails runs eagerly. Ignored on CPU. Tested on CPU by replaying the
+        recorded step; not run on a GPU yet (see that module).
 
     Defaults: :meth:`for_device`. On CPU, small blocks and a buffer sized for the batch matter most
     (the stock 256-token blocks and 16 384-token steps gather far more cache than a short request uses).
