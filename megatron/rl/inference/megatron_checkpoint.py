@@ -17,6 +17,7 @@ from typing import Sequence
 from megatron.rl.base.flags import add_flags, from_namespace
 from megatron.rl.inference.api import InferenceError, backend_class
 from megatron.rl.inference.engine.engine_flags import EngineFlags, apply_engine_flags, validate_engine_flags
+from megatron.rl.runtime import setup_runtime
 from megatron.rl.training.checkpoint.args import FLAG, has_model_flags
 from megatron.rl.training.checkpoint.save_load import CheckpointError, load_checkpoint
 from megatron.rl.training.config import ConfigError, parse_args
@@ -65,7 +66,6 @@ def megatron_backend_from_cli(argv: Sequence[str]):
         raise InferenceError(f"cannot serve {path}: {e}") from e
     log.info("serving %s (iteration %s)", loaded.path, loaded.iteration)
     from megatron.rl.inference.engine.build import EngineSettings  # megatron-core's engine: after the checks
-    from megatron.rl.runtime import setup_runtime
 
     device = setup_runtime().device
     settings = apply_engine_flags(EngineSettings.for_device(device), engine, device.type)
