@@ -9,27 +9,11 @@ import pytest
 
 from megatron.rl.inference.engine.build import EngineSettings, bucket_size, power_of_two_buckets
 from megatron.rl.inference.engine.engine_flags import EngineFlags, apply_engine_flags, even_buckets
-from megatron.rl.rl_config import add_rl_args, rl_config_from_args
-from megatron.rl.training.config import ConfigError, parse_args
+from megatron.rl.training.config import ConfigError
+from tests.unit_tests.rl.test_rl_config import _rl, env_yaml  # noqa: F401 - env_yaml is a fixture
 
 # a GPU's defaults (EngineSettings.for_device("cuda") would see "cpu" where the CPU layer's device mode is active)
 GPU = EngineSettings(buffer_size_gb=4.0, block_size_tokens=256, max_requests=512, max_tokens=16384, token_rounder=None)
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--max-position-embeddings", "64", "--micro-batch-size", "4", "--global-batch-size", "16",
-        "--train-iters", "3", "--lr", "1e-4"]
-
-
-@pytest.fixture
-def env_yaml(tmp_path):
-    p = tmp_path / "env.yaml"
-    p.write_text("environments: [{type: arithmetic, weight: 1}]\n")
-    return p
-
-
-def _rl(env, *extra):
-    argv = [*BASE, "--langrl-env-config", str(env), "--grpo-prompts-per-step", "4", "--grpo-group-size", "4",
-            "--rl-max-new-tokens", "8", *map(str, extra)]
-    return rl_config_from_args(parse_args(argv, extra_args_providers=[add_rl_args], world_size=1))
 
 
 def test_defaults_leave_the_engine_settings_unchanged(env_yaml):
