@@ -3,11 +3,13 @@
 Megatron-LM's RL scripts size the dynamic inference engine and turn its CUDA graphs on with
 ``--cuda-graph-impl local``, ``--inference-dynamic-batching-num-cuda-graphs``,
 ``--inference-dynamic-batching-max-requests`` and ``--inference-dynamic-batching-buffer-size-gb``. ``train_rl.py``
-takes the same flags for ``--inference-backend megatron`` and turns them into the engine's
+(``--inference-backend megatron``) and the checkpoint server (``python -m megatron.rl.server.inference --backend
+megatron``) take the same flags and turn them into the engine's
 :class:`~megatron.rl.inference.engine.build.EngineSettings` (:func:`apply_engine_flags`):
 
-- ``--cuda-graph-impl local``: on a GPU, each decode bucket's forward is captured in a CUDA graph and replayed
-  (:mod:`megatron.rl.inference.engine.graphs`; a bucket whose capture fails runs eagerly). Training runs eagerly;
+- ``--cuda-graph-impl local``: on a GPU, the decode forward is captured in a CUDA graph per bucket and attention key
+  length, and replayed (:mod:`megatron.rl.inference.engine.graphs`; a shape whose capture fails runs eagerly).
+  Training runs eagerly;
   Megatron-LM's ``--rl-training-cuda-graphs`` is refused with that explanation. On CPU there is nothing to
   capture: the decode steps run eagerly at the buckets' shapes, and the run says so once.
   Not run on a GPU yet: a CPU replay of the captured step, operator by operator as a GPU replays a graph
