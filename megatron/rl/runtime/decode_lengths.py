@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["HostLengths", "set_decode_lengths", "step_host"]
+__all__ = ["HostLengths", "padded_key_slots", "set_decode_lengths", "step_host"]
 
 _HOST = threading.local()  # per engine thread
 
@@ -30,10 +30,15 @@ class HostLengths(NamedTuple):
     split_groups: bool = True  # False: one padded batch of all rows (a captured graph has one fixed plan)
 
     def key_slots(self, min_slots: int) -> int:
-        """The key slots a single padded batch of all rows attends: the longest length (at least ``min_slots``)
-        rounded up to ``key_multiple``."""
-        longest = max(max(self.lengths, default=1), 1, min_slots)
-        return -(-longest // self.key_multiple) * self.key_multiple
+        """The key slots a single padded batch of all rows attends (:func:`padded_key_slots` of the longest)."""
+        return padded_key_slots(max(self.lengths, default=1), min_slots, self.key_multiple)
+
+
+def padded_key_slots(longest: int, min_slots: int, key_multiple: int) -> int:
+    """The key slots a padded batch whose longest length is ``longest`` attends: at least ``min_slots`` (and 1),
+    rounded up to a multiple of ``key_multiple``. Pure."""
+    longest = max(longest, 1, min_slots)
+    return -(-longest // key_multiple) * key_multiple
 
 
 def step_host(cache_seqlens: torch.Tensor) -> HostLengths | None:
@@ -45,7 +50,7 @@ def step_host(cache_seqlens: torch.Tensor) -> HostLengths | None:
 
 
 def set_decode_lengths(cache_seqlens: torch.Tensor, key_multiple: int = 1, request_ids: list | None = None,
-                       owner: object = None, split_groups: bool = True) -> None:
+                       owner: object = None, split_groups: bool = True) -> HostLengths:
     """Give this thread's next decode attention the host-side values of ``cache_seqlens`` (the tensor every layer of
     the step will receive), read once before the forward, so the forward reads nothing back from the device.
 
@@ -54,8 +59,9 @@ def set_decode_lengths(cache_seqlens: torch.Tensor, key_multiple: int = 1, reque
     ``request_ids`` (each row's request) and ``owner`` (the engine's context), on a CPU: attend over the engine's
     :mod:`decode_mirror` instead of gathering the paged cache in every layer. ``split_groups=False``: the rows are
     attended as one padded batch even when their lengths lie far apart (what a captured graph of the step needs: its
-    plan then depends on the row count and :meth:`HostLengths.key_slots` alone).
+    plan then depends on the row count and :meth:`HostLengths.key_slots` alone). Returns what it gave.
     """
     lengths = cache_seqlens.tolist()
     _HOST.lengths = HostLengths(cache_seqlens, cache_seqlens._version, lengths, max(1, key_multiple), owner,
                                 request_ids, len(lengths) * max(lengths, default=0), split_groups)
+    return _HOST.lengths

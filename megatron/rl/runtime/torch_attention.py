@@ -24,7 +24,7 @@ import threading
 import torch
 
 from megatron.rl.runtime import decode_mirror
-from megatron.rl.runtime.decode_lengths import step_host
+from megatron.rl.runtime.decode_lengths import padded_key_slots, step_host
 from megatron.rl.runtime.length_groups import length_groups
 
 
@@ -347,8 +347,7 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
     for group in groups:
         rows = None if len(groups) == 1 else torch.tensor(group, dtype=torch.long, device=cache_seqlens.device)
         part_lens, part_table = (lens, block_table) if rows is None else (lens[rows], block_table[rows])
-        max_len = max(max(host_lens[i] for i in group), 1, MIN_KEY_SLOTS)
-        max_len = -(-max_len // key_multiple) * key_multiple
+        max_len = padded_key_slots(max(host_lens[i] for i in group), MIN_KEY_SLOTS, key_multiple)
         key_valid = torch.arange(max_len, device=lens.device)[None, :] < part_lens[:, None]  # [b, k]
         plan.append(_DecodeGroup(rows, part_lens, max_len, ~key_valid[:, None, None, :], part_table,
                                  None if mirrored else _group_rows(part_table, key_valid, cache_shape, q_len, heads)))

@@ -38,7 +38,7 @@ from megatron.rl.inference.engine.route_recorder import RouteRecorder
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
 from megatron.rl.runtime import decode_mirror, kv_append, rope_cache, torch_attention
-from megatron.rl.runtime.decode_lengths import set_decode_lengths, step_host
+from megatron.rl.runtime.decode_lengths import set_decode_lengths
 from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
 from megatron.rl.routing.replay import install_router_replay
 
@@ -238,8 +238,7 @@ class SamplingController(TextGenerationController):
         if context.is_decode_only():
             lengths = context.active_attn_metadata["mha_metadata"].state_data["kv_seq_lengths"]
             if self.graphs is not None:  # one read per step, outside the graph: its shapes and plan key the graph
-                set_decode_lengths(lengths, key_multiple=self.key_multiple, owner=context, split_groups=False)
-                host = step_host(lengths)
+                host = set_decode_lengths(lengths, key_multiple=self.key_multiple, owner=context, split_groups=False)
                 self._graph_key = (context.padded_active_request_count, host.key_slots(MIN_KEY_SLOTS))
             elif lengths.device.type == "cpu":  # our attention stand-in (no flash-attn): a read of host memory
                 set_decode_lengths(lengths, key_multiple=self.key_multiple,
