@@ -1,9 +1,9 @@
 """RL flags for ``train_rl.py``: parsed with the Megatron flags, then checked together up front.
 
 :class:`RLConfig` declares every RL flag on its field (and its sections: :class:`PolicyLossConfig`,
-:class:`InferenceLayoutConfig`, :class:`EngineFlags`, :class:`ObserveConfig`, :class:`AsyncRolloutConfig`); to add a flag, add a field
-with ``flag(...)`` there (see :mod:`megatron.rl.base.flags`) and its check beside that config's fields
-(:func:`validate_rl_config` here; :func:`~megatron.rl.layout.groups.validate_inference_layout`,
+:class:`InferenceLayoutConfig`, :class:`EngineFlags`, :class:`ObserveConfig`, :class:`AsyncRolloutConfig`); to add a
+flag, add a field with ``flag(...)`` there (see :mod:`megatron.rl.base.flags`) and its check beside that config's
+fields (:func:`validate_rl_config` here; :func:`~megatron.rl.layout.groups.validate_inference_layout`,
 :func:`~megatron.rl.rollout.async_config.validate_async_rollouts` and
 :func:`~megatron.rl.observe.config.resolve_observe` beside their sections). :func:`add_rl_args` is
 the ``extra_args_provider`` generated from it for :func:`megatron.rl.training.config.parse_args`;

@@ -9,9 +9,8 @@ megatron``) take the same flags and turn them into the engine's
 
 - ``--cuda-graph-impl local``: on a GPU, the decode forward is captured in a CUDA graph per bucket and attention key
   length, and replayed (:mod:`megatron.rl.inference.engine.graphs`; a shape whose capture fails runs eagerly).
-  Training runs eagerly;
-  Megatron-LM's ``--rl-training-cuda-graphs`` is refused with that explanation. On CPU there is nothing to
-  capture: the decode steps run eagerly at the buckets' shapes, and the run says so once.
+  Training runs eagerly; Megatron-LM's ``--rl-training-cuda-graphs`` is refused with that explanation. On CPU there
+  is nothing to capture: the decode steps run eagerly at the buckets' shapes, and the run says so once.
   Not run on a GPU yet: a CPU replay of the captured step, operator by operator as a GPU replays a graph
   (``test_decode_graph_replay.py``), gives the eager tokens and log-probs bit for bit, and each graph's first
   replay after its capture is checked against an eager forward (a mismatch fails the requests in flight).
@@ -108,10 +107,10 @@ def even_buckets(count: int, largest: int, multiple: int = BUCKET_MULTIPLE) -> t
         raise ValueError(f"even_buckets needs positive sizes, got count={count}, largest={largest}, "
                          f"multiple={multiple}")
     top = max(multiple, largest // multiple * multiple)
-    step = multiple * math.ceil(int(largest / count) / multiple) if count > 1 else top
-    step = max(step, multiple)
-    sizes = list(range(step, top, step)) if count > 1 else []
-    return tuple(sizes + [top])
+    if count == 1:
+        return (top,)
+    step = max(multiple, multiple * math.ceil(int(largest / count) / multiple))
+    return (*range(step, top, step), top)
 
 
 def apply_engine_flags(settings: Any, f: EngineFlags, device_type: str, tp_size: int = 1) -> Any:
@@ -125,9 +124,8 @@ def apply_engine_flags(settings: Any, f: EngineFlags, device_type: str, tp_size:
     if f.cuda_graphs:
         changes["decode_cuda_graphs"] = True
         if f.num_cuda_graphs is not None:
-            multiple = BUCKET_MULTIPLE * tp_size // math.gcd(BUCKET_MULTIPLE, tp_size)
-            changes["decode_buckets"] = even_buckets(f.num_cuda_graphs, changes.get("max_requests",
-                                                                                    settings.max_requests), multiple)
+            largest = changes.get("max_requests", settings.max_requests)
+            changes["decode_buckets"] = even_buckets(f.num_cuda_graphs, largest, math.lcm(BUCKET_MULTIPLE, tp_size))
         if device_type != "cuda":
             log.warning("--cuda-graph-impl local: this run's engine is on %s, which has no CUDA graphs; decode steps "
                         "run eagerly at the decode buckets' shapes", device_type)
