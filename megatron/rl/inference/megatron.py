@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
@@ -61,7 +60,6 @@ from megatron.rl.inference.api import (GenerationArgs, InferenceError, Inference
 from megatron.rl.inference.chat_template import render_chat
 from megatron.rl.inference.control import RolloutShard, TrainerControl
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, unwrap_gpt_model
-from megatron.rl.inference.engine.engine_flags import apply_engine_flags
 from megatron.rl.inference.engine.lockstep import (Job, LockstepScheduler, broadcast_plan, lockstep_group,
                                                    lockstep_rank_groups)
 from megatron.rl.inference.engine.session import EngineSession, EosIds
@@ -149,9 +147,8 @@ class MegatronInference(InferenceInterface, TrainerControl):
         from megatron.core.utils import unwrap_model
 
         limit = unwrap_model(model[0]).max_sequence_length
-        device = setup_runtime().device
-        settings = dataclasses.replace(EngineSettings.for_device(device), record_routes=record_routes)
-        settings = apply_engine_flags(settings, rl.engine, device.type, cfg.parallel.tensor_model_parallel_size)
+        settings = EngineSettings.from_flags(setup_runtime().device, rl.engine, cfg.parallel.tensor_model_parallel_size,
+                                             record_routes=record_routes)
         return cls(model[0], tokenizer, settings=settings, max_sequence_length=min(limit, cfg.model.seq_length))
 
     # ------------------------------------------------------------------ inference mode

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from megatron.rl.base.flags import add_flags, from_namespace
 from megatron.rl.inference.api import InferenceError, backend_class
-from megatron.rl.inference.engine.engine_flags import EngineFlags, apply_engine_flags, validate_engine_flags
+from megatron.rl.inference.engine.engine_flags import EngineFlags, validate_engine_flags
 from megatron.rl.runtime import setup_runtime
 from megatron.rl.training.checkpoint.args import FLAG, has_model_flags
 from megatron.rl.training.checkpoint.save_load import CheckpointError, load_checkpoint
@@ -67,6 +67,5 @@ def megatron_backend_from_cli(argv: Sequence[str]):
     log.info("serving %s (iteration %s)", loaded.path, loaded.iteration)
     from megatron.rl.inference.engine.build import EngineSettings  # megatron-core's engine: after the checks
 
-    device = setup_runtime().device
-    settings = apply_engine_flags(EngineSettings.for_device(device), engine, device.type)
+    settings = EngineSettings.from_flags(setup_runtime().device, engine)
     return backend_class("megatron")(model[0], tokenizer, settings=settings)

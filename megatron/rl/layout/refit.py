@@ -25,7 +25,7 @@ from megatron.rl import parallel_utils
 from megatron.rl.base.errors import RLError
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, InferenceRequest, InferenceResponse
 from megatron.rl.inference.control import build_training_inference
-from megatron.rl.inference.engine.engine_flags import EngineFlags, apply_engine_flags
+from megatron.rl.inference.engine.engine_flags import EngineFlags
 from megatron.rl.inference.forwarding import ForwardingInference
 from megatron.rl.layout.groups import InferenceGroups, InferenceLayoutConfig, build_inference_groups
 from megatron.rl.rl_utils import build_step_batches, logprob_gap, score
@@ -190,8 +190,7 @@ def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, t
     log.info("inference copy: TP=%d PP=%d EP=%d, %d replica(s) (this rank: replica %d); weights %.1f MB on this "
              "rank, %.1f MB over all ranks; refit via megatron-core %s", s.tp, s.pp, s.ep, groups.num_replicas,
              groups.replica_rank, model_bytes(copy_model) / 2**20, float(size[0]) / 2**20, method)
-    settings = dataclasses.replace(EngineSettings.for_device(runtime.device), record_routes=record_routes)
-    settings = apply_engine_flags(settings, engine or EngineFlags(), runtime.device.type, s.tp)
+    settings = EngineSettings.from_flags(runtime.device, engine or EngineFlags(), s.tp, record_routes=record_routes)
     backend = MegatronInference(copy_model[0], tokenizer, settings=settings, process_groups=groups)
     return LayoutInference(backend, copy, groups)
 

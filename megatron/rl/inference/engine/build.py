@@ -31,6 +31,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 from megatron.core.utils import get_model_config
 
 from megatron.rl.inference.engine.batched_admission import BatchedAdmission
+from megatron.rl.inference.engine.engine_flags import EngineFlags, apply_engine_flags
 from megatron.rl.inference.engine.graphs import DecodeGraphs
 from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
 from megatron.rl.inference.engine.rollout_engine import RolloutEngine
@@ -115,6 +116,14 @@ class EngineSettings:
             return cls()
         # GPU: megatron-core's own block size, step size and token padding, a larger buffer and batch.
         return cls(buffer_size_gb=4.0, block_size_tokens=256, max_requests=512, max_tokens=16384, token_rounder=None)
+
+    @classmethod
+    def from_flags(cls, device: str | torch.device, flags: EngineFlags, tp_size: int = 1,
+                   record_routes: bool = False) -> "EngineSettings":
+        """:meth:`for_device`'s settings with a run's engine flags applied (:func:`apply_engine_flags`; bucket sizes
+        are multiples of the model's TP size ``tp_size``); ``record_routes``: ``--rl-router-replay rollout``."""
+        settings = dataclasses.replace(cls.for_device(device), record_routes=record_routes)
+        return apply_engine_flags(settings, flags, torch.device(device).type, tp_size)
 
 
 GRAPH_DEVICES = ("cuda",)  # where EngineSettings.decode_cuda_graphs captures (CPU has no graphs to capture)
