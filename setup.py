@@ -7,7 +7,10 @@ Installs the ``megatron.rl`` packages (the built-in environments and their data 
 """
 from setuptools import find_namespace_packages, setup
 
-MCORE_VERSION = "0.16.1"  # the version the CPU runtime layer was written and tested against
+# The megatron-core releases the runtime layer is written and tested against (megatron/rl/runtime/versions.py
+# says what differs between them). pip resolves this to 0.16.1 on Python 3.11 (0.17+ need Python >= 3.12)
+# and to the newest 0.19.x on Python 3.12+.
+MCORE_REQUIREMENT = "megatron-core>=0.16.1,<0.20,!=0.17.*,!=0.18.*"
 
 setup(
     name="megatron-rl",
@@ -22,7 +25,7 @@ setup(
     package_data={"megatron.rl": ["**/*.json", "**/*.jsonl", "**/*.yaml"]},
     entry_points={"console_scripts": ["megatron-rl-train = megatron.rl.train_rl:main"]},
     install_requires=[
-        f"megatron-core=={MCORE_VERSION}",
+        MCORE_REQUIREMENT,
         "torch>=2.4",
         "pydantic>=2",
         "numpy",

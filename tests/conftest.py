@@ -53,3 +53,15 @@ def rerun_in_fresh_process(request, timeout: int = 300) -> None:
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{request.node.nodeid} failed in a fresh process:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
     assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def needs_entry(name: str):
+    """Skip unless the megatron-core patch-registry entry ``name`` was written for the installed megatron-core
+    (features built on it are left off on other releases, where megatron-core's own path runs)."""
+    from megatron.rl.runtime import patches, versions
+
+    entry = patches.REGISTRY[name]
+    return pytest.mark.skipif(
+        not versions.written_for(entry.versions),
+        reason=f"{name!r} is written for megatron-core {', '.join(entry.versions)} "
+               f"(installed: {versions.installed_version()})")

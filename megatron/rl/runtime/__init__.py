@@ -16,6 +16,7 @@ import torch
 
 # Importing these registers every patch (the registry is complete once this package is imported).
 from megatron.rl.runtime import attention_override, checkpoint_writer, cpu_patches, cuda_fallbacks, patches  # noqa: F401
+from megatron.rl.runtime import inference_mode  # noqa: F401
 from megatron.rl.runtime import reshard_planner  # noqa: F401
 from megatron.rl.runtime import subclasses  # noqa: F401
 from megatron.rl.runtime.device import RuntimeInfo, choose_backend, choose_device, cuda_usable
@@ -33,6 +34,8 @@ def setup_runtime() -> RuntimeInfo:
             cpu_patches.install()
         else:
             cuda_fallbacks.install_paged_attention_fallback()
+            if patches.covers_installed(inference_mode.INFERENCE_MODE_PER_THREAD):
+                patches.apply(inference_mode.INFERENCE_MODE_PER_THREAD)
         _INFO = RuntimeInfo(device=choose_device(), backend=choose_backend(), cpu_layer_active=cpu)
     elif _INFO.cpu_layer_active:
         cpu_patches.enter_cpu_mode()  # a new thread needs the (thread-local) device mode too

@@ -23,13 +23,13 @@ from torch.overrides import _get_current_function_mode_stack
 
 from megatron.rl.base.errors import UserError
 # cuda_fallbacks registers the paged-attention patch, which install() applies as a CPU patch too
-from megatron.rl.runtime import cuda_fallbacks, kv_append, no_grad_linear, patches, rope_cache  # noqa: F401
+from megatron.rl.runtime import cuda_fallbacks, kv_append, no_grad_linear, patches, rope_cache, versions  # noqa: F401
 from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
 
 log = logging.getLogger(__name__)
 
 # megatron-core versions whose CUDA assumptions these patches were checked against.
-SUPPORTED_MCORE_VERSIONS = patches.MCORE_0_16_1
+SUPPORTED_MCORE_VERSIONS = versions.SUPPORTED
 ALLOW_UNTESTED_ENV = "MEGATRON_RL_ALLOW_UNTESTED_MCORE"
 
 
@@ -41,10 +41,11 @@ _cpu_mode: CudaToCpuMode | None = None
 _installed: list[str] = []  # the CPU patches install() applied, in order
 
 
-def cpu_patch(name: str, why: str, changes: str | None = None):
-    """Register a CPU patch function (``changes``: the names it replaces; default ``name``). Registration order
-    is application order."""
-    return patches.register(name, when="cpu", changes=changes or name, why=why, versions=SUPPORTED_MCORE_VERSIONS)
+def cpu_patch(name: str, why: str, changes: str | None = None, written_for: tuple[str, ...] = versions.BOTH):
+    """Register a CPU patch function (``changes``: the names it replaces; default ``name``; ``written_for``: the
+    megatron-core releases it applies to, :func:`install` skips it on others). Registration order is
+    application order."""
+    return patches.register(name, when="cpu", changes=changes or name, why=why, versions=written_for)
 
 
 def __getattr__(name: str) -> Any:
@@ -58,14 +59,13 @@ def __getattr__(name: str) -> Any:
 def check_mcore_version(version: str | None = None) -> str:
     """Raise unless megatron-core is a version these patches were tested against."""
     if version is None:
-        from megatron.core import package_info  # heavy: megatron-core
-
-        version = package_info.__version__
-    if version not in SUPPORTED_MCORE_VERSIONS and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+        version = versions.installed_version()
+    if not versions.release(version) and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
         raise UnsupportedMegatronCoreVersion(
             f"megatron-core {version} is installed, but megatron-rl's CPU runtime layer was written for "
             f"{', '.join(SUPPORTED_MCORE_VERSIONS)} (its CUDA workarounds patch internals that change between "
-            f"releases). Install a supported one: pip install megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]}, "
+            f"releases). Install a supported one: pip install megatron-core=={versions.MCORE_0_16[-1]} "
+            f"(Python 3.10-3.11) or megatron-core=={versions.MCORE_0_19[-1]} (Python 3.12+), "
             f"or set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
     return version
 
@@ -146,17 +146,35 @@ def _patch_streams():
 
 
 @cpu_patch("torch.cuda.nvtx", "range push/pop markers for profilers; no-ops (without CUDA they raise 'NVTX "
-           "functions not installed'); also rebinds the copies dynamic_engine imported by name",
-           changes="torch.cuda.nvtx.range_push, .range_pop; "
-           "megatron.core.inference.engines.dynamic_engine:range_push, .range_pop")
+           "functions not installed')", changes="torch.cuda.nvtx.range_push, .range_pop")
 def _patch_nvtx():
-    from megatron.core.inference.engines import dynamic_engine
-
     torch.cuda.nvtx.range_push = _noop_factory()
     torch.cuda.nvtx.range_pop = _noop_factory()
+
+
+def _rebind_nvtx(module) -> None:
     # `from torch.cuda.nvtx import range_pop, range_push` at import time bound the real functions.
-    dynamic_engine.range_push = torch.cuda.nvtx.range_push
-    dynamic_engine.range_pop = torch.cuda.nvtx.range_pop
+    module.range_push = torch.cuda.nvtx.range_push
+    module.range_pop = torch.cuda.nvtx.range_pop
+
+
+@cpu_patch("torch.cuda.nvtx in the dynamic engine", "the engine imported the markers by name: its copies become "
+           "the no-ops too", changes="megatron.core.inference.engines.dynamic_engine:range_push, .range_pop",
+           written_for=versions.MCORE_0_16)
+def _patch_engine_nvtx():
+    from megatron.core.inference.engines import dynamic_engine
+
+    _rebind_nvtx(dynamic_engine)
+
+
+@cpu_patch("torch.cuda.nvtx in the text generation controller", "the controller imported the markers by name: its "
+           "copies become the no-ops too",
+           changes="megatron.core.inference.text_generation_controllers.text_generation_controller:range_push, "
+                   ".range_pop", written_for=versions.MCORE_0_19)
+def _patch_controller_nvtx():
+    from megatron.core.inference.text_generation_controllers import text_generation_controller
+
+    _rebind_nvtx(text_generation_controller)
 
 
 @cpu_patch("torch.cuda.memory_*/mem_get_info",
@@ -328,7 +346,7 @@ cpu_patch("dynamic inference RoPE: cos/sin once per step",
           "step, the same values), a noticeable share of a small model's decode step on CPU. The unfused formula "
           "then runs on cos/sin computed once per step (rope_cache.py; bit for bit the same, tested)",
           "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.apply_rotary_emb_query, "
-          ".apply_rotary_emb_key")(rope_cache.install)
+          ".apply_rotary_emb_key", versions.MCORE_0_16)(rope_cache.install)
 
 
 cpu_patch("dynamic inference KV append: index_copy_",
@@ -390,8 +408,10 @@ def install() -> list[str]:
     """Apply every registered CPU patch once. Returns the names applied by this call (empty if done before)."""
     if torch.cuda.is_available() and os.environ.get("MEGATRON_RL_FORCE_CPU") != "1":
         raise RuntimeError("the CPU runtime layer must not be installed when CUDA is available")
-    check_mcore_version()
-    applied = [p.name for p in patches.entries("cpu") if p.name not in _installed]
+    version = check_mcore_version()
+    applied = [p.name for p in patches.entries("cpu")
+               if p.name not in _installed
+               and (versions.written_for(p.versions, version) or not versions.release(version))]
     for name in applied:
         patches.apply(name)
         _installed.append(name)

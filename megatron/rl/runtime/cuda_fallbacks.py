@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from megatron.rl.runtime import patches, torch_attention
+from megatron.rl.runtime import patches, torch_attention, versions
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,8 @@ _installed = False
     changes="megatron.core.transformer.attention:flash_attn_varlen_func, .flash_attn_with_kvcache, "
             ".is_fa_min_version",
     why="dynamic-batching inference calls flash-attn's paged kernels, which a CPU machine never has and a GPU "
-        "machine often lacks (no PyPI wheels); the torch kernels compute the same attention")
+        "machine often lacks (no PyPI wheels); the torch kernels compute the same attention",
+    versions=versions.BOTH)
 def use_torch_paged_attention() -> bool:
     """Point megatron-core's paged attention at the torch kernels when flash-attn is missing.
 

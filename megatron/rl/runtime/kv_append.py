@@ -1,13 +1,15 @@
 """Appending a step's keys and values to megatron-core's paged KV cache with one ``index_copy_`` per tensor.
 
-Without its Triton kernel (CPU), megatron-core 0.16.1's ``DynamicInferenceContext.append_key_value_cache``
+Without its Triton kernel (CPU), megatron-core's ``DynamicInferenceContext.append_key_value_cache``
 writes ``memory_buffer[0, layer, block_idx, local_idx] = key`` (and the same for values): an advanced-index
 put with two index tensors, whose per-element index arithmetic cost ~0.2 ms per tensor and layer at 128
 decode rows. :func:`install` replaces it with ``index_copy_`` into the layer's cache viewed as
 ``[blocks * block_size, heads, dim]`` at ``block_idx * block_size + local_idx`` (the same slots; negative
 indices wrap as advanced indexing does), with those slot ids computed once per step (every layer of a step
 appends at the same slots; cached on the context, keyed by the index buffers and their version counters).
-MLA latent caches and the Triton kernel keep megatron-core's code.
+MLA latent caches and the Triton kernel on CUDA tensors keep megatron-core's code (0.19 imports the kernel
+whenever triton is installed, which the CUDA torch wheels pull in, and the kernel refuses CPU tensors). The step's
+index buffers are the context's own on 0.16.1 and its ``gpu_view``'s on 0.19.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def original():
 def _append(self, layer_number: int, key: torch.Tensor, value: torch.Tensor) -> None:
     from megatron.core.inference.contexts import dynamic_context
 
-    if dynamic_context.triton_append_key_value_cache is not None or self.cache_mla_latent:
+    if self.cache_mla_latent or (dynamic_context.triton_append_key_value_cache is not None and key.is_cuda):
         return _ORIGINAL["append"](self, layer_number, key, value)
     assert key.size(1) == 1 and value.size(1) == 1
     layer = self.layer_map[layer_number - 1]
@@ -55,7 +57,8 @@ def forget(context) -> None:
 
 def _step_slots(context, n: int) -> torch.Tensor:
     """Flat cache slots of the step's first ``n`` tokens, memoised while the index buffers are unchanged."""
-    blocks, local = context.token_to_block_idx, context.token_to_local_position_within_kv_block
+    view = getattr(context, "gpu_view", None) or context  # 0.19 keeps the step's index buffers in a view
+    blocks, local = view.token_to_block_idx, view.token_to_local_position_within_kv_block
     num_blocks, block_size = context.memory_buffer.shape[2], context.memory_buffer.shape[3]
     versions = (blocks._version, local._version, n)
     hit = context.__dict__.get("_rl_kv_slots")

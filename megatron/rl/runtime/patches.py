@@ -21,10 +21,12 @@ import dataclasses
 import threading
 from typing import Any, Callable, Iterable
 
-__all__ = ["Patch", "MCORE_0_16_1", "REGISTRY", "APPLIED", "register", "declare_subclass", "apply", "record", "entries",
-           "not_written_for"]
+from megatron.rl.runtime import versions
 
-MCORE_0_16_1 = ("0.16.1",)
+__all__ = ["Patch", "MCORE_0_16_1", "REGISTRY", "APPLIED", "register", "declare_subclass", "apply", "record", "entries",
+           "covers_installed", "not_written_for"]
+
+MCORE_0_16_1 = versions.MCORE_0_16  # the default of an entry: written for 0.16.1 only
 WHEN = ("cpu", "cuda", "on use", "per call", "subclass")
 
 
@@ -105,7 +107,13 @@ def entries(when: str | None = None) -> list[Patch]:
     return [p for p in REGISTRY.values() if when is None or when in p.when]
 
 
+def covers_installed(name: str) -> bool:
+    """Whether the registered entry ``name`` was written for the installed megatron-core (features built on an
+    entry that was not are left off on that release)."""
+    return versions.written_for(REGISTRY[name].versions)
+
+
 def not_written_for(version: str, when: Iterable[str]) -> list[Patch]:
     """The patches of the given kinds whose ``versions`` do not include ``version``."""
     kinds = set(when)
-    return [p for p in REGISTRY.values() if kinds & set(p.when) and version not in p.versions]
+    return [p for p in REGISTRY.values() if kinds & set(p.when) and not versions.written_for(p.versions, version)]

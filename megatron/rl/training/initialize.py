@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from megatron.rl.logging import setup_distributed_logging
-from megatron.rl.runtime import RuntimeInfo, cpu_patches, patches, setup_runtime
+from megatron.rl.runtime import RuntimeInfo, cpu_patches, patches, setup_runtime, versions
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
 log = logging.getLogger(__name__)
 
 # megatron-core versions this training loop was tested against (CPU and GPU).
-TESTED_MCORE_VERSIONS = patches.MCORE_0_16_1
+TESTED_MCORE_VERSIONS = versions.SUPPORTED
 # Oldest release whose public API (GPTModel vp_stage, finalize_model_grads, dist_checkpointing) we rely on.
 MIN_MCORE_VERSION = (0, 16, 0)
 # The kinds of registered changes to megatron-core that a GPU machine uses (all but the CPU layer).
@@ -49,16 +49,14 @@ def check_megatron_core_version(info: RuntimeInfo, version: str | None = None) -
     warning naming the entries not written for them.
     """
     if version is None:
-        from megatron.core import package_info  # heavy: megatron-core
-
-        version = package_info.__version__
+        version = versions.installed_version()
     if info.cpu_layer_active:
         return cpu_patches.check_mcore_version(version)
     if _version_tuple(version) < MIN_MCORE_VERSION:
         raise cpu_patches.UnsupportedMegatronCoreVersion(
             f"megatron-core {version} is older than {'.'.join(map(str, MIN_MCORE_VERSION))}, the oldest release "
             f"megatron-rl's training loop supports; pip install megatron-core=={TESTED_MCORE_VERSIONS[-1]}.")
-    if version not in TESTED_MCORE_VERSIONS:
+    if not versions.release(version):
         untested = [p.name for p in patches.not_written_for(version, _GPU_KINDS)]
         log.warning("megatron-core %s has not been tested with megatron-rl (tested: %s); changes to megatron-core "
                     "not written for it (megatron.rl.runtime.patches): %s", version,

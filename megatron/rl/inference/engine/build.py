@@ -1,10 +1,8 @@
 """Building megatron-core's dynamic inference engine around a (training) GPTModel.
 
-This is the ONLY module that calls the constructors of ``DynamicInferenceContext``,
-``GPTInferenceWrapper``, ``TextGenerationController`` and ``DynamicInferenceEngine``: their
-signatures are those of megatron-core 0.16.1 and change in 0.17+ (``DynamicInferenceContext(model_config,
-inference_config)``, ``DynamicInferenceEngine(controller, context)``, no ``pp_group`` on the controller).
-An upgrade touches :func:`build_engine` and the entries of :mod:`megatron.rl.runtime.patches`.
+The constructors of megatron-core's engine stack are called through
+:mod:`~megatron.rl.inference.engine.construct`, which knows each supported release's signatures; an upgrade
+touches that module and the entries of :mod:`megatron.rl.runtime.patches`.
 
 The controller is subclassed so that *we* sample (per-request temperature, top-k, top-p and seed)
 and report log-probs under ``softmax(logits / T)``; see :mod:`megatron.rl.inference.sampling`
@@ -23,14 +21,15 @@ import torch
 
 from megatron.core.inference.contexts import DynamicInferenceContext
 from megatron.core.inference.engines import DynamicInferenceEngine
-from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
 from megatron.core.utils import get_model_config
 
 from megatron.rl.inference.engine.batched_admission import BatchedAdmission
+from megatron.rl.inference.engine.construct import (
+    ContextSizes, block_allocator, last_token_logits_only, make_context, make_controller, make_engine, make_wrapper,
+)
 from megatron.rl.inference.engine.engine_flags import EngineFlags, apply_engine_flags
 from megatron.rl.inference.engine.graphs import DecodeGraphs
 from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
@@ -38,7 +37,7 @@ from megatron.rl.inference.engine.rollout_engine import RolloutEngine
 from megatron.rl.inference.engine.route_recorder import RouteRecorder
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
-from megatron.rl.runtime import decode_mirror, kv_append, rope_cache, torch_attention
+from megatron.rl.runtime import decode_mirror, kv_append, patches, rope_cache, torch_attention, versions
 from megatron.rl.runtime.decode_lengths import set_decode_lengths
 from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
 from megatron.rl.routing.replay import install_router_replay
@@ -117,6 +116,18 @@ class EngineSettings:
         # GPU: megatron-core's own block size, step size and token padding, a larger buffer and batch.
         return cls(buffer_size_gb=4.0, block_size_tokens=256, max_requests=512, max_tokens=16384, token_rounder=None)
 
+    def for_release(self) -> "EngineSettings":
+        """These settings with the features whose megatron-core entries (:mod:`megatron.rl.runtime.subclasses`)
+        were not written for the installed release turned off: there the stock path runs."""
+        off = {field: False for field, entry in _FEATURE_ENTRIES.items()
+               if getattr(self, field) and not patches.covers_installed(entry)}
+        if self.decode_buckets is not None and not patches.covers_installed(_DECODE_BUCKETS_ENTRY):
+            off["decode_buckets"] = None
+        if off:
+            log.debug("engine features not written for megatron-core %s, left off: %s",
+                      versions.installed_version(), ", ".join(sorted(off)))
+        return dataclasses.replace(self, **off) if off else self
+
     @classmethod
     def from_flags(cls, device: str | torch.device, flags: EngineFlags, tp_size: int = 1,
                    record_routes: bool = False) -> "EngineSettings":
@@ -125,6 +136,14 @@ class EngineSettings:
         settings = dataclasses.replace(cls.for_device(device), record_routes=record_routes)
         return apply_engine_flags(settings, flags, torch.device(device).type, tp_size)
 
+
+# EngineSettings features -> the registry entry of the megatron-core internals each is built on
+_FEATURE_ENTRIES = {"share_prompt_prefill": "dynamic context: shared prompt prefill",
+                    "batched_admission": "dynamic context: batched admission",
+                    "keep_cpu_kv_buffer": "dynamic context: reused CPU KV buffer",
+                    "decode_cuda_graphs": "dynamic context: decode buckets"}
+_DECODE_BUCKETS_ENTRY = "dynamic context: decode buckets"
+_FAST_ADMISSION_ENTRY = "engine admission of token-id prompts"
 
 GRAPH_DEVICES = ("cuda",)  # where EngineSettings.decode_cuda_graphs captures (CPU has no graphs to capture)
 GRAPH_KEY_SLOTS = 64  # with graphs, decode attention's key slots are a multiple of this: one graph per (rows, slots)
@@ -280,9 +299,11 @@ class SamplingController(TextGenerationController):
             generators=[None if rid == chunked else s.generator for rid, s in zip(request_ids, specs)],
             host=host_sampling(specs))
 
-    def _dynamic_step_sample_logits(self, logits: torch.Tensor):
+    def _dynamic_step_sample_logits(self, logits: torch.Tensor | None = None):
+        if logits is None:  # 0.19 hands the forward's logits over in a buffer of the controller
+            logits = self._all_logits_cuda
         context = self.inference_wrapped_model.inference_context
-        assert context.materialize_only_last_token_logits, "build the context with materialize_only_last_token_logits"
+        assert last_token_logits_only(context), "build the context with materialize_only_last_token_logits"
         step = self._step_sampling
         last_token_logits = logits.squeeze(0)[:step.count]
         log_probs = tempered_log_probs(last_token_logits, step.temperature)
@@ -291,10 +312,10 @@ class SamplingController(TextGenerationController):
         self._sampled_tokens_cuda[:step.count] = tokens
         self._step_log_probs = log_probs.gather(-1, tokens[:, None])[:, 0]
 
-    def _dynamic_step_calculate_log_probs(self, logits: torch.Tensor):
+    def _dynamic_step_calculate_log_probs(self, logits: torch.Tensor | None = None):
         # One log-prob per active request (its newly sampled token), under softmax(logits / T).
         assert self._step_log_probs is not None
-        return [[lp] for lp in self._step_log_probs.tolist()], None
+        return [[lp] for lp in self._step_log_probs.tolist()], self._step_log_probs
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -385,7 +406,7 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
                  max_sequence_length: int, pg_collection: Any = None) -> tuple[DynamicInferenceEngine,
                                                                               DynamicInferenceContext,
                                                                               SamplingController]:
-    """Build context + wrapper + controller + engine around ``model`` (megatron-core 0.16.1 signatures).
+    """Build context + wrapper + controller + engine around ``model``.
 
     model: the model chunk as trained (DDP/Float16Module wrappers are fine: megatron-core unwraps
     them); its weights are used in place, nothing is copied. Call from the thread that will step the
@@ -393,6 +414,7 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     pg_collection: the model's own process groups when it is an inference copy with its own layout
     (:mod:`megatron.rl.layout.groups`); None = megatron-core's global ``parallel_state`` groups.
     """
+    settings = settings.for_release()
     gpt = unwrap_gpt_model(model)
     config = get_model_config(gpt)
     num_local_layers = len(gpt.decoder.layers)
@@ -403,35 +425,15 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     buckets = settings.decode_buckets
     if buckets is None and settings.decode_cuda_graphs:
         buckets = power_of_two_buckets(settings.token_rounder or 8, settings.max_requests)
-    context = _context_class(settings.token_rounder, settings.share_prompt_prefill, settings.keep_cpu_kv_buffer,
-                             tuple(buckets) if buckets else None, settings.decode_cuda_graphs,
-                             settings.batched_admission)(
-        params_dtype=config.params_dtype,
-        num_layers=num_local_layers,
-        kv_channels=config.kv_channels,
-        num_attention_heads=config.num_query_groups or config.num_attention_heads,
-        max_sequence_length=max_sequence_length,
-        buffer_size_gb=settings.buffer_size_gb,
-        block_size_tokens=settings.block_size_tokens,
-        max_tokens=settings.max_tokens,
-        max_requests=settings.max_requests,
-        num_cuda_graphs=None,
-        materialize_only_last_token_logits=True,
-        unified_memory_level=0,
-        pg_collection=pg_collection,
-    )
-    wrapper_config = InferenceWrapperConfig(
-        hidden_size=config.hidden_size,
-        params_dtype=config.params_dtype,
-        inference_batch_times_seqlen_threshold=-1,
-        padded_vocab_size=padded_vocab_size,
-        inference_max_requests=context.max_requests,
-        inference_max_seq_length=max_sequence_length,
-        fp32_residual_connection=config.fp32_residual_connection,
-    )
-    wrapped = GPTInferenceWrapper(model, wrapper_config, context, pg_collection=pg_collection)
-    controller = SamplingController(wrapped, tokenizer, seed=settings.seed,
-                                    pp_group=None if pg_collection is None else pg_collection.pp)
+    context_cls = _context_class(settings.token_rounder, settings.share_prompt_prefill, settings.keep_cpu_kv_buffer,
+                                 tuple(buckets) if buckets else None, settings.decode_cuda_graphs,
+                                 settings.batched_admission)
+    sizes = ContextSizes(num_layers=num_local_layers, max_sequence_length=max_sequence_length,
+                         buffer_size_gb=settings.buffer_size_gb, block_size_tokens=settings.block_size_tokens,
+                         max_tokens=settings.max_tokens, max_requests=settings.max_requests)
+    context = make_context(context_cls, config, sizes, pg_collection)
+    wrapped = make_wrapper(model, config, context, padded_vocab_size, max_sequence_length, pg_collection)
+    controller = make_controller(SamplingController, wrapped, tokenizer, pg_collection, seed=settings.seed)
     if settings.record_routes:
         controller.route_recorder = route_recorder(model, config, pg_collection)
     if buckets:
@@ -442,9 +444,10 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
         controller.graphs = DecodeGraphs(forward, reset=functools.partial(forget_step_memos, context))
         controller.graph_buckets = frozenset(buckets)
         controller.key_multiple = GRAPH_KEY_SLOTS  # fewer key lengths, fewer graphs
-    engine = RolloutEngine(controller, context, random_seed=settings.seed, pg_collection=pg_collection)
+    engine_cls = RolloutEngine if patches.covers_installed(_FAST_ADMISSION_ENTRY) else DynamicInferenceEngine
+    engine = make_engine(engine_cls, controller, context, settings.seed, pg_collection)
     log.debug("dynamic inference engine: %d KV blocks of %d tokens, max_requests=%d, max_tokens=%d",
-              context.block_allocator.total_count, context.block_size_tokens, context.max_requests,
+              block_allocator(context).total_count, context.block_size_tokens, context.max_requests,
               context.max_tokens)
     return engine, context, controller
 

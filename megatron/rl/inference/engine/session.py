@@ -23,6 +23,7 @@ import copy
 import torch
 
 from megatron.rl.inference.api import CANCELLED, InferenceError, InferenceResponse
+from megatron.rl.inference.engine.construct import free_context
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, SampleSpec, build_engine
 from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler
 from megatron.rl.inference.stopping import completes_stop, finish_response
@@ -324,7 +325,7 @@ class EngineSession:
             self._scheduler.abort(f"inference engine failed: {e!r}")
         finally:
             await _settle_engine_tasks()
-            context.deallocate_all_tensors()  # frees the KV cache even if something still holds the context
+            free_context(context)  # frees the KV cache even if something still holds the context
             release_thread_buffers()  # the attention's gather buffers go to the next phase's engine thread
             self.engine = self.context = self.controller = None
             drop_engine_objects(engine, controller, context, stepper)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron.rl.inference.engine.kv_reuse import is_kept
+from tests.conftest import needs_entry
 
 from tests.unit_tests.rl.inference.scripts.megatron_common import (
     CharTokenizer,
@@ -180,7 +181,7 @@ def test_engine_failure_is_reported_and_the_next_call_restarts_it(setup):
     backend.enter_inference_mode()
     controller = backend._session.controller
 
-    def broken(logits):
+    def broken(logits=None):
         raise RuntimeError("injected sampling failure")
 
     controller._dynamic_step_sample_logits = broken
@@ -321,6 +322,7 @@ def test_enter_exit_twice_frees_kv_cache_and_training_still_works(setup, monkeyp
     model.zero_grad(set_to_none=True)
 
 
+@needs_entry("dynamic context: reused CPU KV buffer")
 def test_the_next_phase_reuses_the_kv_buffer_and_gather_buffers_and_concurrent_engines_never_share(setup):
     """On CPU a phase's KV buffer and attention gather buffers serve the next phase's engine (fresh ones page-fault
     on every first write); two engines alive at once each get their own KV buffer."""

@@ -15,6 +15,7 @@ class _Context:
         self.token_to_block_idx = torch.zeros(64, dtype=torch.long)
         self.token_to_local_position_within_kv_block = torch.zeros(64, dtype=torch.long)
         self.padded_active_token_count = 0
+        self.gpu_view = self  # megatron-core 0.19 reads the step's index buffers through a view of the context
 
     def set_step(self, blocks, local):
         n = len(blocks)
@@ -28,7 +29,11 @@ def _installed():
     kv_append.install()
 
 
-def test_same_cache_as_megatron_over_steps_and_layers():
+def test_same_cache_as_megatron_over_steps_and_layers(monkeypatch):
+    from megatron.core.inference.contexts import dynamic_context
+
+    # megatron-core's own torch path is the reference (0.19 imports its Triton kernel, which refuses CPU tensors)
+    monkeypatch.setattr(dynamic_context, "triton_append_key_value_cache", None)
     g = torch.Generator().manual_seed(0)
     layers, blocks, block_size, heads, dim = 3, 9, 4, 2, 8
     ours, ref = _Context(layers, blocks, block_size, heads, dim), _Context(layers, blocks, block_size, heads, dim)

@@ -65,8 +65,12 @@ def test_every_entry_says_what_why_and_which_versions():
 
 
 def test_what_an_entry_names_exists_in_the_installed_megatron_core():
+    from megatron.rl.runtime import versions
+
     checked = 0
     for p in all_patches():
+        if not versions.written_for(p.versions):  # an entry of another release names that release's members
+            continue
         for target in _named_targets(p.changes):
             try:
                 _resolve(target)

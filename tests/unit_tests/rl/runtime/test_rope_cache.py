@@ -5,6 +5,9 @@ import pytest
 import torch
 
 from megatron.rl.runtime import rope_cache
+from tests.conftest import needs_entry
+
+pytestmark = needs_entry("dynamic inference RoPE: cos/sin once per step")
 
 
 class _Context:
