@@ -16,6 +16,7 @@ which rank runs what.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -31,8 +32,11 @@ TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 # Written last by dist_checkpointing.save (rank 0, after every rank's shards): the completion marker.
 COMPLETION_MARKER = "metadata.json"
-# Also required: torch DCP's global metadata (written by the coordinator at the end) and the common state.
-REQUIRED_FILES = (COMPLETION_MARKER, ".metadata", "common.pt")
+# Also required: torch DCP's global metadata (written by the coordinator at the end) and, in megatron-core 0.16.1's
+# format, the common state. megatron-core 0.19 writes the common state into the sharded files instead; its marker
+# then names no "common_backend" (checkpoint_format).
+REQUIRED_FILES = (COMPLETION_MARKER, ".metadata")
+COMMON_FILE = "common.pt"
 TMP_INFIX = ".tmp-"
 TRASH_INFIX = ".replaced-"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
@@ -61,9 +65,25 @@ def new_stamp() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}"
 
 
+def checkpoint_format(ckpt_dir: Path) -> str:
+    """``"common.pt"`` (megatron-core 0.16.1: the common state in its own file), ``"sharded common"``
+    (0.19: the common state inside the sharded files) or ``""`` when the completion marker is missing or
+    unreadable."""
+    try:
+        marker = json.loads((Path(ckpt_dir) / COMPLETION_MARKER).read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(marker, dict):
+        return ""
+    return COMMON_FILE if "common_backend" in marker else "sharded common"
+
+
 def missing_files(ckpt_dir: Path) -> list[str]:
     """Required files absent from ``ckpt_dir`` (empty list = a complete checkpoint directory)."""
-    return [name for name in REQUIRED_FILES if not (ckpt_dir / name).is_file()]
+    missing = [name for name in REQUIRED_FILES if not (ckpt_dir / name).is_file()]
+    if checkpoint_format(ckpt_dir) == COMMON_FILE and not (ckpt_dir / COMMON_FILE).is_file():
+        missing.append(COMMON_FILE)
+    return missing
 
 
 def is_complete(ckpt_dir: Path) -> bool:
@@ -184,7 +204,7 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
     root = Path(load_dir)
     if not root.is_dir():
         return None
-    if (root / COMPLETION_MARKER).is_file() or (root / "common.pt").is_file():
+    if (root / COMPLETION_MARKER).is_file() or (root / COMMON_FILE).is_file():
         return root
     leftovers = partial_dirs(root)
     if leftovers:
@@ -223,4 +243,17 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike) -> Path:
             f"checkpoint {ckpt} is incomplete or corrupt: missing {', '.join(missing)} (an interrupted save or a "
             f"partial copy). Point the tracker at a complete checkpoint (complete ones: "
             f"{complete_iterations(ckpt.parent) or 'none'}) or re-copy the directory.")
+    check_readable_by_installed_release(ckpt)
     return ckpt
+
+
+def check_readable_by_installed_release(ckpt: Path) -> None:
+    """Refuse, in one line, a checkpoint in megatron-core 0.19's format when 0.16.1 is installed (0.16.1 reads the
+    common state from its own file only; 0.19 reads both formats)."""
+    from megatron.rl.runtime import versions
+
+    if checkpoint_format(ckpt) == "sharded common" and versions.installed_release() == "0.16":
+        raise CheckpointError(
+            f"checkpoint {ckpt} was written by megatron-core 0.19 (its common state is inside the sharded files), "
+            f"which megatron-core {versions.installed_version()} cannot read: load it with megatron-core 0.19.x "
+            f"(Python 3.12), or convert it to Hugging Face there (tools/convert_megatron_to_hf.py)")
