@@ -66,7 +66,7 @@ _ENTRIES = (
     ("scalar sampling parameters", "megatron.rl.inference.engine.session:_scalar_sampling_params",
      "megatron.core.inference.sampling_params:SamplingParams (a deep copy made shallow)",
      "every request deep-copies its SamplingParams on creation, walking ~30 objects where a shallow copy of "
-     "its scalars is the same", MCORE_0_16),
+     "its scalars is the same", BOTH),
     ("pretraining dataset sources", "megatron.rl.training.data:PretrainingGPTDataset",
      "megatron.core.datasets.gpt_dataset:GPTDataset.build_low_level_dataset, ._key_config_attributes, "
      "._get_num_epochs",

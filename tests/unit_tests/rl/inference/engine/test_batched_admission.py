@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, peaked_tiny_gpt
+from tests.conftest import needs_entry
+
+pytestmark = needs_entry("dynamic context: batched admission")
 
 # The context's per-request arrays (first total_request_count rows) and per-token arrays (first active_token_count).
 _REQUEST_ARRAYS = ("request_ids", "request_query_lengths", "request_output_lengths", "request_kv_length_offsets",

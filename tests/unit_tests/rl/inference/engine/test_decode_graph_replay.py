@@ -19,6 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.unit_tests.rl.inference.engine.test_graph_safe_decode import (_backend, _generate, _requests,
                                                                         no_device_to_host_reads)
 from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, peaked_tiny_gpt
+from tests.conftest import needs_entry
+
+pytestmark = needs_entry("dynamic context: decode buckets")
 
 
 class _Record(TorchDispatchMode):

@@ -17,6 +17,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, peaked_tiny_gpt
+from tests.conftest import needs_entry
+
+pytestmark = needs_entry("dynamic context: decode buckets")
 
 
 class DeviceToHostRead(AssertionError):

@@ -7,6 +7,9 @@ import pytest
 import torch
 
 from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, peaked_tiny_gpt
+from tests.conftest import needs_entry
+
+pytestmark = needs_entry("engine admission of token-id prompts")
 
 
 @pytest.fixture(scope="module")
