@@ -20,7 +20,8 @@ from megatron.rl.observe.metrics import format_env_line
 from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.observe.run_summary import run_summary
 from megatron.rl.observe.samples import samples_markdown
-from megatron.rl.observe.warnings import RunWarnings, WarningThresholds, warning_metrics
+from megatron.rl.observe.config import warning_thresholds
+from megatron.rl.observe.warnings import RunWarnings, warning_metrics
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
@@ -177,11 +178,8 @@ class _Loop:
         # on resume, the JSONL drops the lines past the start iteration
         self.jsonl = MetricsJsonl(rl.metrics_jsonl, start) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
         o = rl.observe
-        self.checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share,
-                                                    o.warn_logprob_gap, off_policy_kl=o.warn_off_policy_kl,
-                                                    reward_drop=o.warn_reward_drop, entropy_drop=o.warn_entropy_drop,
-                                                    trend_window=o.warn_trend_window),
-                                  o.warn_interval, rl.max_new_tokens, report=parallel_utils.is_rank0())
+        self.checks = RunWarnings(warning_thresholds(o), o.warn_interval, rl.max_new_tokens,
+                                  report=parallel_utils.is_rank0())
         self.evaluates = bool(cfg.train.eval_interval) and rl.prompts_per_eval > 0
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
@@ -233,8 +231,11 @@ class _Loop:
     def evaluate(self, iteration: int) -> None:
         start = time.perf_counter()
         result = {"iteration": iteration, **evaluate(self.ctx.agent, self.ctx.inference, self.rl, self.ctx.seed)}
+        findings = self.checks.check_eval(result)
+        result.update(warning_metrics(findings))
         self.evals.append(result)
         self.emit(result)
+        self.checks.report(findings, iteration)
         log.info(" evaluation at iteration %d | %s | %.1fs", iteration, format_eval_line(result),
                  time.perf_counter() - start)
 
