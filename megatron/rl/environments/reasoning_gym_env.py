@@ -80,8 +80,8 @@ class ReasoningGymAgent(PassAtEvaluationAgent):
     prompt, in order (e.g. ``{" ": ""}`` writes ``3 + 5`` as ``3+5``, the format a small model was pretrained on).
     answer_format: what the committed text (up to the first ``stop`` string) must be: ``text`` (any, stripped),
     ``number`` (one number), ``tag`` (the last ``<answer>...</answer>``). answer_regex: instead, a pattern that
-    must match the whole stripped committed text (group 1, else the match, is the answer). chat: send the prompt as one user message
-    (rendered with the model's chat template) instead of plain text.
+    must match the whole stripped committed text (group 1, else the match, is the answer). chat: send the prompt
+    as one user message (rendered with the model's chat template) instead of plain text.
     """
 
     task: str

@@ -60,7 +60,8 @@ def _answer_collapse(env: str, s: EnvSummary, t: WarningThresholds, samples: Seq
         f"{who}: {share:.0%} of its last {total} rollouts ({t.env_window} iterations) gave the same answer "
         f"{answer[:80]!r} ({len(s.answers)} distinct; > --rl-warn-top-answer-share={t.top_answer_share:g}): the "
         f"policy collapsed to a constant answer there, whatever the problem. Usual causes: an answer format that "
-        f"a constant string games, or a learning rate too high for this environment (lower --lr).{quote_sample(env, answer, samples)}"))]
+        f"a constant string games, or a learning rate too high for this environment (lower --lr)."
+        f"{quote_sample(env, answer, samples)}"))]
 
 
 def _same_reward(env: str, s: EnvSummary, t: WarningThresholds, samples: Sequence[dict]) -> list[Finding]:

@@ -68,7 +68,8 @@ def test_a_collapse_in_one_environment_of_a_mixture_is_warned_within_ten_iterati
             per_env[it] = {f.kind for f in findings}
             texts[it] = checks.report(findings, it)
             history = {"reward_mean": [metrics["reward_mean"]]}
-            run_wide[it] = check_failure_points(metrics, checks.thresholds, CAP) + check_trends(history, checks.thresholds)
+            run_wide[it] = (check_failure_points(metrics, checks.thresholds, CAP)
+                            + check_trends(history, checks.thresholds))
             if it >= COLLAPSE_AT:  # the mixture still looks healthy
                 assert metrics["same_reward_group_fraction"] < 0.9 and metrics["reward_mean"] > 0.3
     assert not any(per_env[it] for it in range(1, COLLAPSE_AT)), "a false alarm before the collapse"
@@ -78,7 +79,8 @@ def test_a_collapse_in_one_environment_of_a_mixture_is_warned_within_ten_iterati
     assert "same_reward/short" in per_env[first + 1] or "same_reward/short" in per_env[COLLAPSE_AT + 9]
     assert not any(k.endswith("/arith") for it in per_env for k in per_env[it])
     text = texts[first]
-    assert "environment 'short'" in text and "' 7\\n'" in text and "'7'" in text and "--rl-warn-top-answer-share" in text
+    assert "environment 'short'" in text and "' 7\\n'" in text and "'7'" in text
+    assert "--rl-warn-top-answer-share" in text
     assert any(r.getMessage() == text for r in caplog.records)
     assert not any(run_wide[it] for it in run_wide), "the run-wide checks should not see this collapse"
 
