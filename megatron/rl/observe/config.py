@@ -12,7 +12,7 @@ from typing import Any
 
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.base.flags import flag
-from megatron.rl.observe.findings import WarningThresholds
+from megatron.rl.observe.findings import GUARD_ACTIONS, WarningThresholds
 
 __all__ = ["ObserveConfig", "resolve_observe", "warning_thresholds"]
 
@@ -69,6 +69,19 @@ class ObserveConfig:
                                       help="Warn when an environment's held-out pass@1 (or the mean over "
                                            "environments) is this far below the run's first evaluation. inf "
                                            "disables.")
+    env_collapse_action: str = flag("off", name="--rl-env-collapse-action", choices=GUARD_ACTIONS,
+                                    help="What a sustained collapse of one environment to a constant answer does "
+                                         "(the answer_collapse warning held --rl-env-collapse-patience iterations "
+                                         "in a row): off (warn only), downweight (multiply its weight in the "
+                                         "mixture by --rl-env-collapse-weight-factor) or stop (save a checkpoint "
+                                         "when --save is set, log the reason, exit with status 3).")
+    env_collapse_patience: int = flag(10, name="--rl-env-collapse-patience",
+                                      help="Consecutive iterations an environment's answer collapse must hold "
+                                           "before --rl-env-collapse-action acts.")
+    env_collapse_weight_factor: float = flag(0.5, name="--rl-env-collapse-weight-factor",
+                                             help="--rl-env-collapse-action downweight: the collapsed environment's "
+                                                  "weight is multiplied by this, each time the collapse holds "
+                                                  "another --rl-env-collapse-patience iterations.")
     warn_interval: int = flag(10, name="--rl-warn-interval",
                               help="Iterations between repeats of a warning whose condition persists; 0 disables the "
                                    "failure-point warnings.")
@@ -119,6 +132,14 @@ def resolve_observe(o: ObserveConfig, rl: Any, cfg: TrainingConfig) -> ObserveCo
     _need(o.warn_trend_window >= 1, f"--rl-warn-trend-window={o.warn_trend_window}: must be >= 1.")
     _need(o.warn_env_window >= 1, f"--rl-warn-env-window={o.warn_env_window}: must be >= 1 (iterations pooled per "
                                   f"environment).")
+    _need(o.env_collapse_patience >= 1,
+          f"--rl-env-collapse-patience={o.env_collapse_patience}: must be >= 1 (iterations in a row).")
+    _need(0 < o.env_collapse_weight_factor < 1, f"--rl-env-collapse-weight-factor={o.env_collapse_weight_factor}: "
+                                                f"must be in (0, 1) (the share of its weight a collapsed "
+                                                f"environment keeps).")
+    _need(o.env_collapse_action == "off" or o.warn_top_answer_share < 1,
+          f"--rl-env-collapse-action {o.env_collapse_action} with --rl-warn-top-answer-share="
+          f"{o.warn_top_answer_share}: the answer-collapse check it acts on is off; lower the share (default 0.8).")
     given_ks = list(o.eval_ks) if o.eval_ks else None  # as typed, for the messages
     ks = sorted(set(o.eval_ks)) if o.eval_ks else []
     _need(all(k >= 1 for k in ks), f"--rl-eval-pass-at-k={given_ks}: every k must be >= 1.")

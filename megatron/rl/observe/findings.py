@@ -9,7 +9,10 @@ import dataclasses
 import math
 from typing import Sequence
 
-__all__ = ["WarningThresholds", "Finding", "finite", "window_means"]
+__all__ = ["WarningThresholds", "Finding", "finite", "window_means", "GUARD_ACTIONS"]
+
+# what a sustained collapse of one environment does (--rl-env-collapse-action; see megatron.rl.observe.guard)
+GUARD_ACTIONS = ("off", "downweight", "stop")
 
 
 @dataclasses.dataclass(frozen=True)
