@@ -15,10 +15,10 @@ Definitions (the same for single- and multi-turn episodes):
   rollouts without finish reasons, generated tokens ``>= --rl-max-new-tokens``.
 * same-reward group: a group with at least two successful rollouts whose rewards are all equal (zero
   advantage everywhere: no learning signal).
-* answer: a successful rollout's ``metadata["answer"]`` when its agent records one, else its completion,
-  whitespace-stripped and cut to :data:`ANSWER_KEY_CHARS` characters. ``distinct_answers`` counts them,
-  ``top_answer_share`` is the share of the most common one: a policy that collapsed to one constant answer
-  shows a share near 1 however varied its problems are.
+* answer: a successful rollout's ``metadata["extracted_answer"]`` when its agent records one, else its
+  completion, whitespace-stripped and cut to :data:`ANSWER_KEY_CHARS` characters. ``distinct_answers``
+  counts them, ``top_answer_share`` is the share of the most common one: a policy that collapsed to one
+  constant answer shows a share near 1 however varied its problems are.
 * sampled entropy: the mean negative inference log-prob of the generated tokens (an estimate of the sampling
   policy's entropy per token, from rollouts alone); only for rollouts whose backend returned log-probs.
 """
@@ -42,7 +42,7 @@ ANSWER_KEY_CHARS = 200  # enough to tell short answers apart, small enough to ga
 
 def answer_key(rollout) -> str:
     """What the answer-diversity counts compare (see the module docstring)."""
-    answer = (rollout.metadata or {}).get("answer")
+    answer = (rollout.metadata or {}).get("extracted_answer")
     text = rollout.completion if answer is None else str(answer)
     return text.strip()[:ANSWER_KEY_CHARS]
 

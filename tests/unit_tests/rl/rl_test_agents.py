@@ -56,8 +56,8 @@ class HashPassAt(PassAtEvaluationAgent, HashReward):
 
 
 class ConstantAnswer(HashReward):
-    """Every rollout records the same answer (``metadata["answer"]``): a policy collapsed to a constant answer,
-    as the per-environment health checks see it."""
+    """Every rollout records the same answer (``metadata["extracted_answer"]``): a policy collapsed to a constant
+    answer, as the per-environment health checks see it."""
 
     async def _score(self, *args, **metadata):
-        return await super()._score(*args, answer="7", **metadata)
+        return await super()._score(*args, extracted_answer="7", **metadata)

@@ -101,7 +101,7 @@ def test_per_environment_health_metrics_by_hand_and_across_ranks():
     assert summary_metrics(split) == pytest.approx(m)
     # an agent's recorded answer wins over the completion
     r = rollout("g", 1, "the answer is 4", 1.0)
-    r.metadata["answer"] = "4"
+    r.metadata["extracted_answer"] = "4"
     assert summarize_groups([RolloutGroup(env_id="g", rollouts=[r])], CAP)["g"].answers == {"4": 1}
 
 
