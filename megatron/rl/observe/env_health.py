@@ -4,7 +4,7 @@ mixture's same-reward share stays under its threshold).
 
 Each check pools an environment's :class:`~megatron.rl.observe.metrics.EnvSummary` over the last
 ``env_window`` iterations (one iteration of a small environment holds a group or two: too few to judge), and
-runs once the window is full:
+runs once the window is full and holds at least 8 successful rollouts (2 scored groups for the same-reward share):
 
 * ``answer_collapse/<env>``: more than ``top_answer_share`` of the environment's successful rollouts gave the
   same answer (:func:`~megatron.rl.observe.metrics.answer_key`), whatever the problem: the policy collapsed to a
