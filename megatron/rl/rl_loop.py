@@ -20,7 +20,9 @@ from megatron.rl.observe.metrics import format_env_line
 from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.observe.run_summary import run_summary
 from megatron.rl.observe.samples import samples_markdown
-from megatron.rl.observe.warnings import RunWarnings, WarningThresholds, warning_metrics
+from megatron.rl.observe.config import warning_thresholds
+from megatron.rl.observe.guard import CollapseGuard, apply_guard_actions, check_guard_target
+from megatron.rl.observe.warnings import RunWarnings, warning_metrics
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
@@ -56,6 +58,7 @@ class RLRunResult:
     iteration: int
     history: list[dict[str, float]]  # one metrics dict per iteration (with "iteration")
     evals: list[dict[str, float]]  # one per evaluation (with "iteration")
+    stop_reason: str | None = None  # why the collapse guard stopped the run (None: it ran to the end)
 
 
 def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: float) -> str:
@@ -103,15 +106,20 @@ def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
         result = rl_iteration(ctx, rl, iteration)
         iteration += 1
         loop.record(iteration, result)
+        if loop.stop_reason is not None:
+            break  # the collapse guard: the final save below makes the run resumable from here
         if loop.evaluates and (iteration % t.eval_interval == 0 or iteration == t.train_iters):
             loop.evaluate(iteration)
         if control.after_iteration(iteration):
             break
     control.finish(iteration)
+    if loop.stop_reason is not None and parallel_utils.is_rank0():
+        saved = f"resume with --load {cfg.checkpoint.save}" if cfg.checkpoint.save else "no --save: nothing saved"
+        log.error("stopped at iteration %d: %s; %s", iteration, loop.stop_reason, saved)
     run.close()
     ctx.rollouts.close()  # cancels groups generated ahead
     ctx.inference.close()  # frees the in-process engine's KV cache / the HTTP client
-    return RLRunResult(iteration, loop.history, loop.evals)
+    return RLRunResult(iteration, loop.history, loop.evals, loop.stop_reason)
 
 
 def check_run_flags(cfg: TrainingConfig, rl: RLConfig) -> None:
@@ -128,6 +136,7 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     returns them with the iteration to start at."""
     t, c = cfg.train, cfg.checkpoint
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
+    check_guard_target(rl.observe.env_collapse_action, agent)  # before any model is built
     run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
     if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
         for chunks in (run.model, run.ref_model):
@@ -177,11 +186,10 @@ class _Loop:
         # on resume, the JSONL drops the lines past the start iteration
         self.jsonl = MetricsJsonl(rl.metrics_jsonl, start) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
         o = rl.observe
-        self.checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share,
-                                                    o.warn_logprob_gap, off_policy_kl=o.warn_off_policy_kl,
-                                                    reward_drop=o.warn_reward_drop, entropy_drop=o.warn_entropy_drop,
-                                                    trend_window=o.warn_trend_window),
-                                  o.warn_interval, rl.max_new_tokens, report=parallel_utils.is_rank0())
+        self.checks = RunWarnings(warning_thresholds(o), o.warn_interval, rl.max_new_tokens,
+                                  report=parallel_utils.is_rank0())
+        self.guard = CollapseGuard(o.env_collapse_action, o.env_collapse_patience)
+        self.stop_reason: str | None = None
         self.evaluates = bool(cfg.train.eval_interval) and rl.prompts_per_eval > 0
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
@@ -192,6 +200,10 @@ class _Loop:
         rl, metrics = self.rl, result.metrics
         findings = self.checks.check(metrics, result.observations)
         metrics.update(warning_metrics(findings))
+        acted, stop = apply_guard_actions(self.guard.update(findings, iteration), self.ctx.agent,
+                                          rl.observe.env_collapse_weight_factor, report=parallel_utils.is_rank0())
+        metrics.update(acted)
+        self.stop_reason = self.stop_reason or stop
         record = {"iteration": iteration, **metrics}
         self.history.append(record)
         finite_or_raise(metrics)
@@ -233,8 +245,11 @@ class _Loop:
     def evaluate(self, iteration: int) -> None:
         start = time.perf_counter()
         result = {"iteration": iteration, **evaluate(self.ctx.agent, self.ctx.inference, self.rl, self.ctx.seed)}
+        findings = self.checks.check_eval(result)
+        result.update(warning_metrics(findings))
         self.evals.append(result)
         self.emit(result)
+        self.checks.report(findings, iteration)
         log.info(" evaluation at iteration %d | %s | %.1fs", iteration, format_eval_line(result),
                  time.perf_counter() - start)
 

@@ -14,7 +14,8 @@ iterations; start from ``--pretrained-checkpoint`` and resume with ``--load`` / 
 ``--eval-only --load CKPT`` evaluates a checkpoint (pass@k per environment) instead of training.
 
 Bad input (flags, the environment config, a checkpoint that cannot be loaded, tokenizer, megatron-core
-version) exits with status 2 and a one-line message naming what to fix, like ``pretrain_gpt.py``.
+version) exits with status 2 and a one-line message naming what to fix, like ``pretrain_gpt.py``. A run the
+collapse guard stops (``--rl-env-collapse-action stop``) saves its checkpoint and exits with status 3.
 """
 import sys
 
@@ -36,9 +37,9 @@ def _train_or_evaluate(argv=None) -> int:
 
     if rl.observe.eval_only:
         run_eval_only(cfg, rl)
-    else:
-        run_rl(cfg, rl)
-    return 0
+        return 0
+    # 3: the collapse guard stopped the run (--rl-env-collapse-action stop); its checkpoint resumes it
+    return 3 if run_rl(cfg, rl).stop_reason is not None else 0
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,12 +26,12 @@ from pydantic import Field, PrivateAttr, model_validator
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
 from megatron.rl.base.errors import RLError
+from megatron.rl.environments.answers import last_number
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HuggingFaceDatasetAgent", "load_rows", "DatasetFileError"]
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _SUFFIX_FORMAT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
@@ -90,11 +89,6 @@ def load_rows(path: str | Path, max_rows: int | None = None) -> list[dict[str, A
             if max_rows is not None and len(rows) >= max_rows:
                 break
     return rows
-
-
-def _last_number(text: str) -> str | None:
-    found = _NUMBER.findall(text[-2000:])
-    return found[-1].replace(",", "") if found else None
 
 
 @Agent.register_subclass("huggingface_dataset")
@@ -169,8 +163,8 @@ class HuggingFaceDatasetAgent(PassAtEvaluationAgent):
             return float(completion.strip() == answer)
         if self.reward_type == "contains":
             return float(answer in completion)
-        got = _last_number(completion)
-        want = _last_number(answer)
+        got = last_number(completion)
+        want = last_number(answer)
         if got is None or want is None:
             return 0.0
         try:

@@ -100,6 +100,7 @@ class WeightedMultiTaskAgent(Agent):
 
     entries: list[TaskEntry]
     _carry: dict[str, Fraction] = PrivateAttr(default_factory=dict)  # rounding owed per environment (next_carry)
+    _lowered: dict[str, float] = PrivateAttr(default_factory=dict)  # weights changed during the run (scale_weight)
 
     @model_validator(mode="after")
     def _check_entries(self) -> "WeightedMultiTaskAgent":
@@ -136,6 +137,20 @@ class WeightedMultiTaskAgent(Agent):
                            [alloc[e.name] for e in train])
         self._carry = dict(zip([e.name for e in train], carry))
 
+    def scale_weight(self, name: str, factor: float) -> tuple[float, float]:
+        """Multiply the training environment ``name``'s weight by ``factor`` (0 < factor <= 1) from the next
+        request on; returns (old, new). The new weight is checkpointed with the agent's state."""
+        entry = next((e for e in self.training_entries if e.name == name), None)
+        if entry is None:
+            raise ValueError(f"no training environment {name!r} to reweight; training environments: "
+                             f"{[e.name for e in self.training_entries]}")
+        if not 0 < factor <= 1:
+            raise ValueError(f"weight factor {factor}: must be in (0, 1]")
+        old = entry.weight
+        entry.weight = old * factor
+        self._lowered[name] = entry.weight
+        return old, entry.weight
+
     def set_data_parallel(self, rank: int, world_size: int) -> None:
         super().set_data_parallel(rank, world_size)
         for e in self.entries:
@@ -163,7 +178,8 @@ class WeightedMultiTaskAgent(Agent):
 
     def state_dict(self) -> dict[str, Any]:
         return {"agents": {e.name: e.agent.state_dict() for e in self.entries},
-                "allocation_carry": {name: str(c) for name, c in self._carry.items()}}
+                "allocation_carry": {name: str(c) for name, c in self._carry.items()},
+                "lowered_weights": dict(self._lowered)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("agents", {})
@@ -174,3 +190,8 @@ class WeightedMultiTaskAgent(Agent):
             e.agent.load_state_dict(saved[e.name])
         # older checkpoints have no carry: start from none
         self._carry = {name: Fraction(c) for name, c in state.get("allocation_carry", {}).items()}
+        # weights the collapse guard lowered stay lowered (the config's weights for the others)
+        self._lowered = {name: float(w) for name, w in state.get("lowered_weights", {}).items()}
+        for e in self.entries:
+            if e.name in self._lowered:
+                e.weight = self._lowered[e.name]

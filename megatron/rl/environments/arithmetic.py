@@ -22,6 +22,7 @@ from typing import ClassVar, Iterator
 
 from pydantic import Field, model_validator
 
+from megatron.rl.environments.answers import committed_answer
 from megatron.rl.environments.safe_expr import ParseOptions, evaluate_exact, parse
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
@@ -30,7 +31,7 @@ __all__ = ["ArithmeticAgent", "make_problem", "format_prompt", "format_example",
            "arithmetic_reward", "pretraining_text", "write_pretraining_corpus", "END_MARKER"]
 
 END_MARKER = "\n"
-_ANSWER = re.compile(r" ?(-?\d{1,40})")
+_ANSWER = re.compile(r" ?(-?\d{1,40}) *")  # the committed text, all of it
 _PARSE_OPTS = ParseOptions(allow_unary=False, allow_decimal=False)
 
 
@@ -60,12 +61,10 @@ def make_problem(rng: random.Random, min_operands: int = 2, max_operands: int = 
 
 
 def arithmetic_reward(completion: str, answer: int) -> float:
-    """1.0 iff the text before the first end marker is exactly ``answer`` (one optional leading space)."""
-    head = completion.split(END_MARKER, 1)[0]
-    if len(head) > 64:
-        return 0.0
-    m = _ANSWER.fullmatch(head.rstrip(" "))
-    return 1.0 if m is not None and m.group(1) == str(int(answer)) else 0.0
+    """1.0 iff the text before the first end marker is exactly ``answer`` (one optional leading space,
+    trailing spaces allowed, at most 64 characters)."""
+    got = committed_answer(completion, _ANSWER, (END_MARKER,), strip=False, max_chars=64)
+    return 1.0 if got is not None and got == str(int(answer)) else 0.0
 
 
 def _wrong_answer(rng: random.Random, answer: int) -> int:

@@ -20,6 +20,7 @@ import re
 
 from pydantic import Field
 
+from megatron.rl.environments.answers import committed_answer
 from megatron.rl.environments.arithmetic import make_problem
 from megatron.rl.environments.safe_expr import ExprError, ParseOptions, evaluate_exact, parse
 from megatron.rl.agent.api import Agent
@@ -50,8 +51,8 @@ def calculator_observation(line: str) -> str | None:
 def calculator_reward(turns: list[Turn], answer: int, tool_bonus: float = 0.0) -> float:
     if not turns:
         return 0.0
-    m = _ANSWER.fullmatch(turns[-1].text.split("\n", 1)[0])
-    correct = 1.0 if m is not None and int(m.group(1)) == answer else 0.0
+    got = committed_answer(turns[-1].text, _ANSWER, ("\n",), strip=False)
+    correct = 1.0 if got is not None and int(got) == answer else 0.0
     used = any(t.observation and not t.observation.startswith("\n= error") for t in turns)
     return correct + (tool_bonus if used else 0.0)
 

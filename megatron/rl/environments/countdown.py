@@ -14,12 +14,12 @@ uses exactly the given numbers (as a multiset) and evaluates exactly (rationals)
 from __future__ import annotations
 
 import random
-import re
 from collections import Counter
 from fractions import Fraction
 
 from pydantic import Field
 
+from megatron.rl.environments.answers import committed_text, last_tag
 from megatron.rl.environments.safe_expr import ExprError, ParseOptions, evaluate_exact, leaf_numbers, parse
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
@@ -28,14 +28,14 @@ __all__ = ["CountdownAgent", "countdown_reward", "extract_expression", "make_cou
 
 _OPTS = ParseOptions(allow_power=False, allow_unary=False, allow_decimal=False, max_length=200, max_digits=6,
                      max_depth=32, max_nodes=64)
-_ANSWER_TAG = re.compile(r"<answer>(.{0,400}?)</answer>", re.DOTALL)
 
 
 def extract_expression(completion: str) -> str:
-    tags = _ANSWER_TAG.findall(completion[:10_000])
-    if tags:
-        return tags[-1].strip()
-    return completion.strip().split("\n", 1)[0].strip() if completion.strip() else ""
+    """The last ``<answer>`` tag's content, else the completion's first non-blank line."""
+    tagged = last_tag(completion)
+    if tagged is not None:
+        return tagged
+    return committed_text(completion.strip(), ("\n",)).strip()
 
 
 def countdown_reward(completion: str, numbers: list[int], target: int, format_reward: float = 0.0) -> float:

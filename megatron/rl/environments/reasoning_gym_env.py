@@ -11,16 +11,20 @@ nothing is downloaded. One YAML entry names a task and its config::
         size: 10000                              # training problems (an epoch; reshuffled after it)
         validation_size: 200
         instruction: "Answer with the number only."
-        answer_regex: "(-?\\d+)"                 # group 1 (else the match) is the answer; default: the whole text
+        answer_format: number                    # the text up to the stop string must be one number
+        stop: ["\n"]
 
 Prompts are ``{question}`` (plus the instruction on its own line), or ``prompt_template`` with fields
 ``{question}``, ``{instruction}`` and ``{metadata[KEY]}`` (the task's metadata, e.g. the expression of an
 arithmetic problem, to match the format a model was pretrained on); ``prompt_replacements`` edit the task's
-texts before they fill it. The reward is the task's own ``score_answer(answer, entry)`` on the extracted
-answer (``None`` when the regex does not match; the task then scores it, usually 0). Problems come from a :class:`PromptStream` like every built-in agent (sharded by
-data-parallel rank, position checkpointed); validation problems come from a second dataset with its own
-seed, so evaluation-only entries work too. Small task spaces (single-digit sums) repeat problems across the
-two seeds, as any generated task of that size does.
+texts before they fill it. The reward is the task's own ``score_answer(answer, entry)`` on the answer the
+completion committed to (:mod:`megatron.rl.environments.answers`): the text up to the first ``stop`` string,
+whitespace-stripped, in the entry's ``answer_format`` (``text``, the default; ``number``; ``tag``:
+``<answer>...</answer>``), or matching ``answer_regex`` as a whole (``None`` when it does not have that form;
+the task then scores it, usually 0). Problems come from a :class:`PromptStream` like every built-in agent
+(sharded by data-parallel rank, position checkpointed); validation problems come from a second dataset with
+its own seed, so evaluation-only entries work too. Small task spaces (single-digit sums) repeat problems
+across the two seeds, as any generated task of that size does.
 """
 from __future__ import annotations
 
@@ -29,26 +33,16 @@ import re
 import string
 from typing import Any
 
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
 from megatron.rl.base.optional import import_optional
+from megatron.rl.environments.answers import AnswerFormat, extract_answer
 
 __all__ = ["ReasoningGymAgent", "extract_answer", "render_prompt"]
 
 _FIELD = re.compile(r"question|instruction|metadata\[[A-Za-z0-9_]+\]")
-
-
-def extract_answer(completion: str, pattern: re.Pattern | None) -> str | None:
-    """The answer in ``completion``: the stripped text without a pattern; else group 1 of the first match (the
-    whole match when the pattern has no group), stripped; None when nothing matches."""
-    if pattern is None:
-        return completion.strip()
-    m = pattern.search(completion)
-    if m is None:
-        return None
-    return (m.group(1) if pattern.groups else m.group(0)).strip()
 
 
 def render_prompt(template: str, entry: dict[str, Any], instruction: str,
@@ -84,8 +78,10 @@ class ReasoningGymAgent(PassAtEvaluationAgent):
     question on its own line (None: none). prompt_template: the whole prompt (None: question + instruction).
     prompt_replacements: literal ``{old: new}`` replacements applied to the task's texts before they fill the
     prompt, in order (e.g. ``{" ": ""}`` writes ``3 + 5`` as ``3+5``, the format a small model was pretrained on).
-    answer_regex: how the answer is cut from the completion. chat: send the prompt as one user message
-    (rendered with the model's chat template) instead of plain text.
+    answer_format: what the committed text (up to the first ``stop`` string) must be: ``text`` (any, stripped),
+    ``number`` (one number), ``tag`` (the last ``<answer>...</answer>``). answer_regex: instead, a pattern that
+    must match the whole stripped committed text (group 1, else the match, is the answer). chat: send the prompt
+    as one user message (rendered with the model's chat template) instead of plain text.
     """
 
     task: str
@@ -95,6 +91,7 @@ class ReasoningGymAgent(PassAtEvaluationAgent):
     instruction: str | None = None
     prompt_template: str | None = None
     prompt_replacements: dict[str, str] = Field(default_factory=dict)
+    answer_format: AnswerFormat = "text"
     answer_regex: str | None = None
     chat: bool = False
 
@@ -123,6 +120,13 @@ class ReasoningGymAgent(PassAtEvaluationAgent):
             except re.error as e:
                 raise ValueError(f"answer_regex {v!r} does not compile: {e}") from None
         return v
+
+    @model_validator(mode="after")
+    def _one_answer_rule(self) -> "ReasoningGymAgent":
+        if self.answer_regex is not None and self.answer_format != "text":
+            raise ValueError(f"answer_format {self.answer_format!r} and answer_regex {self.answer_regex!r}: give "
+                             f"one (the regex already says what the committed text must be)")
+        return self
 
     def model_post_init(self, context: Any) -> None:
         # Fail at configuration time: the package is missing, the task unknown or its config invalid.
@@ -174,6 +178,6 @@ class ReasoningGymAgent(PassAtEvaluationAgent):
         return [{"role": "user", "content": problem["prompt"]}] if self.chat else problem["prompt"]
 
     def compute_reward(self, problem: dict, completion: str) -> float:
-        answer = extract_answer(completion, self._pattern)
+        answer = extract_answer(completion, self.answer_format, self._pattern, self.stop)
         return float(self._dataset(problem["id"].startswith("val"))
                      .score_answer(answer=answer, entry=problem["entry"]))

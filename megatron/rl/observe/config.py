@@ -12,8 +12,9 @@ from typing import Any
 
 from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.base.flags import flag
+from megatron.rl.observe.findings import GUARD_ACTIONS, WarningThresholds
 
-__all__ = ["ObserveConfig", "resolve_observe"]
+__all__ = ["ObserveConfig", "resolve_observe", "warning_thresholds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,32 @@ class ObserveConfig:
                                          "window's. 0 disables.")
     warn_trend_window: int = flag(20, name="--rl-warn-trend-window",
                                   help="Iterations per window of the reward and entropy trend warnings.")
+    warn_top_answer_share: float = flag(0.8, name="--rl-warn-top-answer-share",
+                                        help="Warn when more than this share of one environment's rollouts over "
+                                             "--rl-warn-env-window iterations gave the same answer, whatever the "
+                                             "problem (a collapse to a constant answer). Raise it for tasks with a "
+                                             "few possible answers (yes / no). 1 disables.")
+    warn_env_window: int = flag(5, name="--rl-warn-env-window",
+                                help="Iterations pooled per environment by the per-environment checks (answer "
+                                     "collapse, same-reward share, length-cap share of each environment of a "
+                                     "mixture): a small environment has a group or two per iteration.")
+    warn_pass_at_1_drop: float = flag(0.1, name="--rl-warn-pass-at-1-drop",
+                                      help="Warn when an environment's held-out pass@1 (or the mean over "
+                                           "environments) is this far below the run's first evaluation. inf "
+                                           "disables.")
+    env_collapse_action: str = flag("off", name="--rl-env-collapse-action", choices=GUARD_ACTIONS,
+                                    help="What a sustained collapse of one environment to a constant answer does "
+                                         "(the answer_collapse warning held --rl-env-collapse-patience iterations "
+                                         "in a row): off (warn only), downweight (multiply its weight in the "
+                                         "mixture by --rl-env-collapse-weight-factor) or stop (save a checkpoint "
+                                         "when --save is set, log the reason, exit with status 3).")
+    env_collapse_patience: int = flag(10, name="--rl-env-collapse-patience",
+                                      help="Consecutive iterations an environment's answer collapse must hold "
+                                           "before --rl-env-collapse-action acts.")
+    env_collapse_weight_factor: float = flag(0.5, name="--rl-env-collapse-weight-factor",
+                                             help="--rl-env-collapse-action downweight: the collapsed environment's "
+                                                  "weight is multiplied by this, each time the collapse holds "
+                                                  "another --rl-env-collapse-patience iterations.")
     warn_interval: int = flag(10, name="--rl-warn-interval",
                               help="Iterations between repeats of a warning whose condition persists; 0 disables the "
                                    "failure-point warnings.")
@@ -72,6 +99,15 @@ class ObserveConfig:
                                    help="With --eval-only: also write the evaluation's numbers to this JSON file.")
 
 
+def warning_thresholds(o: ObserveConfig) -> WarningThresholds:
+    """The health checks' thresholds from the ``--rl-warn-*`` flags."""
+    return WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share, o.warn_logprob_gap,
+                             off_policy_kl=o.warn_off_policy_kl, reward_drop=o.warn_reward_drop,
+                             entropy_drop=o.warn_entropy_drop, trend_window=o.warn_trend_window,
+                             top_answer_share=o.warn_top_answer_share, env_window=o.warn_env_window,
+                             pass_at_1_drop=o.warn_pass_at_1_drop)
+
+
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -82,16 +118,28 @@ def resolve_observe(o: ObserveConfig, rl: Any, cfg: TrainingConfig) -> ObserveCo
     (its ``prompts_per_eval`` and ``eval_temperature``)."""
     _need(o.log_samples >= 0, f"--rl-log-samples={o.log_samples}: must be >= 0 (0 disables samples).")
     for name, v in (("--rl-warn-same-reward-share", o.warn_same_reward_share),
-                    ("--rl-warn-length-cap-share", o.warn_length_cap_share)):
+                    ("--rl-warn-length-cap-share", o.warn_length_cap_share),
+                    ("--rl-warn-top-answer-share", o.warn_top_answer_share)):
         _need(0.0 <= v <= 1.0, f"{name}={v}: must be a share in [0, 1] (1 disables the warning).")
     _need(o.warn_logprob_gap > 0 and not math.isnan(o.warn_logprob_gap),
           f"--rl-warn-logprob-gap={o.warn_logprob_gap}: must be > 0 (inf disables the warning).")
     _need(o.warn_interval >= 0, f"--rl-warn-interval={o.warn_interval}: must be >= 0 (0 disables warnings).")
-    for name, v in (("--rl-warn-off-policy-kl", o.warn_off_policy_kl), ("--rl-warn-reward-drop", o.warn_reward_drop)):
+    for name, v in (("--rl-warn-off-policy-kl", o.warn_off_policy_kl), ("--rl-warn-reward-drop", o.warn_reward_drop),
+                    ("--rl-warn-pass-at-1-drop", o.warn_pass_at_1_drop)):
         _need(v > 0 and not math.isnan(v), f"{name}={v}: must be > 0 (inf disables the warning).")
     _need(0 <= o.warn_entropy_drop < 1, f"--rl-warn-entropy-drop={o.warn_entropy_drop}: must be a fraction in [0, 1) "
                                         f"(0 disables the warning).")
     _need(o.warn_trend_window >= 1, f"--rl-warn-trend-window={o.warn_trend_window}: must be >= 1.")
+    _need(o.warn_env_window >= 1, f"--rl-warn-env-window={o.warn_env_window}: must be >= 1 (iterations pooled per "
+                                  f"environment).")
+    _need(o.env_collapse_patience >= 1,
+          f"--rl-env-collapse-patience={o.env_collapse_patience}: must be >= 1 (iterations in a row).")
+    _need(0 < o.env_collapse_weight_factor < 1, f"--rl-env-collapse-weight-factor={o.env_collapse_weight_factor}: "
+                                                f"must be in (0, 1) (the share of its weight a collapsed "
+                                                f"environment keeps).")
+    _need(o.env_collapse_action == "off" or o.warn_top_answer_share < 1,
+          f"--rl-env-collapse-action {o.env_collapse_action} with --rl-warn-top-answer-share="
+          f"{o.warn_top_answer_share}: the answer-collapse check it acts on is off; lower the share (default 0.8).")
     given_ks = list(o.eval_ks) if o.eval_ks else None  # as typed, for the messages
     ks = sorted(set(o.eval_ks)) if o.eval_ks else []
     _need(all(k >= 1 for k in ks), f"--rl-eval-pass-at-k={given_ks}: every k must be >= 1.")

@@ -15,6 +15,12 @@ Definitions (the same for single- and multi-turn episodes):
   rollouts without finish reasons, generated tokens ``>= --rl-max-new-tokens``.
 * same-reward group: a group with at least two successful rollouts whose rewards are all equal (zero
   advantage everywhere: no learning signal).
+* answer: a successful rollout's ``metadata["extracted_answer"]`` when its agent records one, else its
+  completion, whitespace-stripped and cut to :data:`ANSWER_KEY_CHARS` characters. ``distinct_answers``
+  counts them, ``top_answer_share`` is the share of the most common one: a policy that collapsed to one
+  constant answer shows a share near 1 however varied its problems are.
+* sampled entropy: the mean negative inference log-prob of the generated tokens (an estimate of the sampling
+  policy's entropy per token, from rollouts alone); only for rollouts whose backend returned log-probs.
 """
 from __future__ import annotations
 
@@ -26,8 +32,19 @@ from megatron.rl import parallel_utils
 from megatron.rl.observe.samples import sample_candidates, select_samples
 from megatron.rl.base.types import RolloutGroup
 
-__all__ = ["EnvSummary", "RolloutObservations", "summarize_groups", "merge_summaries", "summary_metrics",
+__all__ = ["ANSWER_KEY_CHARS", "answer_key", "EnvSummary", "RolloutObservations", "summarize_groups",
+           "merge_summaries", "top_answer", "health_metrics", "summary_metrics",
            "format_env_line", "is_length_capped", "observe_rollouts"]
+
+
+ANSWER_KEY_CHARS = 200  # enough to tell short answers apart, small enough to gather every rank's
+
+
+def answer_key(rollout) -> str:
+    """What the answer-diversity counts compare (see the module docstring)."""
+    answer = (rollout.metadata or {}).get("extracted_answer")
+    text = rollout.completion if answer is None else str(answer)
+    return text.strip()[:ANSWER_KEY_CHARS]
 
 
 @dataclasses.dataclass
@@ -48,13 +65,18 @@ class EnvSummary:
     # metadata["reward_components"] of ok rollouts (name -> [sum, count]); metadata["failure_kind"] of failed ones
     components: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     failure_kinds: dict[str, int] = dataclasses.field(default_factory=dict)
+    answers: dict[str, int] = dataclasses.field(default_factory=dict)  # answer_key of ok rollouts -> count
+    neg_logprob_sum: float = 0.0  # over generated tokens with an inference log-prob
+    logprob_tokens: int = 0
 
     def add(self, other: "EnvSummary") -> None:
         for f in dataclasses.fields(self):
-            if f.name not in ("same_reward_values", "components", "failure_kinds"):
+            if f.name not in ("same_reward_values", "components", "failure_kinds", "answers"):
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         for v, c in other.same_reward_values.items():
             self.same_reward_values[v] = self.same_reward_values.get(v, 0) + c
+        for a, c in other.answers.items():
+            self.answers[a] = self.answers.get(a, 0) + c
         for name, (value_sum, count) in other.components.items():
             mine = self.components.setdefault(name, [0.0, 0])
             mine[0] += value_sum
@@ -87,6 +109,12 @@ def summarize_groups(groups: Sequence[RolloutGroup], max_new_tokens: int) -> dic
             s.length_sum += getattr(r, "num_generated_tokens", 0)
             s.turns_sum += int((r.metadata or {}).get("num_turns", 1))
             s.length_capped += is_length_capped(r, max_new_tokens)
+            key = answer_key(r)
+            s.answers[key] = s.answers.get(key, 0) + 1
+            logprobs = getattr(r, "generated_logprobs", None)  # TokenRollout only
+            if logprobs:
+                s.neg_logprob_sum -= sum(logprobs)
+                s.logprob_tokens += len(logprobs)
             for name, value in ((r.metadata or {}).get("reward_components") or {}).items():
                 acc = s.components.setdefault(str(name), [0.0, 0])
                 acc[0] += float(value)
@@ -116,11 +144,35 @@ def _mean(total: float, count: int) -> float:
     return total / count if count else float("nan")
 
 
+def top_answer(s: EnvSummary) -> tuple[str, int] | None:
+    """The most common answer and its count (ties: the first in sorted order), None without ok rollouts."""
+    if not s.answers:
+        return None
+    best = max(sorted(s.answers), key=s.answers.__getitem__)
+    return best, s.answers[best]
+
+
+def health_metrics(s: EnvSummary, prefix: str) -> dict[str, float]:
+    """An environment's health numbers (``<prefix>same_reward_group_fraction``, ``distinct_answers``,
+    ``top_answer_share``, ``sampled_entropy``), each only when measured (no NaN placeholders)."""
+    out: dict[str, float] = {}
+    if s.scored_groups:
+        out[prefix + "same_reward_group_fraction"] = s.same_reward_groups / s.scored_groups
+    top = top_answer(s)
+    if top is not None:
+        out[prefix + "distinct_answers"] = float(len(s.answers))
+        out[prefix + "top_answer_share"] = top[1] / sum(s.answers.values())
+    if s.logprob_tokens:
+        out[prefix + "sampled_entropy"] = s.neg_logprob_sum / s.logprob_tokens
+    return out
+
+
 def summary_metrics(summaries: dict[str, EnvSummary]) -> dict[str, float]:
     """Flat metrics: ``env/<name>/{groups,reward_mean,response_length_mean,failed_rollouts,turns_mean,
-    length_capped_fraction}`` per environment (plus ``reward/<component>``: the mean of each reward component
-    agents report, and ``failures/<kind>``: failed rollouts by the kind agents report), and run-wide ``turns_per_episode_mean``,
-    ``length_capped_fraction``, ``same_reward_groups``, ``same_reward_group_fraction``."""
+    length_capped_fraction}`` per environment plus its :func:`health_metrics` (and ``reward/<component>``: the
+    mean of each reward component agents report, and ``failures/<kind>``: failed rollouts by the kind agents
+    report), and run-wide ``turns_per_episode_mean``, ``length_capped_fraction``, ``same_reward_groups``,
+    ``same_reward_group_fraction``."""
     out: dict[str, float] = {}
     total = EnvSummary()
     for env in sorted(summaries):
@@ -133,6 +185,7 @@ def summary_metrics(summaries: dict[str, EnvSummary]) -> dict[str, float]:
         out[p + "failed_rollouts"] = float(s.failed)
         out[p + "turns_mean"] = _mean(s.turns_sum, s.ok)
         out[p + "length_capped_fraction"] = _mean(s.length_capped, s.ok)
+        out.update(health_metrics(s, p))
         for name, (value_sum, count) in sorted(s.components.items()):
             out[f"{p}reward/{name}"] = _mean(value_sum, int(count))
         for kind, count in sorted(s.failure_kinds.items()):

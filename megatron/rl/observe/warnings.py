@@ -12,7 +12,10 @@
   tokens (k3 KL between the two per token, the importance weights' mean and truncated share), where the
   synchronous path trains at ~0; large per-step moves on stale data can feed on themselves;
 * **trends** over a window of iterations (:func:`check_trends`): an environment's reward fell below where the
-  run started, or the policy's entropy collapsed to a fraction of its starting level.
+  run started, or the policy's entropy collapsed to a fraction of its starting level;
+* **per environment** (:mod:`megatron.rl.observe.env_health`): the same-reward, length-cap, answer-diversity,
+  sampled-entropy and held-out pass@1 checks of each environment of a mixture on its own numbers, so a
+  collapse in one environment is not averaged away by the others.
 
 :func:`check_failure_points` and :func:`check_trends` are pure (metrics and thresholds in, findings out);
 :class:`WarningLimiter` decides which findings to report, so a persisting condition is repeated only every
@@ -20,42 +23,18 @@
 """
 from __future__ import annotations
 
-import dataclasses
+import collections
 import logging
 import math
 from typing import Sequence
+
+from megatron.rl.observe.env_health import check_env_health, check_env_trends, check_pass_at_1
+from megatron.rl.observe.findings import Finding, WarningThresholds, finite as _finite, window_means
 
 __all__ = ["Finding", "WarningThresholds", "check_failure_points", "check_trends", "WarningLimiter", "warning_metrics",
            "RunWarnings"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class WarningThresholds:
-    """Warn when a share / gap is strictly above its threshold (flags ``--rl-warn-*``)."""
-
-    same_reward_share: float = 0.9
-    length_cap_share: float = 0.5
-    logprob_gap: float = 1.0
-    off_policy_kl: float = 0.03  # k3 KL(behaviour || trained policy) per token, asynchronous rollouts
-    is_truncated_share: float = 0.05  # share of tokens whose importance weight was truncated
-    reward_drop: float = 0.1  # an environment's windowed reward this far below its first window
-    entropy_drop: float = 0.25  # windowed entropy below this fraction of the first window's
-    trend_window: int = 20  # iterations per window of the trend checks
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    kind: str  # "same_reward" | "length_cap" | "logprob_gap" | "off_policy" | "reward_drop/<env>" | "entropy_collapse"
-    value: float
-    threshold: float
-    message: str
-
-
-def _finite(metrics: dict, key: str) -> float | None:
-    v = metrics.get(key)
-    return float(v) if v is not None and math.isfinite(v) else None
 
 
 def check_failure_points(metrics: dict[str, float], thresholds: WarningThresholds, max_new_tokens: int | None = None,
@@ -121,14 +100,6 @@ def _off_policy(metrics: dict[str, float], thresholds: WarningThresholds) -> lis
         f"asynchronous rollouts)."))]
 
 
-def _window_means(values: Sequence[float], window: int) -> tuple[float, float] | None:
-    """(mean of the first ``window`` values, mean of the last ``window``), once there are two whole windows."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    if window < 1 or len(vals) < 2 * window:
-        return None
-    return sum(vals[:window]) / window, sum(vals[-window:]) / window
-
-
 def check_trends(history: dict[str, Sequence[float]], thresholds: WarningThresholds,
                  asynchronous: bool = False) -> list[Finding]:
     """Trend findings from a run's per-iteration history (``{metric: [value per iteration]}``).
@@ -146,14 +117,14 @@ def check_trends(history: dict[str, Sequence[float]], thresholds: WarningThresho
     if not rewards and "reward_mean" in history:
         rewards = {"all": history["reward_mean"]}
     for env, values in sorted(rewards.items()):
-        means = _window_means(values, w)
+        means = window_means(values, w)
         if means is not None and means[0] - means[1] > thresholds.reward_drop:
             first, last = means
             out.append(Finding(f"reward_drop/{env}", first - last, thresholds.reward_drop, (
                 f"the training reward of {env!r} fell from {first:.3f} (first {w} iterations) to {last:.3f} (last "
                 f"{w}), more than --rl-warn-reward-drop={thresholds.reward_drop:g} below where the run started: the "
                 f"policy got worse at it.{hint}")))
-    means = _window_means(history.get("entropy_mean", ()), w)
+    means = window_means(history.get("entropy_mean", ()), w)
     if means is not None and means[1] < thresholds.entropy_drop * means[0]:
         first, last = means
         out.append(Finding("entropy_collapse", last, thresholds.entropy_drop * first, (
@@ -206,9 +177,11 @@ class WarningLimiter:
 
 
 class RunWarnings:
-    """The checks of one run. :meth:`check` finds an iteration's failure points (quoting a length-capped
-    sample and the most common constant reward from its :class:`~megatron.rl.observe.metrics.RolloutObservations`);
-    :meth:`report` logs what the limiter admits when this process reports (``report``: rank 0)."""
+    """The checks of one run. :meth:`check` finds an iteration's failure points, run-wide and per environment
+    (quoting samples and the most common constant reward from its
+    :class:`~megatron.rl.observe.metrics.RolloutObservations`); :meth:`check_eval` compares an evaluation's
+    pass@1 with the run's first; :meth:`report` logs what the limiter admits when this process reports
+    (``report``: rank 0). Every rank computes the same findings (the observations are gathered over DP)."""
 
     def __init__(self, thresholds: WarningThresholds, interval: int, max_new_tokens: int, report: bool = True) -> None:
         self.thresholds = thresholds
@@ -219,11 +192,19 @@ class RunWarnings:
         # window of the latest values
         self._first: dict[str, list[float]] = {}
         self._recent: dict[str, list[float]] = {}
+        # the per-environment checks' window: each iteration's summaries per environment
+        self._env_window: collections.deque = collections.deque(maxlen=max(thresholds.env_window, 1))
+        self._first_eval: dict[str, float] = {}
+
+    @staticmethod
+    def _watched(key: str) -> bool:
+        return key in ("reward_mean", "entropy_mean") or (key.startswith("env/") and (
+            key.endswith("/reward_mean") or key.endswith("/sampled_entropy")))
 
     def _record(self, metrics: dict[str, float]) -> dict[str, list[float]]:
         w = self.thresholds.trend_window
         for key, value in metrics.items():
-            if key in ("reward_mean", "entropy_mean") or (key.startswith("env/") and key.endswith("/reward_mean")):
+            if self._watched(key):
                 if value is None or not math.isfinite(value):
                     continue  # an iteration without a successful rollout of it: no point, not a window slot
                 first = self._first.setdefault(key, [])
@@ -237,6 +218,7 @@ class RunWarnings:
 
     def check(self, metrics: dict[str, float], observations=None) -> list[Finding]:
         example = same_value = None
+        per_env: list[Finding] = []
         if observations is not None:
             capped = [s for s in observations.samples if "length" in (s.get("finish_reasons") or ())]
             example = capped[0]["completion"] if capped else None
@@ -245,8 +227,19 @@ class RunWarnings:
                 for value, n in summary.same_reward_values.items():
                     counts[value] = counts.get(value, 0) + n
             same_value = max(sorted(counts), key=counts.__getitem__) if counts else None
+            self._env_window.append(observations.summaries)
+            per_env = check_env_health(list(self._env_window), self.thresholds, observations.samples)
+        history = self._record(metrics)
         return (check_failure_points(metrics, self.thresholds, self.max_new_tokens, example, same_value)
-                + check_trends(self._record(metrics), self.thresholds, asynchronous="staleness_mean" in metrics))
+                + check_trends(history, self.thresholds, asynchronous="staleness_mean" in metrics)
+                + per_env + check_env_trends(history, self.thresholds))
+
+    def check_eval(self, metrics: dict[str, float]) -> list[Finding]:
+        """Held-out pass@1 of each environment (and their mean) against the run's first evaluation of it."""
+        for key, value in metrics.items():
+            if key.startswith("eval/") and key.endswith("pass@1") and math.isfinite(value):
+                self._first_eval.setdefault(key, value)
+        return check_pass_at_1(self._first_eval, metrics, self.thresholds)
 
     def report(self, findings: Sequence[Finding], iteration: int) -> str | None:
         return self.limiter.report(findings, iteration) if self.reports else None

@@ -4,6 +4,7 @@ HashReward: a reward that varies between samples even for a random-weight model 
 completion's bytes), so advantages, losses and gradients are non-zero from the first iteration.
 NaNReward: a broken reward function. LongPrompt: prompts longer than any tiny --seq-length.
 EmptyDataset: a dataset with no problems. HashPassAt: HashReward with pass@k evaluation (correct: reward >= 0.5).
+ConstantAnswer: HashReward whose every rollout records the answer "7" (a collapse to a constant answer).
 """
 from megatron.rl.agent import PassAtEvaluationAgent, RewardOnlyAgent
 
@@ -52,3 +53,11 @@ class HalfConstant(HashReward):
 
 class HashPassAt(PassAtEvaluationAgent, HashReward):
     correct_threshold: float = 0.5
+
+
+class ConstantAnswer(HashReward):
+    """Every rollout records the same answer (``metadata["extracted_answer"]``): a policy collapsed to a constant
+    answer, as the per-environment health checks see it."""
+
+    async def _score(self, *args, **metadata):
+        return await super()._score(*args, extracted_answer="7", **metadata)

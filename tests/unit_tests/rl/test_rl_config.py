@@ -211,7 +211,9 @@ def test_count_all_failed_resets_on_any_success():
     ("--inference-backend", "unknown"), ("--rl-importance-sampling-mask-low", "nan"),
     ("--rl-importance-sampling-mask-low", "-0.5"), ("--rl-reject-sequence-max-log-ratio", "-1"),
     ("--rl-reject-sequence-mean-log-ratio", "0"), ("--rl-warn-off-policy-kl", "0"),
-    ("--rl-warn-entropy-drop", "1"), ("--rl-warn-trend-window", "0"),
+    ("--rl-warn-entropy-drop", "1"), ("--rl-warn-trend-window", "0"), ("--rl-warn-top-answer-share", "1.5"),
+    ("--rl-warn-env-window", "0"), ("--rl-warn-pass-at-1-drop", "0"), ("--rl-env-collapse-patience", "0"),
+    ("--rl-env-collapse-weight-factor", "1"), ("--rl-env-collapse-weight-factor", "0"),
 ])
 def test_hostile_rl_flag_values_are_named_errors(env_yaml, flag, value):
     with pytest.raises(ConfigError) as e:
@@ -225,6 +227,8 @@ def test_hostile_rl_flag_values_are_named_errors(env_yaml, flag, value):
     (["--rl-importance-sampling-mode", "masked", "--rl-importance-sampling-mask-low", "1.1"],
      ["--rl-importance-sampling-mask-low/-high", "excludes ratio 1"]),
     (["--grpo-policy-loss", "gspo", "--grpo-clamp-eps-lower", "1"], ["--grpo-clamp-eps-lower=1.0", "gspo"]),
+    (["--rl-env-collapse-action", "stop", "--rl-warn-top-answer-share", "1"],
+     ["--rl-env-collapse-action stop", "--rl-warn-top-answer-share=1.0", "is off"]),
 ])
 def test_off_policy_corrections_and_clip_ranges_are_named_errors(env_yaml, extra, flags):
     with pytest.raises(ConfigError) as e:

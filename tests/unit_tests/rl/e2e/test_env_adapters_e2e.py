@@ -26,7 +26,7 @@ REASONING_GYM_ENV = """environments:
                allow_parentheses: false, allow_negation: false}
       prompt_template: "Q: {metadata[expression]}=? A:"
       prompt_replacements: {" ": ""}
-      answer_regex: "-?\\\\d+"
+      answer_format: number
       stop: ["\\n"]
       max_tokens: 8
       validation_size: 200

@@ -14,9 +14,10 @@ from tests.conftest import REPO_ROOT
 
 rg = pytest.importorskip("reasoning_gym", reason="reasoning-gym is not installed (pip install 'megatron-rl[envs]')")
 
-from megatron.rl.environments.reasoning_gym_env import ReasoningGymAgent, extract_answer  # noqa: E402
+from megatron.rl.environments.reasoning_gym_env import ReasoningGymAgent  # noqa: E402
 
 MIX = REPO_ROOT / "examples" / "rl" / "environment_configs" / "reasoning_gym_mix.yaml"
+FROM_QUICKSTART = REPO_ROOT / "examples" / "rl" / "environment_configs" / "reasoning_gym_quickstart.yaml"
 SMALL_SUMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
               "allow_parentheses": False, "allow_negation": False}
 
@@ -43,13 +44,44 @@ def test_problems_are_the_tasks_and_rewards_its_own_scorer():
     assert _agent(chat=True).make_prompt(plain.get_problem(0, False))[0]["role"] == "user"
 
 
-def test_extract_answer():
+def test_the_answer_is_what_the_completion_committed_to():
+    agent = _agent(seed=11, stop=["\n"], answer_regex=None, answer_format="number")
+    p = agent.get_problem(0, False)
+    right = p["entry"]["answer"]
+    assert agent.compute_reward(p, f" {right}\n") == 1.0 and agent.compute_reward(p, f"{right}") == 1.0
+    assert agent.compute_reward(p, f" {right}\nanything after the stop string") == 1.0
+    assert agent.compute_reward(p, f"{right}=?{right}===") == 0.0  # not one number
+    assert agent.compute_reward(p, f"x {right}\n") == 0.0
+    # a regex matches the whole committed text
+    assert _agent(seed=11, stop=["\n"]).compute_reward(p, f"{right} and more") == 0.0
+    assert _agent(seed=11, stop=["\n"], answer_regex=r"(?s).*?(-?\d+).*").compute_reward(p, f"{right} and more") == 1.0
+
+
+def test_a_constant_completion_no_longer_scores_on_the_example_products_task():
+    """'0=?0====' contains the answer to every product with a zero factor: the first-integer regex the docs used
+    to recommend scored it there (a policy learned to emit it); the example config's committed-number answer
+    does not, while the honest answer still scores."""
     import re
 
-    assert extract_answer("  42 \n", None) == "42"
-    assert extract_answer("so <answer>7</answer>", re.compile(r"<answer>(.*?)</answer>")) == "7"
-    assert extract_answer("x = -3, y = 4", re.compile(r"-?\d+")) == "-3"
-    assert extract_answer("none", re.compile(r"\d+")) is None
+    agent = build_agent_from_config(FROM_QUICKSTART, seed=1)
+    products = next(e.agent for e in agent.entries if e.name == "products")
+    assert products.task == "products" and products.answer_format == "number"
+    zero = [p for p in (products.get_problem(i, v) for v in (False, True) for i in range(200))
+            if "0" in p["entry"]["metadata"]["expression"].split(" * ")]
+    assert len(zero) >= 5
+    for p in zero:
+        assert p["prompt"].startswith("Q: ") and p["prompt"].endswith("=? A:") and p["entry"]["answer"] == "0"
+        old_answer = re.search(r"(-?\d+)", "0=?0====").group(1)  # the old documented extraction
+        dataset = products._dataset(p["id"].startswith("val"))
+        assert dataset.score_answer(answer=old_answer, entry=p["entry"]) == 1.0
+        assert products.compute_reward(p, "0=?0====") == 0.0
+        assert products.compute_reward(p, " 0\n") == 1.0
+
+
+def test_every_documented_reasoning_gym_entry_takes_a_committed_number():
+    for path in (MIX, FROM_QUICKSTART):
+        for e in build_agent_from_config(path, seed=1).entries:
+            assert e.agent.answer_format == "number" and e.agent.answer_regex is None and e.agent.stop == ["\n"]
 
 
 def test_prompts_are_sharded_by_rank_and_resume_from_state():
@@ -99,6 +131,8 @@ def test_three_task_mix_with_an_evaluation_only_task():
     ({"task": "basic_arithmetic", "prompt_template": "{question.__class__}"}, "is not allowed"),
     ({"task": "basic_arithmetic", "prompt_template": "{metadata[nope]}"}, "does not fit task"),
     ({"task": "basic_arithmetic", "answer_regex": "("}, "does not compile"),
+    ({"task": "basic_arithmetic", "answer_format": "first_integer"}, "answer_format"),
+    ({"task": "basic_arithmetic", "answer_format": "number", "answer_regex": "\\d+"}, "give one"),
 ])
 def test_configuration_errors_name_the_problem(args, piece):
     with pytest.raises(EnvConfigError) as e:
