@@ -21,7 +21,7 @@ from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.observe.run_summary import run_summary
 from megatron.rl.observe.samples import samples_markdown
 from megatron.rl.observe.warnings import RunWarnings, WarningThresholds, warning_metrics
-from megatron.rl.rl_config import RLConfig
+from megatron.rl.rl_config import RLConfig, checkpointed_run_flags
 from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
 from megatron.rl.rollout.collection import generation_split
@@ -128,7 +128,8 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     returns them with the iteration to start at."""
     t, c = cfg.train, cfg.checkpoint
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
-    run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
+    run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs,
+                            run_flags=checkpointed_run_flags(cfg))
     if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
         for chunks in (run.model, run.ref_model):
             if chunks is not None:

@@ -57,9 +57,9 @@ def parse_args(argv: Sequence[str] | None = None, extra_args_providers: Iterable
     parser = build_parser(extra_args_providers)
     given = list(sys.argv[1:] if argv is None else argv)
     refuse_removed_flags(parser, given)
-    from_ckpt = None
+    from_ckpt, added = None, []
     if "--use-checkpoint-args" in given:
-        given, *from_ckpt = merge_checkpoint_args(given, parser)
+        given, *from_ckpt, added = merge_checkpoint_args(given, parser)
     if ignore_unknown_args:
         ns, _ = parser.parse_known_args(given)
     else:
@@ -68,7 +68,8 @@ def parse_args(argv: Sequence[str] | None = None, extra_args_providers: Iterable
         check_explicit_flags(ns, *from_ckpt, parser)
     own = dests(TrainingConfig)
     extra = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k not in own})
-    raw = from_namespace(TrainingConfig, ns, extra=extra, argv=list(argv) if argv is not None else [])
+    raw = from_namespace(TrainingConfig, ns, extra=extra, argv=list(argv) if argv is not None else [],
+                         checkpoint_args=tuple(added))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     return resolve_config(raw, world_size)

@@ -219,6 +219,8 @@ class TrainingConfig:
     data: DataConfig = section(DataConfig)
     extra: argparse.Namespace = derived(default_factory=argparse.Namespace)
     argv: list[str] = derived(default_factory=list)
+    # the flags --use-checkpoint-args took from the checkpoint ("--option value" each), for the start-up summary
+    checkpoint_args: tuple[str, ...] = derived(())
 
     def model_args(self) -> dict:
         """JSON-able architecture flags stored with checkpoints and compared on load.

@@ -25,6 +25,7 @@ from megatron.rl.training.checkpoint.save_load import (CheckpointError, latest_c
 from megatron.rl.training.config import TrainingConfig
 from megatron.rl.training.initialize import initialize_megatron
 from megatron.rl.training.metrics import build_metrics_writer
+from megatron.rl.training.checkpoint.run_flags import RUN_FLAGS_KEY
 from megatron.rl.training.model_provider import build_model, checkpoint_model_args
 from megatron.rl.training.optimizer import build_optimizer
 from megatron.rl.training.tokenizer import build_tokenizer
@@ -110,10 +111,11 @@ class TrainingRun:
 
     @classmethod
     def build(cls, cfg: TrainingConfig, policy: ResumePolicy = PRETRAIN_RESUME, *, ref_model: bool = False,
-              metrics_writer: Any = None) -> "TrainingRun":
+              metrics_writer: Any = None, run_flags: dict | None = None) -> "TrainingRun":
         """Build the run (collective: initialises megatron). ``ref_model``: also build a frozen copy of the
         model (no DDP), loaded from ``--pretrained-checkpoint`` by :meth:`resume`. ``metrics_writer``: use this
-        writer instead of the one ``--tensorboard-dir`` / ``--wandb-project`` ask for. With
+        writer instead of the one ``--tensorboard-dir`` / ``--wandb-project`` ask for. ``run_flags``: the
+        trainer's flags to store with every checkpoint (``checkpoint.run_flags.record_run_flags``). With
         ``policy.evaluate_only`` the model is not DDP-wrapped and optimizer, scheduler and writer are None."""
 
         setup_distributed_logging(cfg.logging.log_level)
@@ -125,8 +127,10 @@ class TrainingRun:
         optimizer, scheduler = build_optimizer(cfg, model) if trains else (None, None)
         ref = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if ref_model else None
         writer = metrics_writer if metrics_writer is not None else build_metrics_writer(cfg) if trains else None
-        return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler,
-                   checkpoint_model_args(cfg, tokenizer), ref, writer)
+        model_args = checkpoint_model_args(cfg, tokenizer)
+        if run_flags:
+            model_args[RUN_FLAGS_KEY] = run_flags
+        return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler, model_args, ref, writer)
 
     def _load(self, path: str, *, weights_only: bool, model=None):
 

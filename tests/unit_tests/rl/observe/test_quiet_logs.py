@@ -2,6 +2,8 @@
 and no per-request lines from the HTTP clients at INFO."""
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import logging
 import warnings
@@ -54,6 +56,11 @@ def test_summary_names_start_backend_layout_rollout_mode_and_packing():
     assert "rollouts: asynchronous: lag 1, partial rollouts, submission G, consumption G" in text
     assert "packing:  sequence packing into --seq-length 64 rows (prompt sharing auto" in text
     assert "random" in run_summary(*_configs(), Resumed(0, {}, False), "synchronous")
+    assert "from checkpoint" not in text
+    cfg, rl = _configs()
+    cfg = dataclasses.replace(cfg, checkpoint_args=("--num-layers 2", "--rl-max-new-tokens 8", "--swiglu"))
+    last = run_summary(cfg, rl, Resumed(0, {}, False), "synchronous").splitlines()[-1]
+    assert last == "  from checkpoint (--use-checkpoint-args): --num-layers 2, --rl-max-new-tokens 8, --swiglu"
     cfg, rl = _configs("--rl-durable-rollout-bank", "--save", "ck")
     assert rl.async_rollouts.describe("ck/rollout_bank/rank_0") == ("through the rollout pipeline (synchronous "
                                                                     "schedule): lag 0, drain before each update, "
