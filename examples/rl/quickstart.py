@@ -52,7 +52,8 @@ def rl_flags(pre_ckpt: Path, rl_ckpt: Path, env_config: Path, metrics: Path, ten
     rollouts of an older policy than the one they update)."""
     n = max(nproc, 1)
     return ["--pretrained-checkpoint", str(pre_ckpt), "--load", str(rl_ckpt), "--save", str(rl_ckpt),
-            "--save-interval", "10", "--langrl-env-config", str(env_config),
+            "--save-interval", "10", "--save-retain-last", "2", "--save-retain-best", "eval/pass@1", "1",
+            "--langrl-env-config", str(env_config),
             "--grpo-prompts-per-step", str(16 * n), "--grpo-group-size", str(group_size),
             "--micro-batch-size", "8", "--global-batch-size", str(16 * group_size * n // steps_per_iteration),
             "--rl-use-sequence-packing", "--rl-max-new-tokens", "8", "--rl-default-temperature", "1.0",

@@ -240,5 +240,8 @@ class _Loop:
                  time.perf_counter() - start)
 
     def save(self, iteration: int) -> None:
-        self.run.save(iteration, {"iteration": iteration, "agent": self.ctx.agent.state_dict()})
+        # what was measured at this iteration (training metrics, an evaluation): --save-retain-best's scores
+        measured = [r for r in (self.history[-1:] + self.evals[-1:]) if r["iteration"] == iteration]
+        metrics = {k: v for r in measured for k, v in r.items() if k != "iteration"}
+        self.run.save(iteration, {"iteration": iteration, "agent": self.ctx.agent.state_dict()}, metrics)
         self.ctx.rollouts.checkpoint_saved(iteration)  # a rollout bank forgets what this checkpoint trained

@@ -25,6 +25,7 @@ from megatron.rl.training.config_sections import (CheckpointConfig, DataConfig, 
 from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import add_flags, dests, from_namespace, refuse_removed_flags
 from megatron.rl.training.checkpoint.args import check_explicit_flags, merge_checkpoint_args
+from megatron.rl.training.checkpoint.retention import RetentionPolicy
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "CheckpointConfig",
            "LoggingConfig", "TokenizerConfig", "DataConfig", "TrainingConfig", "build_parser", "parse_args",
@@ -259,6 +260,7 @@ def _check_io(cfg: TrainingConfig) -> None:
     _positive("--save-interval", c.save_interval)
     _positive("--log-interval", lg.log_interval)
     _need(c.save_interval is None or c.save is not None, "--save-interval needs --save DIR.")
+    RetentionPolicy.from_flags(c.save, c.save_retain_last, c.save_retain_best)  # ConfigError naming the flag
     _need(not (d.mock_data and d.data_path), "--mock-data and --data-path were both given; choose one.")
     if d.data_path is not None:
         _need(len(d.data_path) > 0, "--data-path was given without paths.")
