@@ -277,11 +277,11 @@ def main(argv=None) -> int:
         phases.end()
 
     phases.begin("plot", "the reward and pass@1 curves", "seconds")
-    from tools.plot_metrics import load_series, plot
+    from tools.plot_metrics import load_series, plot, run_info, run_title
 
     series = load_series(metrics)
     png = plot(series, ["eval/pass@1", "reward_mean", "rl_loss", "response_length_mean"], out / "reward_curve.png",
-               title="GRPO on arithmetic (quickstart)", smooth=0.9)
+               title=run_title(*run_info(metrics), "GRPO on arithmetic (quickstart)"), smooth=0.9)
     phases.end()
     evals = sorted(series.get("eval/pass@1", []))
     if evals:

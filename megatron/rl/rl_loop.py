@@ -143,6 +143,8 @@ class _Loop:
         self.writer = run.writer
         # on resume, the JSONL drops the lines past the start iteration
         self.jsonl = MetricsJsonl(rl.metrics_jsonl, start) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
+        if self.jsonl is not None:  # the run's name: its W&B name, else the directory holding the metrics file
+            self.jsonl.write_run_start(cfg.logging.wandb_exp_name or self.jsonl.path.resolve().parent.name, start)
         o = rl.observe
         self.checks = RunWarnings(WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share,
                                                     o.warn_logprob_gap, off_policy_kl=o.warn_off_policy_kl,

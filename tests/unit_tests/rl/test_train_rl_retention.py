@@ -45,5 +45,8 @@ def test_retention_keeps_last_two_and_the_best_and_resume_works(tmp_path):
     assert best in kept and {int(k) for k in scores} <= set(kept)
     assert not [p for p in save.iterdir() if ".replaced-" in p.name or ".tmp-" in p.name]
     log = _run([*common, "--train-iters", "6"])
+    # the metrics file names the run (its directory) and when each attempt started, for tools/plot_metrics.py
+    runs = [r["run"] for r in map(json.loads, metrics.read_text().splitlines()) if "run" in r]
+    assert [r["name"] for r in runs] == [tmp_path.name] * 2 and runs[0]["started"] <= runs[1]["started"]
     assert re.search(r"resumed from \S+iter_0000005 at iteration 5", log), log[-3000:]
     assert sorted(int(p.name[5:]) for p in save.glob("iter_*"))[-2:] == [5, 6]
