@@ -77,3 +77,34 @@ def test_command_line_wins_over_the_checkpoint(trained, tmp_path):
     record = json.loads(out.read_text())
     assert record["eval/arithmetic/num_prompts"] == 2 and "eval/pass@2" not in record
     assert "--rl-prompts-per-eval 6" not in proc.stdout
+
+
+def test_converted_model_stops_where_training_stopped(trained, tmp_path):
+    """The run trained on one environment (arithmetic, stop string "\\n"): the converted generation_config.json
+    carries it and the end-of-document id, and Hugging Face generate() stops there."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    _, run, _ = trained
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    hf = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "tools/convert_megatron_to_hf.py"), "--load", str(run),
+                           "--save", str(hf)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    gen = GenerationConfig.from_pretrained(hf)
+    assert gen.stop_strings == ["\n"] and gen.eos_token_id == 256  # the byte-level tokenizer's end of document
+    tok, model = AutoTokenizer.from_pretrained(hf), AutoModelForCausalLM.from_pretrained(hf)
+    ids = tok(["Q: 3+5=? A:", "Q: 1+1=? A:", "Q: 7+2=? A:"], return_tensors="pt")
+    sample = dict(max_new_tokens=40, do_sample=True, temperature=3.0, pad_token_id=gen.pad_token_id)
+
+    def generate(seed, stop: bool):
+        model.generation_config.stop_strings = gen.stop_strings if stop else None
+        torch.manual_seed(seed)
+        out = model.generate(**ids, **sample, **({"tokenizer": tok} if stop else {}))
+        return tok.batch_decode(out[:, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    # a seed whose sampling, without the stop string, writes a newline before going on
+    seed = next(s for s in range(200) if any("\n" in t.rstrip("\n") for t in generate(s, stop=False)))
+    for unstopped, stopped in zip(generate(seed, stop=False), generate(seed, stop=True)):
+        if "\n" in unstopped:
+            assert stopped == unstopped[:unstopped.index("\n") + 1], (stopped, unstopped)
