@@ -172,7 +172,8 @@ class CheckpointConfig:
     # model flags filled from the checkpoint (megatron/rl/training/checkpoint/args.py)
     use_checkpoint_args: bool = flag(
         False, help="take the model flags (architecture, tokenizer, vocab, lengths) stored in the checkpoint of "
-                    "--load (else --pretrained-checkpoint); an explicit conflicting flag is an error")
+                    "--load (else --pretrained-checkpoint), and an RL run's generation and environment flags; an "
+                    "explicit model flag that conflicts is an error, an explicit RL flag wins")
     # checkpoint integrity: skip the checksum manifest check on load
     no_verify_checkpoint_checksums: bool = flag(
         False, help="load without checking the checkpoint's files against the checksum manifest written at save "
