@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     if own.help:
         print(__doc__)
         return 0
+    from megatron.rl.logging import setup_distributed_logging
+
+    setup_distributed_logging()  # before megatron-core loads: its missing-kernel warnings become one INFO line
     import torch
     import torch.distributed as dist
 

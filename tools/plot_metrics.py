@@ -8,6 +8,12 @@
 One panel per metric, x = iteration. JSONL records are dicts with an ``iteration`` key (training records
 and evaluation records may be interleaved; each metric is plotted where it is present).
 
+The figure's title names the run and when it started: from the run record ``train_rl.py`` writes at the top of
+the JSONL file (``{"run": {"name", "started"}}``; the earliest, for a resumed run), else the file's directory name;
+for a TensorBoard directory, its name and the first event's time. ``--title`` adds a line above it. A metric that
+never changes (``failed_rollouts`` at 0 the whole run) gets no panel: the constant metrics are one line of text
+under the figure (``constant: failed_rollouts = 0, skipped_update = 0``).
+
 ``--smooth W`` draws an exponential moving average over iterations (weight W per iteration: 0.9 averages over
 about 10 iterations) over the raw line, which stays faint; sparse series (evaluations, under 30 points) are drawn
 as they are, with markers. ``--envs`` compares the environments of one run: a panel per metric (``reward_mean``,
@@ -17,6 +23,7 @@ as they are, with markers. ``--envs`` compares the environments of one run: a pa
 from __future__ import annotations
 
 import argparse
+import datetime
 import fnmatch
 import json
 import math
@@ -56,6 +63,53 @@ def read_tensorboard(path: Path) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags().get("scalars", [])}
+
+
+def run_info(path: Path) -> tuple[str, str | None]:
+    """(the run's name, when it started as ``YYYY-MM-DD HH:MM UTC`` or None when unknown) for a metrics JSONL
+    file or a TensorBoard directory (see the module docstring)."""
+    path = Path(path)
+    if path.is_dir():
+        return path.resolve().name, _tensorboard_start(path)
+    name, started = path.resolve().parent.name or path.stem, None
+    for record in iter_records(path):
+        run = record.get("run") if isinstance(record, dict) else None
+        if isinstance(run, dict) and isinstance(run.get("started"), str):
+            if started is None or run["started"] < started:
+                name, started = str(run.get("name") or name), run["started"]
+    if started is None:
+        return name, None
+    try:
+        when = datetime.datetime.fromisoformat(started).astimezone(datetime.timezone.utc)
+    except ValueError:
+        return name, started
+    return name, when.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _tensorboard_start(path: Path) -> str | None:
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return None
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    times = [e.wall_time for tag in acc.Tags().get("scalars", []) for e in acc.Scalars(tag)]
+    if not times:
+        return None
+    when = datetime.datetime.fromtimestamp(min(times), datetime.timezone.utc)
+    return when.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def run_title(name: str, started: str | None, title: str = "") -> str:
+    """The figure's title: ``title`` (when given) over ``run NAME, started WHEN``."""
+    run = f"run {name}" + (f", started {started}" if started else "")
+    return f"{title}\n{run}" if title else run
+
+
+def constant_value(lines: dict[str, list[tuple[int, float]]]) -> float | None:
+    """The one value every point of ``lines`` (a panel's series) has, or None when they differ. Pure."""
+    values = {v for points in lines.values() for _, v in points}
+    return values.pop() if len(values) == 1 else None
 
 
 def load_series(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -154,6 +208,12 @@ def figure(series: dict[str, list[tuple[int, float]]], metrics: list[str], title
         if not present:
             raise SystemExit(f"none of {metrics} is in the data; available: {sorted(series)}")
         panels = [(name, {"": series[name]}) for name in present]
+    folded = [(name, constant_value(lines)) for name, lines in panels if constant_value(lines) is not None]
+    changing = [(name, lines) for name, lines in panels if constant_value(lines) is None]
+    if changing:  # (when every metric is constant, they keep their panels: there would be nothing to draw)
+        panels = changing
+    else:
+        folded = []
     # constrained layout places the title above the top panel (tight_layout let it overlap with many panels)
     fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, 1.2 + 2.2 * len(panels)), sharex=True, squeeze=False,
                              layout="constrained")
@@ -170,6 +230,8 @@ def figure(series: dict[str, list[tuple[int, float]]], metrics: list[str], title
     axes[-1, 0].set_xlabel("iteration" + (f"  (lines: EMA {smooth:g} per iteration, faint: raw)" if smooth else ""))
     if title:
         fig.suptitle(title)
+    if folded:
+        fig.supxlabel("constant: " + ", ".join(f"{name} = {value:g}" for name, value in folded), fontsize=9)
     return fig
 
 
@@ -181,14 +243,15 @@ def main(argv=None) -> int:
                    help=f"metrics (shell patterns allowed); default {' '.join(DEFAULT_METRICS)}, with --envs "
                         f"{' '.join(ENV_METRICS)}")
     p.add_argument("--out", type=Path, default=Path("metrics.png"), help="PNG to write")
-    p.add_argument("--title", default="", help="figure title")
+    p.add_argument("--title", default="", help="a title line above the run's name and start time")
     p.add_argument("--smooth", type=float, default=0.0,
                    help="EMA weight per iteration drawn over the faint raw line (0: off; 0.9: about 10 iterations)")
     p.add_argument("--envs", action="store_true",
                    help="compare the run's environments: a panel per metric, a line per environment")
     args = p.parse_args(argv)
     metrics = args.metrics or list(ENV_METRICS if args.envs else DEFAULT_METRICS)
-    out = plot(load_series(args.source), metrics, args.out, args.title, args.smooth, args.envs)
+    series = load_series(args.source)
+    out = plot(series, metrics, args.out, run_title(*run_info(args.source), args.title), args.smooth, args.envs)
     print(f"wrote {out}")
     return 0
 

@@ -57,7 +57,8 @@ def rl_flags(pre_ckpt: Path, rl_ckpt: Path, env_config: Path, metrics: Path, ten
     this model need less: see examples/rl/README.md, "Learning rate"."""
     n = max(nproc, 1)
     return ["--pretrained-checkpoint", str(pre_ckpt), "--load", str(rl_ckpt), "--save", str(rl_ckpt),
-            "--save-interval", "10", "--langrl-env-config", str(env_config),
+            "--save-interval", "10", "--save-retain-last", "2", "--save-retain-best", "eval/pass@1", "1",
+            "--langrl-env-config", str(env_config),
             "--grpo-prompts-per-step", str(16 * n), "--grpo-group-size", str(group_size),
             "--micro-batch-size", "8", "--global-batch-size", str(16 * group_size * n // steps_per_iteration),
             "--rl-use-sequence-packing", "--rl-max-new-tokens", "8", "--rl-default-temperature", "1.0",
@@ -285,11 +286,11 @@ def main(argv=None) -> int:
         phases.end()
 
     phases.begin("plot", "the reward and pass@1 curves", "seconds")
-    from tools.plot_metrics import load_series, plot
+    from tools.plot_metrics import load_series, plot, run_info, run_title
 
     series = load_series(metrics)
     png = plot(series, ["eval/pass@1", "reward_mean", "rl_loss", "response_length_mean"], out / "reward_curve.png",
-               title="GRPO on arithmetic (quickstart)", smooth=0.9)
+               title=run_title(*run_info(metrics), "GRPO on arithmetic (quickstart)"), smooth=0.9)
     phases.end()
     evals = sorted(series.get("eval/pass@1", []))
     if evals:

@@ -36,6 +36,7 @@ from megatron.rl.packing.plan import PACKING_ALGOS
 from megatron.rl.rollout.async_config import AsyncRolloutConfig, async_loss_config, validate_async_rollouts
 from megatron.rl.routing.config import REPLAY_MODES, validate_router_replay
 from megatron.rl.server.policy_server import parse_address
+from megatron.rl.training.checkpoint.run_flags import record_run_flags
 from megatron.rl.training.config import ConfigError, TrainingConfig
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,29 @@ class RLConfig:
     @property
     def rollouts_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+
+# What a run generates and trains on, recorded in its checkpoints so --use-checkpoint-args brings it back
+# (megatron/rl/training/checkpoint/run_flags.py): the environment config (path and content hash), the batch
+# shape, sampling, evaluation, packing and lag. Left out as run choices: the loss and optimizer, the backend and
+# its servers, engine sizes, the parallel layout, logging and output paths.
+CHECKPOINTED_FLAGS = (
+    "--langrl-env-config", "--langrl-allow-imports", "--grpo-prompts-per-step", "--grpo-group-size",
+    "--micro-batch-size", "--global-batch-size", "--rl-max-new-tokens", "--rl-default-temperature",
+    "--rl-default-top-p", "--rl-default-top-k", "--rl-eval-temperature", "--rl-prompts-per-eval",
+    "--rl-eval-samples", "--rl-eval-pass-at-k", "--rl-use-sequence-packing",
+    "--rl-sequence-packing-max-sequences-per-bin", "--rl-sequence-packing-algo", "--rl-packed-attention",
+    "--rl-share-prompt-prefix", "--rl-generation-lag", "--rl-partial-rollouts", "--rl-submission-granularity",
+    "--rl-consumption-granularity", "--rl-max-inflight-requests")
+_FILE_FLAGS = ("langrl_env_config",)
+
+
+def checkpointed_run_flags(cfg: TrainingConfig) -> dict:
+    """The record of :data:`CHECKPOINTED_FLAGS` stored with this run's checkpoints (their parsed values)."""
+    values = {**vars(cfg.extra), "micro_batch_size": cfg.train.micro_batch_size,
+              "global_batch_size": cfg.train.global_batch_size}
+    dests = [option[2:].replace("-", "_") for option in CHECKPOINTED_FLAGS]
+    return record_run_flags({d: values[d] for d in dests}, files=_FILE_FLAGS)
 
 
 def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from megatron.rl.agent.api import Agent, EvaluationRequest
 from megatron.rl.agent.env_config import build_agent_from_config
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
 from megatron.rl.layout.refit import build_run_inference
+from megatron.rl.observe.run_summary import checkpoint_args_line
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rollout.collection import data_parallel, derive_seed, generation_split
 from megatron.rl.training.config import ConfigError, TrainingConfig
@@ -162,6 +163,9 @@ def run_eval_only(cfg: TrainingConfig, rl: RLConfig) -> dict[str, float]:
     if resolve_load_dir(cfg, required=False) is None and not c.pretrained_checkpoint:
         raise ConfigError(f"--eval-only: --load {c.load} holds no checkpoint (no latest_checkpointed_iteration.txt "
                           f"or iter_* directory); pass the directory a training run saved to.")
+    restored = checkpoint_args_line(cfg)
+    if restored and parallel_utils.is_rank0():
+        log.info("--eval-only:\n%s", restored)
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     run = TrainingRun.build(cfg, EVAL_ONLY)
     loaded = run.resume().loaded

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import Any
 
@@ -16,14 +15,14 @@ from megatron.rl import parallel_utils
 from megatron.rl.agent.env_config import build_agent_from_config
 from megatron.rl.base.errors import ConfigError, RLError
 from megatron.rl.layout.refit import build_run_inference, start_inference_copy
-from megatron.rl.observe.metrics import format_env_line
+from megatron.rl.observe.iteration_line import format_rl_line
 from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.observe.run_summary import run_summary
 from megatron.rl.observe.samples import samples_markdown
 from megatron.rl.observe.config import warning_thresholds
 from megatron.rl.observe.guard import CollapseGuard, apply_guard_actions, check_guard_target
 from megatron.rl.observe.warnings import RunWarnings, warning_metrics
-from megatron.rl.rl_config import RLConfig
+from megatron.rl.rl_config import RLConfig, checkpointed_run_flags
 from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
 from megatron.rl.rollout.collection import generation_split
@@ -38,45 +37,12 @@ from megatron.rl.training.run import RL_RESUME, Resumed, TrainingRun
 
 log = logging.getLogger(__name__)
 
-# Short names for the iteration line (the full set goes to TensorBoard / W&B / JSONL).
-_LINE_KEYS = (("reward_mean", "reward"), ("reward_std", "reward std"), ("rl_loss", "loss"),
-              ("response_length_mean", "resp len"), ("clip_fraction_low", "clip lo"),
-              ("clip_fraction_high", "clip hi"), ("kl_mean", "kl"), ("entropy_mean", "entropy"),
-              ("turns_per_episode_mean", "turns"), ("logprob_gap_mean", "lp gap"),
-              ("logprob_gap_max", "lp gap max"), ("mismatch_kl_k3", "mm kl"), ("is_weight_mean", "is w"),
-              ("is_truncated_fraction", "is trunc"), ("is_masked_fraction", "is masked"),
-              ("is_rejected_fraction", "rejected"), ("staleness_mean", "stale"), ("staleness_max", "stale max"),
-              ("off_policy_token_share", "off-policy"), ("router_replay_disagreement", "route diff"), ("grad_norm", "grad norm"),
-              ("packing_efficiency", "packing"), ("prompt_tokens_shared", "shared"),
-              ("generation_tokens_per_s", "gen tok/s"),
-              ("train_tokens_per_s", "train tok/s"), ("time_generate_s", "t gen"), ("time_logprobs_s", "t lp"),
-              ("time_train_s", "t train"), ("time_refit_s", "t refit"))
-
-
 @dataclasses.dataclass
 class RLRunResult:
     iteration: int
     history: list[dict[str, float]]  # one metrics dict per iteration (with "iteration")
     evals: list[dict[str, float]]  # one per evaluation (with "iteration")
     stop_reason: str | None = None  # why the collapse guard stopped the run (None: it ran to the end)
-
-
-def format_rl_line(iteration: int, total: int, metrics: dict[str, float], lr: float) -> str:
-    parts = [f" iteration {iteration:6d}/{total:6d}", f"learning rate: {lr:.3E}"]
-    for key, name in _LINE_KEYS:
-        if key in metrics and math.isfinite(metrics[key]):
-            if key == "turns_per_episode_mean" and metrics[key] == 1.0:
-                continue  # single-turn episodes: nothing to say
-            v = metrics[key]
-            parts.append(f"{name}: {v:.4g}" if abs(v) < 1e4 else f"{name}: {v:.0f}")
-    if metrics.get("failed_rollouts"):
-        parts.append(f"failed rollouts: {int(metrics['failed_rollouts'])}")
-    if metrics.get("skipped_update"):
-        parts.append("update skipped")
-    envs = format_env_line(metrics)
-    if envs:
-        parts.append(envs)
-    return " | ".join(parts) + " |"
 
 
 class AllRolloutsFailedError(RLError, RuntimeError):
@@ -137,7 +103,8 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     t, c = cfg.train, cfg.checkpoint
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     check_guard_target(rl.observe.env_collapse_action, agent)  # before any model is built
-    run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
+    run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs,
+                            run_flags=checkpointed_run_flags(cfg))
     if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
         for chunks in (run.model, run.ref_model):
             if chunks is not None:
@@ -185,6 +152,8 @@ class _Loop:
         self.writer = run.writer
         # on resume, the JSONL drops the lines past the start iteration
         self.jsonl = MetricsJsonl(rl.metrics_jsonl, start) if (rl.metrics_jsonl and parallel_utils.is_rank0()) else None
+        if self.jsonl is not None:  # the run's name: its W&B name, else the directory holding the metrics file
+            self.jsonl.write_run_start(cfg.logging.wandb_exp_name or self.jsonl.path.resolve().parent.name, start)
         o = rl.observe
         self.checks = RunWarnings(warning_thresholds(o), o.warn_interval, rl.max_new_tokens,
                                   report=parallel_utils.is_rank0())
@@ -210,7 +179,8 @@ class _Loop:
         train_iters = self.cfg.train.train_iters
         if iteration % self.cfg.logging.log_interval == 0 or iteration == train_iters:
             lr = float(self.ctx.optimizer.param_groups[0]["lr"])
-            log.info(format_rl_line(iteration, train_iters, metrics, lr))
+            log.info(format_rl_line(iteration, train_iters, metrics, lr, rl.observe.log_line,
+                                    self.evals[-1] if self.evals else None))
         self.checks.report(findings, iteration)
         self.emit(record)
         ledger = self.ctx.rollouts.ledger()
@@ -254,5 +224,8 @@ class _Loop:
                  time.perf_counter() - start)
 
     def save(self, iteration: int) -> None:
-        self.run.save(iteration, {"iteration": iteration, "agent": self.ctx.agent.state_dict()})
+        # what was measured at this iteration (training metrics, an evaluation): --save-retain-best's scores
+        measured = [r for r in (self.history[-1:] + self.evals[-1:]) if r["iteration"] == iteration]
+        metrics = {k: v for r in measured for k, v in r.items() if k != "iteration"}
+        self.run.save(iteration, {"iteration": iteration, "agent": self.ctx.agent.state_dict()}, metrics)
         self.ctx.rollouts.checkpoint_saved(iteration)  # a rollout bank forgets what this checkpoint trained

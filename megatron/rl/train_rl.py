@@ -25,13 +25,13 @@ from megatron.rl.training.config import parse_args
 
 
 def _train_or_evaluate(argv=None) -> int:
-    # torch and the trainer load after the entry point is set up to report user errors
+    # run_cli has set logging up at INFO; --log-level applies once the flags are parsed. torch and the trainer
+    # load after the entry point is set up to report user errors.
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
 
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])
-    rl = rl_config_from_args(cfg)
-    # logging first: megatron-core's import-time warnings (loaded by the trainer) become the one-line summary
     setup_distributed_logging(cfg.logging.log_level)
+    rl = rl_config_from_args(cfg)
     from megatron.rl.rl_eval import run_eval_only  # heavy: megatron-core
     from megatron.rl.rl_loop import run_rl  # heavy: megatron-core
 

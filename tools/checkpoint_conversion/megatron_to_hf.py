@@ -15,6 +15,9 @@ passed explicitly:
   tokenizer gets it as Hugging Face files (:mod:`.byte_tokenizer`: ``AutoTokenizer`` loads it, no BOS added,
   as in training). Without any, a warning asks for ``--tokenizer-dir``.
 
+``generation_config.json`` is always written (:mod:`.generation_config`): the end-of-document id, and the stop
+strings of the environment when the checkpoint is of an RL run on one environment.
+
 With the original Hugging Face config the padded vocabulary rows are dropped and tensors are written in its dtype
 (``--dtype`` overrides), so HF -> Megatron -> HF returns the same tensors bit for bit. A synthesised config keeps
 Megatron's padded vocabulary (``vocab_size`` = the embedding's rows; the tokenizer has fewer ids, as many
@@ -37,6 +40,7 @@ import torch
 
 from tools.checkpoint_conversion.families import (ConversionError, config_dtype, family_by_name, family_for_config,
                                                   family_for_megatron)
+from tools.checkpoint_conversion.generation_config import write_generation_config
 from tools.checkpoint_conversion.hf_io import copy_tokenizer, read_hf_config, tokenizer_files, write_safetensors
 from tools.checkpoint_conversion.hf_to_megatron import (ARGS_TXT, HF_CONFIG_DIR, TOKENIZER_DIR, build_tp1_model,
                                                         parse_megatron_flags, torch_dtype)
@@ -164,6 +168,18 @@ def _flags_of(ckpt: Path, dirs: list[Path]) -> list[str]:
     return read_flags_file(args_file)
 
 
+def _run_flags_of(ckpt: Path) -> dict | None:
+    """The run flags a training checkpoint records (its environment config, for the stop strings), or None."""
+    from megatron.rl.training.checkpoint.args import read_model_args
+    from megatron.rl.training.checkpoint.paths import CheckpointError
+    from megatron.rl.training.checkpoint.run_flags import RUN_FLAGS_KEY
+
+    try:
+        return read_model_args(ckpt).get(RUN_FLAGS_KEY)
+    except CheckpointError:
+        return None
+
+
 def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, megatron_args: list[str] | None = None,
                            hf_config_dir: str | os.PathLike | None = None,
                            tokenizer_dir: str | os.PathLike | None = None,
@@ -225,14 +241,13 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
     write_safetensors(save, tensors)
     if hf_cfg_path is not None:
         shutil.copy2(hf_cfg_path, save / "config.json")
-        gen = hf_cfg_path.parent / "generation_config.json"
-        if gen.is_file():
-            shutil.copy2(gen, save / "generation_config.json")
     else:
         (save / "config.json").write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n")
+    original_gen = hf_cfg_path.parent / "generation_config.json" if hf_cfg_path is not None else None
+    stops = write_generation_config(save, hf_cfg, original_gen, cfg, _run_flags_of(ckpt))
     written = _write_tokenizer(tokenizer, save, hf_cfg.get("max_position_embeddings"))
-    log.info("wrote Hugging Face %s model (%d tensors, %s) with %s to %s in %.1f s", family.name, len(tensors),
-             out_dtype, written, save, time.perf_counter() - t0)
+    log.info("wrote Hugging Face %s model (%d tensors, %s) with %s to %s in %.1f s; generation_config.json: %s",
+             family.name, len(tensors), out_dtype, written, save, time.perf_counter() - t0, stops)
     return save
 
 

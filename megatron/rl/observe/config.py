@@ -29,6 +29,10 @@ class ObserveConfig:
 
     _flag_group = "RL observability and evaluation"
 
+    log_line: str = flag("short", name="--log-line", choices=("short", "full"),
+                         help="The iteration line: short (default; fits 160 columns: iteration, reward, the latest "
+                              "pass@1, loss, KL, log-prob gap, seconds) or full (every figure, per environment "
+                              "too). Both forms' figures all go to TensorBoard / W&B / --rl-metrics-jsonl.")
     log_samples: int = flag(4, name="--rl-log-samples",
                             help="Sample completions (prompt, completion, reward, environment) written per iteration "
                                  "to --rl-metrics-jsonl and TensorBoard text; chosen across environments and reward "

@@ -9,14 +9,18 @@ One log record, logged once before the first iteration, so a glance at the top o
       rollouts: synchronous (every iteration generates its own groups)
       packing:  sequence packing into --seq-length 64 rows (prompt sharing auto, attention auto, at most 16
                 sequences per row)
+      from checkpoint (--use-checkpoint-args): --num-layers 4, --hidden-size 128, ..., --rl-max-new-tokens 8
+
+The last line lists the flags ``--use-checkpoint-args`` took from the checkpoint (none: no line).
 
 The rollout line is the rollout source's own description (:meth:`RolloutSource.describe`).
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
-__all__ = ["run_summary"]
+__all__ = ["run_summary", "checkpoint_args_line"]
 
 
 def _start(cfg, start) -> str:
@@ -69,6 +73,16 @@ def _packing(cfg, rl) -> str:
             f"sequences per row)")
 
 
+def checkpoint_args_line(cfg: Any) -> str | None:
+    """``  from checkpoint (--use-checkpoint-args): <flags>`` wrapped to 120 columns, or None when no flag came
+    from a checkpoint."""
+    if not cfg.checkpoint_args:
+        return None
+    return textwrap.fill(", ".join(cfg.checkpoint_args), width=120, initial_indent="  from checkpoint "
+                         "(--use-checkpoint-args): ", subsequent_indent=" " * 4, break_on_hyphens=False,
+                         break_long_words=False)
+
+
 def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str) -> str:
     """The summary text for ``cfg`` (TrainingConfig), ``rl`` (RLConfig), ``start`` (the run's
     :class:`~megatron.rl.training.run.Resumed`) and ``rollouts`` (the rollout source's
@@ -81,4 +95,5 @@ def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str) -> str:
              f"  layout:   {_layout(cfg, rl)}",
              f"  rollouts: {rollouts}",
              f"  packing:  {_packing(cfg, rl)}"]
-    return "\n".join(lines)
+    restored = checkpoint_args_line(cfg)
+    return "\n".join(lines + ([restored] if restored else []))

@@ -13,7 +13,7 @@ import sys
 import time
 
 from megatron.rl.base.errors import UserError
-from megatron.rl.logging import current_rank
+from megatron.rl.logging import current_rank, setup_distributed_logging
 
 __all__ = ["report_user_error", "run_cli"]
 
@@ -42,9 +42,26 @@ def report_user_error(program: str, error: BaseException, stream=None) -> str:
     return line
 
 
+def _log_level(argv) -> str:
+    """The value of ``--log-level`` in ``argv`` (either spelling), else INFO; an invalid one is left to the parser."""
+    argv = [str(a) for a in argv]
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--log-level=") else (
+            argv[i + 1] if arg == "--log-level" and i + 1 < len(argv) else None)
+        if value in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            return value
+    return "INFO"
+
+
 def run_cli(program: str, main, argv=None) -> int:
     """The ``main()`` of ``pretrain_gpt.py`` and ``train_rl.py``: ``main(argv)``, then megatron torn down (even
-    on error); user errors reported by :func:`report_user_error` as one line, with exit status 2."""
+    on error); user errors reported by :func:`report_user_error` as one line, with exit status 2.
+
+    Logging is set up first, at the ``--log-level`` the command line gives (INFO by default): whatever loads
+    megatron-core first (the flags' checks, ``--use-checkpoint-args`` reading a checkpoint, the trainer), its
+    import-time warnings about missing kernels become one INFO line, and what the flags' parsing logs is shown.
+    ``main`` sets the level again from the parsed flags."""
+    setup_distributed_logging(_log_level(sys.argv[1:] if argv is None else argv))
     from megatron.rl.training.initialize import destroy_megatron  # torch: the CLI's first steps stay torch-free
 
     try:

@@ -25,6 +25,7 @@ from megatron.rl.training.config_sections import (CheckpointConfig, DataConfig, 
 from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import add_flags, dests, from_namespace, refuse_removed_flags
 from megatron.rl.training.checkpoint.args import check_explicit_flags, merge_checkpoint_args
+from megatron.rl.training.checkpoint.retention import RetentionPolicy
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "CheckpointConfig",
            "LoggingConfig", "TokenizerConfig", "DataConfig", "TrainingConfig", "build_parser", "parse_args",
@@ -57,9 +58,9 @@ def parse_args(argv: Sequence[str] | None = None, extra_args_providers: Iterable
     parser = build_parser(extra_args_providers)
     given = list(sys.argv[1:] if argv is None else argv)
     refuse_removed_flags(parser, given)
-    from_ckpt = None
+    from_ckpt, added = None, []
     if "--use-checkpoint-args" in given:
-        given, *from_ckpt = merge_checkpoint_args(given, parser)
+        given, *from_ckpt, added = merge_checkpoint_args(given, parser)
     if ignore_unknown_args:
         ns, _ = parser.parse_known_args(given)
     else:
@@ -68,7 +69,8 @@ def parse_args(argv: Sequence[str] | None = None, extra_args_providers: Iterable
         check_explicit_flags(ns, *from_ckpt, parser)
     own = dests(TrainingConfig)
     extra = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k not in own})
-    raw = from_namespace(TrainingConfig, ns, extra=extra, argv=list(argv) if argv is not None else [])
+    raw = from_namespace(TrainingConfig, ns, extra=extra, argv=list(argv) if argv is not None else [],
+                         checkpoint_args=tuple(added))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     return resolve_config(raw, world_size)
@@ -258,6 +260,7 @@ def _check_io(cfg: TrainingConfig) -> None:
     _positive("--save-interval", c.save_interval)
     _positive("--log-interval", lg.log_interval)
     _need(c.save_interval is None or c.save is not None, "--save-interval needs --save DIR.")
+    RetentionPolicy.from_flags(c.save, c.save_retain_last, c.save_retain_best)  # ConfigError naming the flag
     _need(not (d.mock_data and d.data_path), "--mock-data and --data-path were both given; choose one.")
     if d.data_path is not None:
         _need(len(d.data_path) > 0, "--data-path was given without paths.")

@@ -161,10 +161,19 @@ class CheckpointConfig:
     no_save_rng: bool = flag(False)
     ckpt_format: str = flag("torch_dist", choices=["torch_dist"])
     dist_ckpt_optim_format: str = flag("fully_reshardable", choices=["fully_reshardable", "dp_reshardable"])
+    # which checkpoints of --save to keep (megatron/rl/training/checkpoint/retention.py)
+    save_retain_last: int | None = flag(
+        None, help="after each save keep only the newest N checkpoints (with --save-retain-best: and the best ones); "
+                   "the one a run would resume from is never deleted. Default: keep every checkpoint")
+    save_retain_best: list[str] | None = flag(
+        None, nargs=2, metavar=("METRIC", "N"),
+        help="after each save keep the N checkpoints with the highest METRIC measured at their own iteration "
+             "(e.g. eval/pass@1; min:NAME keeps the lowest), besides --save-retain-last's and the latest")
     # model flags filled from the checkpoint (megatron/rl/training/checkpoint/args.py)
     use_checkpoint_args: bool = flag(
         False, help="take the model flags (architecture, tokenizer, vocab, lengths) stored in the checkpoint of "
-                    "--load (else --pretrained-checkpoint); an explicit conflicting flag is an error")
+                    "--load (else --pretrained-checkpoint), and an RL run's generation and environment flags; an "
+                    "explicit model flag that conflicts is an error, an explicit RL flag wins")
     # checkpoint integrity: skip the checksum manifest check on load
     no_verify_checkpoint_checksums: bool = flag(
         False, help="load without checking the checkpoint's files against the checksum manifest written at save "
@@ -219,6 +228,8 @@ class TrainingConfig:
     data: DataConfig = section(DataConfig)
     extra: argparse.Namespace = derived(default_factory=argparse.Namespace)
     argv: list[str] = derived(default_factory=list)
+    # the flags --use-checkpoint-args took from the checkpoint ("--option value" each), for the start-up summary
+    checkpoint_args: tuple[str, ...] = derived(())
 
     def model_args(self) -> dict:
         """JSON-able architecture flags stored with checkpoints and compared on load.

@@ -244,11 +244,14 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
         n_eval = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size
         valid_iter = _data_iterators(cfg, tokenizer, 0, "valid", n_eval)
 
-    def save(it: int) -> None:
-        run.save(it, {"consumed_samples": consumed, "iteration": it})
-
     history: list[IterationStats] = []
     evals: list[tuple[int, dict[str, float]]] = []
+
+    def save(it: int) -> None:
+        # a validation at this iteration scores the checkpoint for --save-retain-best (validation/<loss name>)
+        measured = {f"validation/{k}": v for at, result in evals[-1:] if at == it for k, v in result.items()}
+        run.save(it, {"consumed_samples": consumed, "iteration": it}, measured)
+
     skipped_total = nan_total = 0
     window_start, window_iters = time.perf_counter(), 0
     control = LoopControl.from_config(cfg, save, last_saved=iteration if run.load_dir else None)

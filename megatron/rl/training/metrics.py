@@ -8,6 +8,7 @@ for grouping (``train/lm loss``, ``validation/lm loss``, ``rl/reward_mean``), an
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 import math
@@ -175,3 +176,10 @@ class MetricsJsonl:
     def write(self, record: Mapping[str, Any]) -> None:
         with self.path.open("a", encoding="utf-8") as f:
             f.write(metrics_json_line(record))
+
+    def write_run_start(self, name: str, iteration: int) -> None:
+        """The record saying which run this is and when this attempt started (UTC, ISO 8601) at ``iteration``:
+        ``{"iteration": N, "run": {"name": ..., "started": ...}}``. A resumed run keeps its first attempt's record
+        (``tools/plot_metrics.py`` titles the figure with the earliest)."""
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.write({"iteration": iteration, "run": {"name": name, "started": started}})

@@ -17,14 +17,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
+from megatron.rl import parallel_utils
 from megatron.rl.logging import setup_distributed_logging
 from megatron.rl.training.checkpoint.save_load import (CheckpointError, latest_checkpoint, load_checkpoint,
                                                        save_checkpoint)
 from megatron.rl.training.config import TrainingConfig
 from megatron.rl.training.initialize import initialize_megatron
 from megatron.rl.training.metrics import build_metrics_writer
+from megatron.rl.training.checkpoint.retention import RetentionPolicy, apply_retention, record_score
+from megatron.rl.training.checkpoint.run_flags import RUN_FLAGS_KEY
 from megatron.rl.training.model_provider import build_model, checkpoint_model_args
 from megatron.rl.training.optimizer import build_optimizer
 from megatron.rl.training.tokenizer import build_tokenizer
@@ -110,10 +114,11 @@ class TrainingRun:
 
     @classmethod
     def build(cls, cfg: TrainingConfig, policy: ResumePolicy = PRETRAIN_RESUME, *, ref_model: bool = False,
-              metrics_writer: Any = None) -> "TrainingRun":
+              metrics_writer: Any = None, run_flags: dict | None = None) -> "TrainingRun":
         """Build the run (collective: initialises megatron). ``ref_model``: also build a frozen copy of the
         model (no DDP), loaded from ``--pretrained-checkpoint`` by :meth:`resume`. ``metrics_writer``: use this
-        writer instead of the one ``--tensorboard-dir`` / ``--wandb-project`` ask for. With
+        writer instead of the one ``--tensorboard-dir`` / ``--wandb-project`` ask for. ``run_flags``: the
+        trainer's flags to store with every checkpoint (``checkpoint.run_flags.record_run_flags``). With
         ``policy.evaluate_only`` the model is not DDP-wrapped and optimizer, scheduler and writer are None."""
 
         setup_distributed_logging(cfg.logging.log_level)
@@ -125,8 +130,10 @@ class TrainingRun:
         optimizer, scheduler = build_optimizer(cfg, model) if trains else (None, None)
         ref = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if ref_model else None
         writer = metrics_writer if metrics_writer is not None else build_metrics_writer(cfg) if trains else None
-        return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler,
-                   checkpoint_model_args(cfg, tokenizer), ref, writer)
+        model_args = checkpoint_model_args(cfg, tokenizer)
+        if run_flags:
+            model_args[RUN_FLAGS_KEY] = run_flags
+        return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler, model_args, ref, writer)
 
     def _load(self, path: str, *, weights_only: bool, model=None):
 
@@ -169,12 +176,18 @@ class TrainingRun:
             return Resumed(0, {}, False, loaded)
         return Resumed(0, {}, False)
 
-    def save(self, iteration: int, run_state: dict) -> None:
-        """Save a checkpoint of ``iteration`` to ``--save`` with the caller's ``run_state``. Collective."""
+    def save(self, iteration: int, run_state: dict, metrics: dict | None = None) -> None:
+        """Save a checkpoint of ``iteration`` to ``--save`` with the caller's ``run_state``, then delete the
+        checkpoints ``--save-retain-last`` / ``--save-retain-best`` do not keep (``metrics``: measured at
+        ``iteration``, where the best-by-metric policy finds its value). Collective."""
 
         c = self.cfg.checkpoint
         save_checkpoint(c.save, iteration, self.model, None if c.no_save_optim else self.optimizer, self.scheduler,
                         run_state=run_state, model_args=self.model_args, dist_opt_format=c.dist_ckpt_optim_format)
+        policy = RetentionPolicy.from_flags(c.save, c.save_retain_last, c.save_retain_best)
+        if policy is not None and parallel_utils.is_rank0():
+            record_score(Path(c.save), policy, iteration, metrics)
+            apply_retention(c.save, policy)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -338,3 +338,30 @@ def test_a_removed_flag_names_its_replacement(env_yaml):
         _rl(env_yaml, "--rl-packed-attention-per-sequence")
     assert "per-sequence" not in build_parser([add_rl_args]).format_help()
     assert _rl(env_yaml, "--rl-packed-attention", "exact").packed_attention == "exact"
+
+
+# --------------------------------------------------------------------------- flags recorded in checkpoints
+
+
+def test_checkpointed_run_flags_are_real_flags_and_record_the_parsed_values(tmp_path):
+    from megatron.rl.rl_config import CHECKPOINTED_FLAGS, checkpointed_run_flags
+    from megatron.rl.training.checkpoint.run_flags import file_sha256, run_flags_argv
+    from megatron.rl.training.config import build_parser
+
+    env = tmp_path / "env.yaml"
+    env.write_text("environments: [{type: arithmetic, weight: 1}]\n")
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+            "--langrl-env-config", str(env), "--rl-max-new-tokens", "8", "--rl-default-temperature", "0.7",
+            "--rl-eval-pass-at-k", "1", "4", "--rl-eval-samples", "4", "--rl-eval-temperature", "1.0",
+            "--rl-use-sequence-packing", "--rl-generation-lag", "1"]
+    cfg = parse_args(argv, extra_args_providers=[add_rl_args], world_size=1)
+    record = checkpointed_run_flags(cfg)
+    parser = build_parser([add_rl_args])
+    options = {s for a in parser._actions for s in a.option_strings}
+    assert set(CHECKPOINTED_FLAGS) <= options
+    assert len(record["flags"]) == len(CHECKPOINTED_FLAGS)
+    assert record["sha256"] == {"langrl_env_config": file_sha256(env)}
+    # what comes back parses to the same RL config
+    back = [t for g in run_flags_argv(record, parser, set(), "test") for t in g]
+    again = parse_args(argv[:8] + back, extra_args_providers=[add_rl_args], world_size=1)
+    assert rl_config_from_args(again) == rl_config_from_args(cfg)

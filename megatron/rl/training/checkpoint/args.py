@@ -18,6 +18,9 @@ A flag given explicitly with another value than the checkpoint's is
 
 Checkpoints saved before the flags were stored still load with explicit model flags;
 ``--use-checkpoint-args`` on one of them is a ConfigError naming what to pass instead.
+
+A trainer's run flags (how it generated, what it trained on) are stored beside the model flags and come back
+the same way, except that an explicit flag always wins (:mod:`~megatron.rl.training.checkpoint.run_flags`).
 """
 from __future__ import annotations
 
@@ -30,12 +33,13 @@ from typing import Any, Sequence
 from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import add_flags
 from megatron.rl.training.checkpoint.paths import CheckpointError, latest_checkpoint, resolve_checkpoint_dir
+from megatron.rl.training.checkpoint.run_flags import RUN_FLAGS_KEY, run_flags_argv
 from megatron.rl.training.config_sections import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MODEL_FLAGS", "OVERRIDABLE", "checkpoint_flags", "read_checkpoint_flags", "merge_checkpoint_args",
-           "flags_to_argv", "has_model_flags"]
+__all__ = ["MODEL_FLAGS", "OVERRIDABLE", "checkpoint_flags", "read_checkpoint_flags", "read_model_args",
+           "merge_checkpoint_args", "flags_to_argv", "has_model_flags"]
 
 FLAG = "--use-checkpoint-args"
 FLAGS_KEY = "flags"  # the key under the checkpoint's model_args
@@ -68,10 +72,10 @@ def checkpoint_flags(cfg: Any, vocab_size: int | None) -> dict[str, Any]:
     return out
 
 
-def read_checkpoint_flags(load_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The stored model flags of the checkpoint ``load_dir`` resolves to (see ``--load``), or None when it
-    predates them. Reads the common state only (no tensors, no process group). Raises CheckpointError for a
-    missing or unreadable checkpoint."""
+def read_model_args(load_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``model_args`` of the checkpoint ``load_dir`` resolves to (see ``--load``; {} when it has none).
+    Reads the common state only (no tensors, no process group). Raises CheckpointError for a missing or
+    unreadable checkpoint."""
     from megatron.core import dist_checkpointing
 
     ckpt = resolve_checkpoint_dir(load_dir)
@@ -79,7 +83,12 @@ def read_checkpoint_flags(load_dir: str | os.PathLike) -> dict[str, Any] | None:
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
     except Exception as e:  # noqa: BLE001 - any failure means the common state cannot be read
         raise CheckpointError(f"cannot read the common state of checkpoint {ckpt}: {type(e).__name__}: {e}") from e
-    flags = (common.get("model_args") or {}).get(FLAGS_KEY)
+    return dict(common.get("model_args") or {})
+
+
+def read_checkpoint_flags(load_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The stored model flags of the checkpoint ``load_dir`` resolves to, or None when it predates them."""
+    flags = read_model_args(load_dir).get(FLAGS_KEY)
     return dict(flags) if flags else None
 
 
@@ -97,20 +106,25 @@ def _explicit_dests(argv: Sequence[str], parser: argparse.ArgumentParser) -> set
     return {by_option[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in by_option}
 
 
-def flags_to_argv(flags: dict[str, Any], parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> list[str]:
-    """Command-line flags reproducing ``flags`` (destination -> value) for ``parser``; None values are left out."""
+def _flag_groups(flags: dict[str, Any], parser: argparse.ArgumentParser, skip: set[str]) -> list[list[str]]:
     actions = _actions_by_dest(parser)
-    argv: list[str] = []
+    out: list[list[str]] = []
     for dest, value in flags.items():
         if dest in skip or value is None or dest not in actions:
             continue
         action = actions[dest]
         option = action.option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
-            argv += [option] if value else []
+            if value:
+                out.append([option])
         else:
-            argv += [option, str(value)]
-    return argv
+            out.append([option, str(value)])
+    return out
+
+
+def flags_to_argv(flags: dict[str, Any], parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> list[str]:
+    """Command-line flags reproducing ``flags`` (destination -> value) for ``parser``; None values are left out."""
+    return [token for group in _flag_groups(flags, parser, skip) for token in group]
 
 
 def _load_source(argv: Sequence[str]) -> tuple[str, str]:
@@ -128,25 +142,29 @@ def _load_source(argv: Sequence[str]) -> tuple[str, str]:
                       f"--pretrained-checkpoint DIR.")
 
 
-def merge_checkpoint_args(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], dict, set]:
-    """``argv`` with the checkpoint's model flags added where ``argv`` gives none.
+def merge_checkpoint_args(argv: Sequence[str], parser: argparse.ArgumentParser
+                          ) -> tuple[list[str], dict, set, list[str]]:
+    """``argv`` with the checkpoint's model and run flags added where ``argv`` gives none.
 
-    Returns (new argv, the stored flags, the destinations ``argv`` gave explicitly) for
-    :func:`check_explicit_flags`. Raises ConfigError when there is no checkpoint or it stores no flags.
+    Returns (new argv, the stored model flags, the destinations ``argv`` gave explicitly, the flags added as
+    ``"--option value"`` strings); the middle two are for :func:`check_explicit_flags`. Raises ConfigError when
+    there is no checkpoint or it stores no flags.
     """
     flag, path = _load_source(argv)
     try:
-        stored = read_checkpoint_flags(path)
+        model_args = read_model_args(path)
     except CheckpointError as e:
         raise ConfigError(f"{FLAG}: cannot read the model flags from {flag}={path}: {e}") from e
-    if stored is None:
+    stored = dict(model_args.get(FLAGS_KEY) or {})
+    if not stored:
         raise ConfigError(f"{FLAG}: the checkpoint in {flag}={path} stores no model flags (it was saved before "
                           f"checkpoints carried them); drop {FLAG} and pass the model flags (--num-layers, "
                           f"--hidden-size, ... as in the run that saved it).")
     explicit = _explicit_dests(argv, parser)
-    added = flags_to_argv(stored, parser, skip=explicit)
-    log.info("%s: model flags from %s: %s", FLAG, path, " ".join(added))
-    return added + list(argv), stored, explicit
+    groups = _flag_groups(stored, parser, explicit)
+    groups += run_flags_argv(model_args.get(RUN_FLAGS_KEY), parser, explicit, f"{flag}={path}")
+    log.debug("%s: flags from %s: %s", FLAG, path, " ".join(" ".join(g) for g in groups))
+    return [token for g in groups for token in g] + list(argv), stored, explicit, [" ".join(g) for g in groups]
 
 
 def check_explicit_flags(ns: argparse.Namespace, stored: dict, explicit: set[str],

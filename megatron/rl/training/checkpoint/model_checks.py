@@ -23,8 +23,9 @@ __all__ = ["check_model_args", "check_padded_vocab", "divisible_by_for_padded_vo
 
 # model_args keys checked by dedicated code below (not by plain equality): the padded vocab may legitimately
 # come from different --make-vocab-size-divisible-by / TP combinations, "vocab_padding" only feeds messages,
-# and "flags" (the model flags, read by --use-checkpoint-args; see checkpoint/args.py) holds run lengths too.
-_SPECIAL_ARGS = ("padded_vocab_size", "vocab_padding", "flags")
+# "flags" (the model flags, read by --use-checkpoint-args; see checkpoint/args.py) holds run lengths too, and
+# "run_flags" (a trainer's generation and environment flags; checkpoint/run_flags.py) never shapes the weights.
+_SPECIAL_ARGS = ("padded_vocab_size", "vocab_padding", "flags", "run_flags")
 
 
 # Values derived from other flags when not given (--ffn-hidden-size from --hidden-size, ...): compared after the

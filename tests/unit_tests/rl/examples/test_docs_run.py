@@ -112,6 +112,13 @@ def test_quickstart_runs_as_written(tmp_path):
                            timeout=600, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert rerun.returncode == 0 and "reusing the pretrained checkpoint" in rerun.stdout, rerun.stdout[-3000:]
     assert "[3/4] GRPO: skipped" in rerun.stdout
+    # retention (the last 2 and the best 1 by pass@1): at most three RL checkpoints, and the run resumes from them
+    kept = sorted(p.name for p in (repo / "runs/quickstart/rl").glob("iter_*"))
+    assert 1 <= len(kept) <= 3 and kept[-1] == "iter_0000200", kept
+    more = subprocess.run([sys.executable, "examples/rl/quickstart.py", "--rl-iters", "201"], cwd=repo,
+                          capture_output=True, text=True, timeout=900, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert more.returncode == 0 and "at iteration 200" in more.stdout, more.stdout[-3000:]
+    assert len(list((repo / "runs/quickstart/rl").glob("iter_*"))) <= 3
 
 
 @pytest.mark.slow  # a short pretraining, two RL iterations, a server, a conversion: a few minutes on 2 CPU cores
@@ -125,7 +132,7 @@ def test_readme_reuse_a_checkpoint_runs(tmp_path):
     proc = run_group(group(README, "reuse"), repo, env={"PORT": str(free_port())})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert re.search(r"iteration +2/ +2 \|", out), out[-3000:]
+    assert re.search(r"iteration +2/ *2 \|", out), out[-3000:]
     answers = _printed_strings(proc.stdout)  # the served answer (greedy), then Hugging Face's generate()
     assert len(answers) == 2 and answers[0] == answers[1], proc.stdout[-2000:]
     assert (repo / "runs/quickstart/hf/tokenizer.json").is_file()

@@ -2,6 +2,8 @@
 and no per-request lines from the HTTP clients at INFO."""
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import logging
 import warnings
@@ -54,6 +56,11 @@ def test_summary_names_start_backend_layout_rollout_mode_and_packing():
     assert "rollouts: asynchronous: lag 1, partial rollouts, submission G, consumption G" in text
     assert "packing:  sequence packing into --seq-length 64 rows (prompt sharing auto" in text
     assert "random" in run_summary(*_configs(), Resumed(0, {}, False), "synchronous")
+    assert "from checkpoint" not in text
+    cfg, rl = _configs()
+    cfg = dataclasses.replace(cfg, checkpoint_args=("--num-layers 2", "--rl-max-new-tokens 8", "--swiglu"))
+    last = run_summary(cfg, rl, Resumed(0, {}, False), "synchronous").splitlines()[-1]
+    assert last == "  from checkpoint (--use-checkpoint-args): --num-layers 2, --rl-max-new-tokens 8, --swiglu"
     cfg, rl = _configs("--rl-durable-rollout-bank", "--save", "ck")
     assert rl.async_rollouts.describe("ck/rollout_bank/rank_0") == ("through the rollout pipeline (synchronous "
                                                                     "schedule): lag 0, drain before each update, "
@@ -145,3 +152,36 @@ def test_http_clients_log_no_per_request_lines_at_info():
     setup_distributed_logging("DEBUG")  # DEBUG shows them again
     assert logging.getLogger("httpx").getEffectiveLevel() <= logging.INFO
     setup_distributed_logging("INFO")
+
+
+def test_short_iteration_line_fits_160_columns_with_the_log_prefix():
+    from megatron.rl.logging import setup_distributed_logging
+    from megatron.rl.observe.iteration_line import format_rl_line
+
+    metrics = {"reward_mean": -0.62512, "reward_std": 0.3111, "rl_loss": -0.0123456, "kl_mean": 0.0123456,
+               "logprob_gap_mean": 3.7312e-08, "logprob_gap_max": 1e-6, "entropy_mean": 1.234, "grad_norm": 12.5,
+               "clip_fraction_low": 0.01, "clip_fraction_high": 0.02, "response_length_mean": 123.4,
+               "generation_tokens_per_s": 12345.6, "train_tokens_per_s": 23456.7, "time_total_s": 1234.5,
+               "time_generate_s": 1000.0, "env/arith/reward_mean": 0.5, "env/arith/groups": 4.0}
+    last_eval = {"iteration": 9000, "eval/pass@1": 0.52311, "eval/pass@4": 0.9}
+    stream = io.StringIO()
+    handler = setup_distributed_logging("INFO")  # the run's handler and format, writing here for the test
+    previous = handler.setStream(stream)
+    logger = logging.getLogger("megatron.rl.rl_loop")
+    try:
+        logger.info(format_rl_line(14000, 20000, metrics, 1e-3, "short", last_eval))
+        logger.info(format_rl_line(14000, 20000, metrics, 1e-3, "full", last_eval))
+    finally:
+        handler.setStream(previous)
+    short, full = stream.getvalue().splitlines()
+    assert len(short) <= 160, (len(short), short)
+    assert short.endswith("iteration 14000/20000 | reward -0.625±0.31 | pass@1 0.523 | loss -0.012 | kl 0.012 | "
+                          "gap 3.7e-8 | 1234s"), short
+    assert len(full) > 300 and "learning rate: 1.000E-03" in full and "grad norm: 12.5" in full
+    failed = format_rl_line(3, 10, {"reward_mean": 0.0, "failed_rollouts": 2.0, "skipped_update": 1.0}, 0.0, "short")
+    assert failed == "iteration  3/10 | reward 0 | failed 2 | skipped"
+
+
+def test_log_line_flag_chooses_the_form():
+    assert _configs()[1].observe.log_line == "short"
+    assert _configs("--log-line", "full")[1].observe.log_line == "full"

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tools.plot_metrics import ema, env_panels, figure, main
+from tools.plot_metrics import ema, env_panels, figure, main, run_info, run_title
 
 
 def _ema_reference(points, weight):
@@ -44,10 +44,10 @@ def _series():
         out.setdefault("reward_mean", []).append((it, it / 40))
         for env, scale in (("arithmetic", 1.0), ("countdown", 0.2)):
             out.setdefault(f"env/{env}/reward_mean", []).append((it, scale * it / 40))
-            out.setdefault(f"env/{env}/response_length_mean", []).append((it, 8.0))
+            out.setdefault(f"env/{env}/response_length_mean", []).append((it, 8.0 + it % 3))
         if it % 10 == 0:
             for env in ("arithmetic", "countdown", "math"):
-                out.setdefault(f"eval/{env}/pass@1", []).append((it, 0.1))
+                out.setdefault(f"eval/{env}/pass@1", []).append((it, it / 100))
     return out
 
 
@@ -86,3 +86,51 @@ def test_command_line_writes_one_png_comparing_the_environments(tmp_path, capsys
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no per-environment series"):
         main([str(path), "--envs", "--metrics", "kl_mean", "--out", str(out)])
+
+
+def _texts(fig) -> list[str]:
+    return [t.get_text() for t in fig.texts] + ([fig._supxlabel.get_text()] if fig._supxlabel else [])
+
+
+@pytest.mark.parametrize("envs", [False, True])
+def test_constant_metrics_are_one_line_of_text_not_panels(envs):
+    import matplotlib.pyplot as plt
+
+    series = _series()
+    series["failed_rollouts"] = [(it, 0.0) for it in range(1, 41)]
+    series["skipped_update"] = [(it, 0.0) for it in range(1, 41)]
+    for env in ("arithmetic", "countdown"):
+        series[f"env/{env}/failed_rollouts"] = [(it, 0.0) for it in range(1, 41)]
+    metrics = None if envs else ["reward_mean", "failed_rollouts", "skipped_update", "env/*/response_length_mean"]
+    fig = figure(series, metrics, envs=envs)
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert "failed_rollouts" not in titles and "skipped_update" not in titles
+    assert "reward_mean" in titles and len(titles) == 3, titles
+    expected = "constant: failed_rollouts = 0" + ("" if envs else ", skipped_update = 0")
+    assert expected in _texts(fig), _texts(fig)
+    plt.close(fig)
+    # every metric constant: they keep their panels (nothing else to draw)
+    fig = figure(series, ["failed_rollouts", "skipped_update"])
+    assert len(fig.axes) == 2 and not fig._supxlabel
+    plt.close(fig)
+
+
+def test_title_names_the_run_and_its_start_from_the_run_record(tmp_path):
+    run = tmp_path / "my_run"
+    run.mkdir()
+    path = run / "metrics.jsonl"
+    assert run_info(_write(path, [{"iteration": 1, "reward_mean": 0.5}])) == ("my_run", None)  # no run record
+    _write(path, [{"iteration": 0, "run": {"name": "qs", "started": "2026-11-28T09:12:30+00:00"}},
+                  {"iteration": 1, "reward_mean": 0.5},
+                  {"iteration": 1, "run": {"name": "qs", "started": "2026-11-28T11:00:00+00:00"}},  # resumed
+                  {"iteration": 2, "reward_mean": 0.7}])
+    assert run_info(path) == ("qs", "2026-11-28 09:12 UTC")
+    assert run_title("qs", "2026-11-28 09:12 UTC") == "run qs, started 2026-11-28 09:12 UTC"
+    assert run_title("qs", None, "GRPO") == "GRPO\nrun qs"
+    out = tmp_path / "m.png"
+    assert main([str(path), "--metrics", "reward_mean", "--out", str(out)]) == 0 and out.stat().st_size > 0
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path

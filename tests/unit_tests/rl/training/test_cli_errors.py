@@ -143,3 +143,12 @@ def test_train_rl_bad_config_files_exit_2_with_one_line(tmp_path):
         assert "Traceback" not in err, (name, err[-3000:])
         [line] = [x for x in err.splitlines() if "error:" in x]
         assert line.startswith(f"train_rl.py: error: {expected}"), (name, line)
+
+
+def test_entry_point_logging_starts_at_the_command_lines_level():
+    from megatron.rl.training.cli_errors import _log_level
+
+    assert _log_level(["--lr", "1"]) == "INFO"
+    assert _log_level(["--log-level", "WARNING", "--lr", "1"]) == "WARNING"
+    assert _log_level(["--log-level=DEBUG"]) == "DEBUG"
+    assert _log_level(["--log-level", "LOUD"]) == "INFO"  # the parser reports the bad value
