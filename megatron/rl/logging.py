@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from megatron.rl.base.dependency_warnings import summarize_dependency_warnings
+from megatron.rl.base.dependency_warnings import is_known_notice, summarize_dependency_warnings
 
 _HANDLER_FLAG = "_megatron_rl_handler"
 
@@ -44,9 +44,12 @@ QUIET_LOGGERS = ("megatron.core", "httpx", "httpx2", "httpcore")
 
 class _CoreRootInfoFilter(logging.Filter):
     """Drops INFO records megatron-core logs on the root logger (its inference context announces every KV-cache
-    allocation, once per rollout phase), which QUIET_LOGGERS cannot reach by name."""
+    allocation, once per rollout phase), which QUIET_LOGGERS cannot reach by name, and megatron-core's known
+    notices about its own API."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if is_known_notice(record):  # megatron-core's notices about its own API (dependency_warnings)
+            return False
         return not (record.name == "root" and record.levelno < logging.WARNING
                     and f"{os.sep}megatron{os.sep}core{os.sep}" in record.pathname)
 

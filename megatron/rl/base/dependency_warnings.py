@@ -7,7 +7,9 @@ deprecations that megatron-core's checkpointing triggers. None of them asks the 
   its fused norm, Adam and multi-tensor kernels are replaced by torch code. Summarised in one INFO line the
   first time one appears (the cost: speed on GPU; nothing on CPU, where those kernels do not run);
 - deprecation notices raised inside megatron-core or torch ("full scope is deprecated", ShardedTensor,
-  ``load_state_dict``, the ``custom_layers.transformer_engine`` module): logged at DEBUG only.
+  ``load_state_dict``, the ``custom_layers.transformer_engine`` module), and megatron-core 0.19's notices about
+  its own API (``GPTModel`` giving way to ``HybridModel``, its experimental MIMO config, its legacy async save and
+  common-state loader) as warnings or megatron-core log records: logged at DEBUG only (:func:`is_known_notice`).
 
 Every other warning is shown as before. :func:`summarize_dependency_warnings` installs the filter (idempotent).
 """
@@ -17,7 +19,7 @@ import logging
 import re
 import warnings
 
-__all__ = ["summarize_dependency_warnings", "MISSING_KERNELS_NOTE", "classify"]
+__all__ = ["summarize_dependency_warnings", "MISSING_KERNELS_NOTE", "classify", "is_known_notice"]
 
 logger = logging.getLogger("megatron.rl.dependencies")
 
@@ -28,7 +30,9 @@ MISSING_KERNELS_NOTE = (
 
 _MISSING = re.compile(r"\b(Apex|Transformer Engine and Apex) (is|are) not installed")
 _INTERNAL = re.compile(r"full scope is deprecated|deprecating ShardedTensor|`load_state_dict` is deprecated|"
-                       r"custom_layers\.transformer_engine.*deprecated", re.S)
+                       r"custom_layers\.transformer_engine.*deprecated|GPTModel IS DEPRECATED|"
+                       r"MimoModelConfig is experimental|MCore's async save is deprecated|"
+                       r"load_common is deprecated", re.S)
 
 _state = {"installed": False, "noted": False}
 
@@ -41,6 +45,11 @@ def classify(message: str) -> str | None:
     if _INTERNAL.search(message):
         return "internal"
     return None
+
+
+def is_known_notice(record: logging.LogRecord) -> bool:
+    """Whether a megatron-core log record is one of the known notices of :func:`classify` (shown at DEBUG only)."""
+    return record.name.startswith("megatron.core") and classify(record.getMessage()) == "internal"
 
 
 def summarize_dependency_warnings() -> None:
