@@ -1,6 +1,7 @@
 """``--rl-router-replay``: its modes and the checks that need no model (run before any model is built)."""
 from __future__ import annotations
 
+from megatron.rl.runtime import patches, versions
 from megatron.rl.training.config import ConfigError
 
 __all__ = ["REPLAY_MODES", "RouterReplayConfigError", "RouterReplayError", "validate_router_replay"]
@@ -14,6 +15,10 @@ class RouterReplayError(RuntimeError):
 
 class RouterReplayConfigError(ConfigError):
     """``--rl-router-replay`` asked for with flags it cannot work with (exit status 2 at the command line)."""
+
+
+# The registry entry of the engine's route recording (megatron.rl.runtime.subclasses)
+ENGINE_ROUTE_RECORDING = "engine route recording"
 
 
 def validate_router_replay(mode: str, *, num_experts: int | None, inference_backend: str,
@@ -34,5 +39,9 @@ def validate_router_replay(mode: str, *, num_experts: int | None, inference_back
                    f"after the replayed routes are cleared. Use --recompute-granularity selective or none.")
     elif load_balancing == "sinkhorn":
         problem = f"{flag} cannot replay --moe-router-load-balancing-type sinkhorn (not a top-k routing)."
+    elif not patches.covers_installed(ENGINE_ROUTE_RECORDING):
+        problem = (f"{flag} needs the in-process engine to record routes, which megatron-rl does on megatron-core "
+                   f"0.16.1 only so far (installed: {versions.installed_version()}; 0.19 routes inference through its "
+                   f"own router): use megatron-core 0.16.1 (Python 3.11) or drop {flag}.")
     if problem:
         raise RouterReplayConfigError(problem)

@@ -28,6 +28,8 @@ class RolloutRouterReplay(RouterReplay):
         self.replay_backward_list: list[torch.Tensor] = []
         self.differ: torch.Tensor | int = 0
         self.compared: torch.Tensor | int = 0
+        self.static_buffer: torch.Tensor | None = None  # megatron-core 0.19's CUDA-graph buffer: never set here
+        self.layer_number: int | None = None  # 0.19 names the router's layer here; unused by the slot
 
     def set_target_indices(self, topk_indices: torch.Tensor) -> None:
         self.target_topk_idx = topk_indices  # no backward list: activation recomputation is refused

@@ -36,9 +36,10 @@ def patch_planner_for_sequential_experts() -> None:
     original = planner.extract_param_metadata
 
     def extract_param_metadata(param, param_name, owner_rank, pg_collection, num_experts=None,
-                               layer_module_prefix_map=None):
+                               layer_module_prefix_map=None, **later_args):
+        # later_args: what newer releases add (0.19: rank_offset, _rank_list_cache), passed on unchanged
         meta = original(param, param_name, owner_rank, pg_collection, num_experts=num_experts,
-                        layer_module_prefix_map=layer_module_prefix_map)
+                        layer_module_prefix_map=layer_module_prefix_map, **later_args)
         match = _EXPERT_INDEX.search(meta.resolved_name or "")
         if meta.is_ep and match is not None and meta.global_expert_index is None and num_experts:
             ep_ranks = meta.expert_parallel_group_ranks

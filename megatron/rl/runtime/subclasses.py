@@ -67,6 +67,12 @@ _ENTRIES = (
      "megatron.core.inference.sampling_params:SamplingParams (a deep copy made shallow)",
      "every request deep-copies its SamplingParams on creation, walking ~30 objects where a shallow copy of "
      "its scalars is the same", BOTH),
+    ("engine route recording", "megatron.rl.inference.engine.route_recorder:RouteRecorder",
+     "megatron.core.transformer.moe.router:TopKRouter.routing (its router_replay records the engine forward's "
+     "top-k)",
+     "--rl-router-replay rollout needs each generated token's experts; on 0.16.1 the engine's forward runs the "
+     "training router, whose replay slot records them (0.19 routes inference through InferenceTopKRouter, which "
+     "does not call the slot: there the flag is refused)", MCORE_0_16),
     ("pretraining dataset sources", "megatron.rl.training.data:PretrainingGPTDataset",
      "megatron.core.datasets.gpt_dataset:GPTDataset.build_low_level_dataset, ._key_config_attributes, "
      "._get_num_epochs",

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from megatron.rl.routing.config import RouterReplayConfigError
+from tests.conftest import needs_entry
 from tests.unit_tests.rl.test_rl_config import BASE, _rl, env_yaml  # noqa: F401 (fixture)
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 
 
+@needs_entry("engine route recording")
 def test_replay_on_a_moe_model_with_the_in_process_engine_is_valid(env_yaml):  # noqa: F811
     assert _rl(env_yaml, *MOE, "--rl-router-replay", "rollout").router_replay == "rollout"
     assert _rl(env_yaml).router_replay == "off"
@@ -77,3 +79,17 @@ def test_replayed_rows_keep_targets_and_count_where_the_router_differed():
     assert idx.tolist() == [[0, 2], [3, 0], [0, 1]]
     assert torch.equal(probs, scores.gather(1, idx))
     assert (int(replay.differ), int(replay.compared)) == (1, 2)  # row 0 agreed with the router, row 1 did not
+
+
+def test_rollout_replay_is_refused_where_the_engine_does_not_record_routes(monkeypatch):
+    """On a megatron-core release where the engine's route recording is not written (0.19: its inference router
+    does not call the replay slot) the flag is refused before any model is built, naming the release."""
+    from megatron.rl.routing import config
+    from megatron.rl.runtime import patches
+
+    kwargs = dict(num_experts=4, inference_backend="megatron", recompute_granularity=None, load_balancing="aux_loss")
+    monkeypatch.setattr(patches, "covers_installed", lambda name: name != config.ENGINE_ROUTE_RECORDING)
+    with pytest.raises(RouterReplayConfigError, match=r"--rl-router-replay rollout.*0\.16\.1.*drop"):
+        config.validate_router_replay("rollout", **kwargs)
+    monkeypatch.setattr(patches, "covers_installed", lambda name: True)
+    config.validate_router_replay("rollout", **kwargs)

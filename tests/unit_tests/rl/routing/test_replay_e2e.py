@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, run_torchrun
+from tests.conftest import REPO_ROOT, needs_entry, run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "replay_run.py"
 MAX_GAP = 1e-5  # the dense model's fp32 train-inference bound
@@ -25,6 +25,9 @@ SHORT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--rl-max-new-tokens", "8", "--rl-use-sequence-packing", "--log-interval", "1", "--langrl-allow-imports",
          "--train-iters", "2", "--rl-prompts-per-eval", "0", *MOE]
 
+
+
+pytestmark = needs_entry("engine route recording")
 
 def _run(tmp_path, flags, env_yaml: str) -> tuple[list[dict], list[int]]:
     env = tmp_path / "env.yaml"

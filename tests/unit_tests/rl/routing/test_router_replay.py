@@ -14,11 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import needs_entry
+
 from tests.unit_tests.rl.inference.scripts.megatron_common import (init_distributed, peaked_tiny_gpt,
                                                                    teacher_forced_logprobs)
 
 MAX_GAP = 1e-5  # the dense model's fp32 train-inference bound (tests/unit_tests/rl/inference)
 
+
+
+pytestmark = needs_entry("engine route recording")
 
 @pytest.fixture(scope="module", autouse=True)
 def _own_process_group():

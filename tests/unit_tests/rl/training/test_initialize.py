@@ -23,13 +23,17 @@ CPU = RuntimeInfo(device=torch.device("cpu"), backend="gloo", cpu_layer_active=T
 
 def test_version_policy(caplog, monkeypatch):
     monkeypatch.delenv("MEGATRON_RL_ALLOW_UNTESTED_MCORE", raising=False)
-    assert check_megatron_core_version(CPU, "0.16.1") == "0.16.1"
+    for supported in ("0.16.1", "0.19.0", "0.19.2"):
+        assert check_megatron_core_version(CPU, supported) == supported
     with pytest.raises(UnsupportedMegatronCoreVersion, match="0.17.0"):
-        check_megatron_core_version(CPU, "0.17.0")  # the CPU layer patches internals: exact versions only
+        check_megatron_core_version(CPU, "0.17.0")  # the CPU layer patches internals: supported releases only
     with pytest.raises(UnsupportedMegatronCoreVersion, match="older than"):
         check_megatron_core_version(GPU, "0.15.2")
     with caplog.at_level(logging.WARNING):
-        assert check_megatron_core_version(GPU, "0.19.2") == "0.19.2"  # newer on GPU: warn, run
+        assert check_megatron_core_version(GPU, "0.19.2") == "0.19.2"
+    assert "has not been tested" not in caplog.text
+    with caplog.at_level(logging.WARNING):
+        assert check_megatron_core_version(GPU, "0.20.0") == "0.20.0"  # newer on GPU: warn, run
     assert "has not been tested" in caplog.text
 
 

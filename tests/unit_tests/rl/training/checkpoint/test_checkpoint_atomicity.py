@@ -2,6 +2,7 @@
 checkpoints are CheckpointErrors that say what is wrong."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.rl.runtime import versions
 from megatron.rl.training.checkpoint import paths as checkpoint_paths
 from megatron.rl.training.checkpoint.save_load import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 
@@ -168,8 +170,12 @@ def _incomplete(root):
     (root / "iter_0000001" / "metadata.json").unlink()
 
 
+# a file of the checkpoint besides the shards: the common state (0.16.1) or torch DCP metadata (0.19)
+UNSHARDED_FILE = ".metadata" if versions.is_0_19() else "common.pt"
+
+
 def _corrupt_common(root):
-    (root / "iter_0000001" / "common.pt").write_bytes(b"\x00garbage" * 10)
+    (root / "iter_0000001" / UNSHARDED_FILE).write_bytes(b"\x00garbage" * 10)
 
 
 def _corrupt_shards(root):
@@ -183,7 +189,7 @@ def _corrupt_shards(root):
     (_tracker_to_missing, r"names 7 but .*iter_0000007 does not exist.*Complete checkpoints present: \[1\]"),
     (_incomplete, r"iter_0000001 is incomplete or corrupt: missing metadata.json"),
     # the checksum manifest catches these first (test_checkpoint_integrity.py covers loads without it)
-    (_corrupt_common, r"iter_0000001/common\.pt has 80 bytes.*the checkpoint is corrupt"),
+    (_corrupt_common, rf"iter_0000001/{re.escape(UNSHARDED_FILE)} has 80 bytes.*the checkpoint is corrupt"),
     (_corrupt_shards, r"iter_0000001/\S+\.distcp has 16 bytes.*the checkpoint is corrupt"),
 ], ids=["no-tracker", "corrupt-tracker", "tracker-to-missing", "incomplete", "corrupt-common", "corrupt-shards"])
 def test_broken_checkpoints_raise(dist1, saved, tmp_path, damage, message):

@@ -2,6 +2,7 @@
 and compatibility with megatron-core's TextGenerationController."""
 from __future__ import annotations
 
+import functools
 import pickle
 
 import pytest
@@ -235,10 +236,19 @@ def _controller_with(tokenizer):
 @pytest.mark.parametrize("kind", ["byte", "hf"])
 def test_megatron_core_text_generation_controller_accepts_tokenizer(kind, hf_tokenizer_dir):
     tok = ByteLevelTokenizer() if kind == "byte" else HuggingFaceTokenizer(str(hf_tokenizer_dir))
+    from megatron.rl.runtime import versions
+
     controller = _controller_with(tok)
     prompt = "Grüße, fox"
-    assert controller.tokenize_prompt(prompt) == tok.tokenize(prompt)
-    assert controller.tokenize_prompt(prompt, add_BOS=True) == [tok.bos] + tok.tokenize(prompt)
+    if versions.is_0_19():  # 0.19: static methods that take the tokenizer
+        tokenize = functools.partial(type(controller).tokenize_prompt, tok)
+
+        def detokenize(ids, **kwargs):
+            return type(controller).detokenize(tok, ids, **kwargs)
+    else:
+        tokenize, detokenize = controller.tokenize_prompt, controller._detokenize
+    assert tokenize(prompt) == tok.tokenize(prompt)
+    assert tokenize(prompt, add_BOS=True) == [tok.bos] + tok.tokenize(prompt)
 
     generated = tok.tokenize(prompt + " jumps") + [tok.eod]
     tokens = torch.tensor(generated)
@@ -248,8 +258,8 @@ def test_megatron_core_text_generation_controller_accepts_tokenizer(kind, hf_tok
     assert text == prompt + " jumps"
     assert len(segments) == 1 and len(segments[0]) == len(generated) and "".join(segments[0]) == text
     # The controller detects the skip_special_tokens keyword and forwards it.
-    assert controller._detokenize([tok.bos, *tok.tokenize("a")], skip_special_tokens=False) != "a"
-    assert controller._detokenize([tok.bos, *tok.tokenize("a")]) == "a"
+    assert detokenize([tok.bos, *tok.tokenize("a")], skip_special_tokens=False) != "a"
+    assert detokenize([tok.bos, *tok.tokenize("a")]) == "a"
     # Attributes the engine reads directly (termination id, sampling clamp, GPTDataset pad handling).
     assert isinstance(tok.eod, int) and isinstance(tok.vocab_size, int) and isinstance(tok.pad, int)
     assert isinstance(dict(tok.unique_identifiers)["class"], str)
