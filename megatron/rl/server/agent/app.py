@@ -4,7 +4,8 @@ Routes (JSON bodies are the polymorphic pydantic types of :mod:`megatron.rl.agen
 ``type_name``):
 
 * ``GET  /health``  -> ``{"status": "ok", "agent": <type>, "env_id": <name>}`` (no token needed)
-* ``GET  /agent``   -> the agent's configuration (``agent.model_dump()``)
+* ``GET  /agent``   -> the agent's configuration (``agent.model_dump()``, secrets redacted:
+  :mod:`megatron.rl.base.secrets`)
 * ``POST /request`` -> an :class:`AgentRequest` (grouped rollouts, rollouts, evaluation) in, the matching
   :class:`AgentResponse` out
 * ``GET  /state``   -> the agent's ``state_dict()``; ``POST /state`` loads one (all or nothing)
@@ -41,6 +42,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from megatron.rl.base.secrets import redact
 from megatron.rl.agent.api import (Agent, AgentRequest, EvaluationRequest, GroupedRolloutRequest, InferenceSpec,
                                    RolloutRequest)
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, backend_class
@@ -151,6 +153,7 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
                        reject=lambda status, message: _error(status, message, "RequestTooLarge"
                                                              if status == 413 else "BadRequest"))
     config_dump = agent.model_dump()
+    described = redact(agent.model_dump(mode="json"))  # what GET /agent shows: secrets never leave the server
     allowed = {_spec_key(s): s for s in cfg.allowed_inference}
     # bounded by the allowlist; built lazily, kept for the server's life (a backend may hold a loaded model)
     backends: LRUCache[str, InferenceInterface] = LRUCache(max(1, len(allowed)))
@@ -237,7 +240,7 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
 
     @app.get("/agent", dependencies=[Depends(check_token)], responses=_responses(401))
     async def get_agent() -> dict[str, Any]:
-        return config_dump
+        return described
 
     @app.post("/request", dependencies=[Depends(check_token)], responses=_responses(400, 401, 403, 413, 422),
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
