@@ -79,7 +79,7 @@ def resolve_load_dir(cfg: TrainingConfig, required: bool = True) -> str | None:
     c = cfg.checkpoint
     if not c.load:
         return None
-    if latest_checkpoint(c.load) is not None:
+    if latest_checkpoint(c.load, c.load_newest_checkpoint) is not None:
         return c.load
     if not required:
         return None
@@ -136,11 +136,13 @@ class TrainingRun:
                                    None if model is not None else self.optimizer,
                                    None if model is not None else self.scheduler, load_optimizer=False,
                                    load_rng=False, model_args=self.model_args,
-                                   verify_checksums=not c.no_verify_checkpoint_checksums)
+                                   verify_checksums=not c.no_verify_checkpoint_checksums,
+                                   newest=c.load_newest_checkpoint)
         return load_checkpoint(path, self.model, self.optimizer, self.scheduler,
                                load_optimizer=not (c.no_load_optim or c.finetune),
                                load_rng=not (c.no_load_rng or c.finetune), model_args=self.model_args,
-                               verify_checksums=not c.no_verify_checkpoint_checksums)
+                               verify_checksums=not c.no_verify_checkpoint_checksums,
+                               newest=c.load_newest_checkpoint)
 
     def resume(self) -> Resumed:
         """Load the reference model (from ``--pretrained-checkpoint``), then resume from ``--load`` or start

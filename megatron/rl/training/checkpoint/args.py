@@ -68,13 +68,13 @@ def checkpoint_flags(cfg: Any, vocab_size: int | None) -> dict[str, Any]:
     return out
 
 
-def read_checkpoint_flags(load_dir: str | os.PathLike) -> dict[str, Any] | None:
+def read_checkpoint_flags(load_dir: str | os.PathLike, newest: bool = False) -> dict[str, Any] | None:
     """The stored model flags of the checkpoint ``load_dir`` resolves to (see ``--load``), or None when it
     predates them. Reads the common state only (no tensors, no process group). Raises CheckpointError for a
     missing or unreadable checkpoint."""
     from megatron.core import dist_checkpointing
 
-    ckpt = resolve_checkpoint_dir(load_dir)
+    ckpt = resolve_checkpoint_dir(load_dir, newest)
     try:
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
     except Exception as e:  # noqa: BLE001 - any failure means the common state cannot be read
@@ -113,17 +113,18 @@ def flags_to_argv(flags: dict[str, Any], parser: argparse.ArgumentParser, skip: 
     return argv
 
 
-def _load_source(argv: Sequence[str]) -> tuple[str, str]:
-    """(flag, path) of the checkpoint to read: --load when it holds one, else --pretrained-checkpoint."""
+def _load_source(argv: Sequence[str]) -> tuple[str, str, bool]:
+    """(flag, path) of the checkpoint to read: --load when it holds one, else --pretrained-checkpoint; and
+    whether --load-newest-checkpoint was given."""
     # Only the checkpoint flags: the model flags (some required) may be the very ones to come from it.
     p = add_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False), CheckpointConfig)
     ns, _ = p.parse_known_args(list(argv))
-    if ns.load and Path(ns.load).is_dir() and latest_checkpoint(ns.load) is not None:
-        return "--load", ns.load
+    if ns.load and Path(ns.load).is_dir() and latest_checkpoint(ns.load, ns.load_newest_checkpoint) is not None:
+        return "--load", ns.load, ns.load_newest_checkpoint
     if ns.pretrained_checkpoint:
-        return "--pretrained-checkpoint", ns.pretrained_checkpoint
+        return "--pretrained-checkpoint", ns.pretrained_checkpoint, ns.load_newest_checkpoint
     if ns.load:
-        return "--load", ns.load
+        return "--load", ns.load, ns.load_newest_checkpoint
     raise ConfigError(f"{FLAG} reads the model flags from a checkpoint: pass --load DIR or "
                       f"--pretrained-checkpoint DIR.")
 
@@ -134,9 +135,9 @@ def merge_checkpoint_args(argv: Sequence[str], parser: argparse.ArgumentParser) 
     Returns (new argv, the stored flags, the destinations ``argv`` gave explicitly) for
     :func:`check_explicit_flags`. Raises ConfigError when there is no checkpoint or it stores no flags.
     """
-    flag, path = _load_source(argv)
+    flag, path, newest = _load_source(argv)
     try:
-        stored = read_checkpoint_flags(path)
+        stored = read_checkpoint_flags(path, newest)
     except CheckpointError as e:
         raise ConfigError(f"{FLAG}: cannot read the model flags from {flag}={path}: {e}") from e
     if stored is None:
