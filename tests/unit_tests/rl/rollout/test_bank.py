@@ -52,7 +52,7 @@ def test_round_trip_keeps_groups_exactly(tmp_path):
     assert [r["kind"] for r in again.records] == ["checkpoint"] + ["group"] * 3 + ["consumed"]
 
 
-@pytest.mark.parametrize("cut", ["header", "half", "all_but_one", "bad_crc", "zeros"])
+@pytest.mark.parametrize("cut", ["header", "half", "all_but_one", "zeros", "zero_tail"])
 def test_a_torn_last_record_is_truncated_with_a_warning(tmp_path, caplog, cut):
     path = tmp_path / "b.log"
     bank = RolloutBank(path)
@@ -63,7 +63,7 @@ def test_a_torn_last_record_is_truncated_with_a_warning(tmp_path, caplog, cut):
     intact = path.read_bytes()
     tail = encode_record(_record(1).to_json())
     torn = {"header": tail[:6], "half": tail[: len(tail) // 2], "all_but_one": tail[:-1],
-            "bad_crc": tail[:-3] + bytes([tail[-3] ^ 0xFF]) + tail[-2:], "zeros": b"\0" * 100}[cut]
+            "zeros": b"\0" * 100, "zero_tail": tail[:-8] + b"\0" * 8}[cut]
     path.write_bytes(intact + torn)
     with caplog.at_level(logging.WARNING, logger="megatron.rl.rollout.bank"):
         bank = RolloutBank(path)
@@ -73,6 +73,25 @@ def test_a_torn_last_record_is_truncated_with_a_warning(tmp_path, caplog, cut):
     bank.append_group(_record(2))  # appending goes on after the truncated tail
     bank.close()
     assert [g.uid for g in RolloutBank(path).groups()] == ["g0", "g2"]
+
+
+@pytest.mark.parametrize("where", ["payload_bit", "crc_bit", "magic"])
+def test_a_complete_last_record_with_a_bad_checksum_is_named_corruption(tmp_path, caplog, where):
+    """A flipped bit in a whole, synced last record is damage after the write, not a torn write."""
+    path = tmp_path / "b.log"
+    bank = RolloutBank(path)
+    bank.compact(0, keep=[], agent_state=None, layout=LAYOUT)
+    bank.append_group(_record(0))
+    bank.close()
+    data = bytearray(path.read_bytes())
+    last = data.rfind(MAGIC)
+    pos = {"payload_bit": len(data) - 30, "crc_bit": last + 9, "magic": last}[where]
+    data[pos] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(RolloutBankCorruptError, match=f"the last record \\(byte {last} to {len(data)}\\) is "
+                                                      "complete but .*not torn by a crash"):
+        RolloutBank(path)
+    assert "torn" not in caplog.text and path.read_bytes() == bytes(data)  # nothing truncated
 
 
 @pytest.mark.parametrize("where", ["payload", "length", "magic"])
