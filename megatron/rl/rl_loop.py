@@ -25,6 +25,7 @@ from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
 from megatron.rl.rollout.collection import generation_split
+from megatron.rl.rollout.async_source import check_bank_left_unused
 from megatron.rl.rollout.source import build_rollout_source
 from megatron.rl.routing.replay import install_router_replay
 from megatron.rl.runtime import flush_denormals
@@ -121,6 +122,7 @@ def check_run_flags(cfg: TrainingConfig, rl: RLConfig) -> None:
     if rl.loss.needs_ref_logprobs and not cfg.checkpoint.pretrained_checkpoint:
         raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
                           f"model's weights (the policy you start from).")
+    check_bank_left_unused(rl.async_rollouts, cfg.checkpoint.save, resuming=bool(cfg.checkpoint.load))
 
 
 def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepContext, int]:
@@ -150,7 +152,8 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
                       ref_model=run.ref_model, packed_attention=rl.packed_attention)
     # A durable rollout bank restores what a resumed run lost.
     ctx.rollouts = build_rollout_source(agent, inference, rl, t.seed, start.iteration, save=c.save,
-                                        resuming=start.from_checkpoint or bool(c.load))
+                                        resuming=start.from_checkpoint or bool(c.load),
+                                        recorded=start.run_state.get("rollout_bank_groups"))
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
         start_inference_copy(ctx, rl, backend)
     log.info(run_summary(cfg, rl, start, ctx.rollouts.describe()))
@@ -239,5 +242,10 @@ class _Loop:
                  time.perf_counter() - start)
 
     def save(self, iteration: int) -> None:
-        self.run.save(iteration, {"iteration": iteration, "agent": self.ctx.agent.state_dict()})
+        # every rank's durable groups: a resume whose bank holds fewer says so (emptied, deleted or cut files)
+        banked = parallel_utils.all_gather_object(self.ctx.rollouts.durable_groups())
+        state = {"iteration": iteration, "agent": self.ctx.agent.state_dict()}
+        if any(n is not None for n in banked):
+            state["rollout_bank_groups"] = banked
+        self.run.save(iteration, state)
         self.ctx.rollouts.checkpoint_saved(iteration)  # a rollout bank forgets what this checkpoint trained

@@ -422,9 +422,16 @@ class BankSession:
         self._ledger: dict[str, Any] = {"produced": {}, "consumed": [], "restored": []}
         self.attempt = 0  # of this run: one more than the last run that wrote the file (uids stay unique)
 
-    def start(self, iteration: int, resuming: bool) -> tuple[list[GroupRecord], dict]:
+    def durable_groups(self) -> int:
+        """Completed groups on disk that no iteration consumed yet: what compaction at a checkpoint keeps, at
+        least (a checkpoint records it, so a resume can tell when the file lost some)."""
+        consumed = self.bank.consumed()
+        return sum(1 for r in self.bank.records if r["kind"] == "group" and r["uid"] not in consumed)
+
+    def start(self, iteration: int, resuming: bool, recorded: int | None = None) -> tuple[list[GroupRecord], dict]:
         """The groups to restore at checkpoint ``iteration`` and where the pipeline submits (loading the agents'
         newer prompt positions, if the bank has any); ``resuming`` False (a new run) drops what the bank holds.
+        ``recorded``: the durable groups checkpoint ``iteration`` counted for this rank (fewer found is reported).
         Leaves the file compacted."""
         restore: list[GroupRecord] = []
         submission = {"next_index": iteration * self.layout["groups_per_step"], "resubmit": [], "skip": []}
@@ -441,6 +448,7 @@ class BankSession:
                             plan.note, len(old))
             else:
                 restore = plan.restore
+                self._report_lost(iteration, len(restore), recorded)
                 saved = self.bank.layout()
                 if restore and saved is not None and saved != self.layout:
                     raise RolloutBankError(
@@ -459,6 +467,12 @@ class BankSession:
                           submission)
         self._ledger["restored"] = [g.uid for g in restore]
         return restore, submission
+
+    def _report_lost(self, iteration: int, found: int, recorded: int | None) -> None:
+        if recorded is not None and found < recorded:
+            log.warning("rollout bank %s: %d durable group(s) found but checkpoint %d recorded %d: %d completed "
+                        "group(s) were lost (the file was emptied, deleted or cut) and are generated again",
+                        self.bank.path, found, iteration, recorded, recorded - found)
 
     def completed(self, uid: str, index: int, batch: int, submitted: int, finished: int, group: RolloutGroup,
                   attempt: int = 0) -> None:
