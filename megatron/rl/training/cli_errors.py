@@ -14,6 +14,7 @@ import time
 
 from megatron.rl.base.errors import UserError
 from megatron.rl.logging import current_rank
+from megatron.rl.training.launcher_watch import watch_launcher
 
 __all__ = ["report_user_error", "run_cli"]
 
@@ -47,6 +48,7 @@ def run_cli(program: str, main, argv=None) -> int:
     on error); user errors reported by :func:`report_user_error` as one line, with exit status 2."""
     from megatron.rl.training.initialize import destroy_megatron  # torch: the CLI's first steps stay torch-free
 
+    watch_launcher()  # a torchrun worker stops when torchrun is killed, instead of training on unsupervised
     try:
         try:
             return main(argv)

@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any
 
-from megatron.rl.logging import setup_distributed_logging
+from megatron.rl.logging import current_rank, setup_distributed_logging
 from megatron.rl.training.checkpoint.save_load import (CheckpointError, latest_checkpoint, load_checkpoint,
                                                        save_checkpoint)
 from megatron.rl.training.config import TrainingConfig
@@ -27,6 +27,7 @@ from megatron.rl.training.initialize import initialize_megatron
 from megatron.rl.training.metrics import build_metrics_writer
 from megatron.rl.training.model_provider import build_model, checkpoint_model_args
 from megatron.rl.training.optimizer import build_optimizer
+from megatron.rl.training.run_lock import RunLock
 from megatron.rl.training.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class TrainingRun:
     model_args: dict  # stored with every checkpoint and compared on load
     ref_model: list | None = None
     writer: Any = None
+    run_lock: RunLock | None = None  # global rank 0's lock of --save, held until close()
 
     @classmethod
     def build(cls, cfg: TrainingConfig, policy: ResumePolicy = PRETRAIN_RESUME, *, ref_model: bool = False,
@@ -117,6 +119,9 @@ class TrainingRun:
         ``policy.evaluate_only`` the model is not DDP-wrapped and optimizer, scheduler and writer are None."""
 
         setup_distributed_logging(cfg.logging.log_level)
+        # one run per --save directory, checked before anything is built (rank 0: one process per run holds it)
+        writes = cfg.checkpoint.save and not policy.evaluate_only
+        run_lock = RunLock(cfg.checkpoint.save) if writes and current_rank() == 0 else None
         load_dir = resolve_load_dir(cfg, required=policy.load_required)
         tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
         runtime = initialize_megatron(cfg)
@@ -126,7 +131,7 @@ class TrainingRun:
         ref = build_model(cfg, wrap_with_ddp=False, tokenizer=tokenizer) if ref_model else None
         writer = metrics_writer if metrics_writer is not None else build_metrics_writer(cfg) if trains else None
         return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler,
-                   checkpoint_model_args(cfg, tokenizer), ref, writer)
+                   checkpoint_model_args(cfg, tokenizer), ref, writer, run_lock)
 
     def _load(self, path: str, *, weights_only: bool, model=None):
 
@@ -181,3 +186,5 @@ class TrainingRun:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
