@@ -149,9 +149,10 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
     cfg = config or EnvServerConfig()
     gen_limits = generation_limits_model(cfg.limits)
     app = FastAPI(title="megatron-rl environment server", openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(BodySizeLimit, max_bytes=cfg.limits.max_body_bytes,
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.limits.max_body_bytes, timeout_s=cfg.limits.body_timeout_s,
                        reject=lambda status, message: _error(status, message, "RequestTooLarge"
-                                                             if status == 413 else "BadRequest"))
+                                                             if status == 413 else "RequestTimeout" if status == 408
+                                                             else "BadRequest"))
     config_dump = agent.model_dump()
     described = redact(agent.model_dump(mode="json"))  # what GET /agent shows: secrets never leave the server
     allowed = {_spec_key(s): s for s in cfg.allowed_inference}

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--default-max-tokens: {e}")
     logger.info("serving backend %r as model %r on http://%s:%d", args.backend, args.model_name, args.host, args.port)
     uvicorn.run(create_app(backend, cfg), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+                timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
+                limit_concurrency=args.max_connections)
 
 
 if __name__ == "__main__":
