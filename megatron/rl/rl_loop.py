@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from megatron.rl import parallel_utils
+from megatron.rl.agent.endpoint_check import check_reward_endpoints
 from megatron.rl.agent.env_config import build_agent_from_config
 from megatron.rl.base.errors import ConfigError, RLError
 from megatron.rl.layout.refit import build_run_inference, start_inference_copy
@@ -130,6 +131,7 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     returns them with the iteration to start at."""
     t, c = cfg.train, cfg.checkpoint
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
+    check_reward_endpoints(agent)  # a judge that does not answer is named before the model is built
     run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs)
     if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
         for chunks in (run.model, run.ref_model):
