@@ -218,6 +218,10 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         response = _error(exc.status_code, str(exc.detail), "NotFound" if exc.status_code == 404 else "BadRequest")
         response.headers.update(exc.headers or {})  # 405's Allow
+        if exc.status_code == 405:  # starlette names the first route of the path only; GET and POST /state are two
+            methods = {m for r in app.routes if getattr(r, "path", None) == request.url.path
+                       for m in getattr(r, "methods", None) or ()}
+            response.headers["Allow"] = ", ".join(sorted(methods))
         return response
 
     @app.exception_handler(Exception)
@@ -289,20 +293,22 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
         inst = fresh_agent(*key)  # loaded aside and swapped in: a bad state leaves the current one untouched
         try:
             inst.load_state_dict(state)
-        except ValueError as e:
-            raise ClientError(400, f"invalid agent state: {describe_validation_error(e)[0]}") from None
+        except ValueError as e:  # a well-formed JSON object that is not a state: 422, as for /request
+            raise ClientError(422, f"invalid agent state: {describe_validation_error(e)[0]}",
+                              "ValidationError") from None
         except (TypeError, KeyError, AttributeError, ArithmeticError):
-            raise ClientError(400, "invalid agent state (wrong keys or types; GET /state shows the expected "
-                                   "shape)") from None
+            raise ClientError(422, "invalid agent state (wrong keys or types; GET /state shows the expected "
+                                   "shape)", "ValidationError") from None
         agents.put(key, inst)
         return {"status": "ok"}
 
     return app
 
 
-_STATUS_TEXT = {400: "client mistake (bad header, state, unsupported request)", 401: "missing or wrong token",
+_STATUS_TEXT = {400: "client mistake (bad header, unsupported request)", 401: "missing or wrong token",
                 403: "request.inference not allowlisted", 413: "request body too large",
-                422: "body does not match the schema, exceeds a limit, or asks for what this environment cannot serve",
+                422: "body does not match the schema, exceeds a limit, asks for what this environment cannot serve, "
+                     "or is not a valid agent state",
                 500: "environment failure (see log)"}
 
 
