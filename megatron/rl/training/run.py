@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from megatron.rl.logging import current_rank, setup_distributed_logging
@@ -27,6 +28,7 @@ from megatron.rl.training.initialize import initialize_megatron
 from megatron.rl.training.metrics import build_metrics_writer
 from megatron.rl.training.model_provider import build_model, checkpoint_model_args
 from megatron.rl.training.optimizer import build_optimizer
+from megatron.rl.training.checkpoint.paths import remove_partial_dirs
 from megatron.rl.training.run_lock import RunLock
 from megatron.rl.training.tokenizer import build_tokenizer
 
@@ -85,7 +87,11 @@ def resolve_load_dir(cfg: TrainingConfig, required: bool = True) -> str | None:
     if not required:
         return None
     if c.save and os.path.abspath(c.save) == os.path.abspath(c.load):
-        log.info("--load %s holds no checkpoint yet: starting from scratch (auto-resume run)", c.load)
+        if not os.path.exists(c.load):  # a mistyped path would otherwise silently start over
+            log.warning("--load %s does not exist: starting a new run (check the path if this run should resume)",
+                        c.load)
+        else:
+            log.info("--load %s holds no checkpoint yet: starting from scratch (auto-resume run)", c.load)
         return None
     if c.pretrained_checkpoint:
         return None
@@ -122,6 +128,8 @@ class TrainingRun:
         # one run per --save directory, checked before anything is built (rank 0: one process per run holds it)
         writes = cfg.checkpoint.save and not policy.evaluate_only
         run_lock = RunLock(cfg.checkpoint.save) if writes and current_rank() == 0 else None
+        if run_lock is not None:  # an interrupted save's leftovers go first: on a full disk they hold the space
+            remove_partial_dirs(Path(cfg.checkpoint.save))  # that resuming (the rollout bank's compaction) needs
         load_dir = resolve_load_dir(cfg, required=policy.load_required)
         tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
         runtime = initialize_megatron(cfg)

@@ -76,3 +76,42 @@ def test_a_second_run_in_a_held_save_directory_is_refused(tmp_path):
         holder.kill()
         holder.wait()
     RunLock(tmp_path).release()  # the kernel dropped the killed holder's lock: no stale lock
+
+
+def test_a_missing_load_directory_is_a_warning(tmp_path, caplog):
+    import logging
+
+    from megatron.rl.training.config import parse_args
+    from megatron.rl.training.run import resolve_load_dir
+
+    missing = str(tmp_path / "typo")
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                      "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "1",
+                      "--train-iters", "1", "--load", missing, "--save", missing], world_size=1)
+    with caplog.at_level(logging.INFO):
+        assert resolve_load_dir(cfg) is None
+    assert [r.levelno for r in caplog.records if "does not exist: starting a new run" in r.getMessage()] == \
+        [logging.WARNING]
+
+
+def test_an_interrupted_saves_leftovers_go_before_anything_is_built(tmp_path, monkeypatch):
+    """On a full disk the leftovers hold the space resuming needs (the rollout bank compacts early)."""
+    from megatron.rl.training import run as run_module
+    from megatron.rl.training.config import parse_args
+
+    save = tmp_path / "save"
+    (save / "iter_0000003.tmp-20260101T000000-1").mkdir(parents=True)
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                      "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "1",
+                      "--train-iters", "1", "--save", str(save)], world_size=1)
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    monkeypatch.setattr(run_module, "resolve_load_dir", stop)  # the first step after the lock
+    with pytest.raises(Stop):
+        run_module.TrainingRun.build(cfg)
+    assert not (save / "iter_0000003.tmp-20260101T000000-1").exists()
