@@ -112,12 +112,13 @@ def test_hf_converter_refuses_a_stale_tracker(tmp_path):
         convert_megatron_to_hf(root, tmp_path / "hf")
 
 
-def test_inference_server_reports_a_stale_tracker_in_one_line(tmp_path):
-    root = _save_dir(tmp_path / "c")
+@pytest.mark.parametrize("tracker, named", [("1", "later iterations exist: [2, 12]"), ("", "corrupt tracker file")])
+def test_inference_server_reports_a_bad_tracker_in_one_line(tmp_path, tracker, named):
+    root = _save_dir(tmp_path / "c", tracker=tracker)
     proc = subprocess.run([sys.executable, "-m", "megatron.rl.server.inference", "--backend", "megatron", "--",
                            "--load", str(root)], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "MEGATRON_RL_FORCE_CPU": "1"})
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and len([ln for ln in lines if ln.startswith("error:")]) == 1
-    assert "later iterations exist: [2, 12]" in lines[-1] and "--load-newest-checkpoint" in lines[-1]
+    assert named in lines[-1] and lines[-1].startswith("error: --backend megatron: ")
