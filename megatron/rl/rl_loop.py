@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from megatron.rl import parallel_utils
+from megatron.rl.agent.endpoint_check import check_reward_endpoints
 from megatron.rl.agent.env_config import build_agent_from_config
 from megatron.rl.base.errors import ConfigError, RLError
 from megatron.rl.layout.refit import build_run_inference, start_inference_copy
@@ -26,6 +27,7 @@ from megatron.rl.rl_config import RLConfig, checkpointed_run_flags
 from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
 from megatron.rl.rollout.collection import generation_split
+from megatron.rl.rollout.async_source import check_bank_left_unused
 from megatron.rl.rollout.source import build_rollout_source
 from megatron.rl.routing.replay import install_router_replay
 from megatron.rl.runtime import flush_denormals
@@ -95,6 +97,7 @@ def check_run_flags(cfg: TrainingConfig, rl: RLConfig) -> None:
     if rl.loss.needs_ref_logprobs and not cfg.checkpoint.pretrained_checkpoint:
         raise ConfigError(f"--grpo-kl-beta={rl.loss.kl_beta} needs --pretrained-checkpoint: the reference "
                           f"model's weights (the policy you start from).")
+    check_bank_left_unused(rl.async_rollouts, cfg.checkpoint.save, resuming=bool(cfg.checkpoint.load))
 
 
 def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepContext, int]:
@@ -103,6 +106,7 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     t, c = cfg.train, cfg.checkpoint
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     check_guard_target(rl.observe.env_collapse_action, agent)  # before any model is built
+    check_reward_endpoints(agent)  # a judge that does not answer is named before the model is built
     run = TrainingRun.build(cfg, RL_RESUME, ref_model=rl.loss.needs_ref_logprobs,
                             run_flags=checkpointed_run_flags(cfg))
     if rl.router_replay == "rollout":  # MoE routing replay slots on the routers the trainer's forwards run
@@ -126,7 +130,8 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
                       ref_model=run.ref_model, packed_attention=rl.packed_attention)
     # A durable rollout bank restores what a resumed run lost.
     ctx.rollouts = build_rollout_source(agent, inference, rl, t.seed, start.iteration, save=c.save,
-                                        resuming=start.from_checkpoint or bool(c.load))
+                                        resuming=start.from_checkpoint or bool(c.load),
+                                        recorded=start.run_state.get("rollout_bank_groups"))
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
         start_inference_copy(ctx, rl, backend)
     log.info(run_summary(cfg, rl, start, ctx.rollouts.describe()))
@@ -224,8 +229,13 @@ class _Loop:
                  time.perf_counter() - start)
 
     def save(self, iteration: int) -> None:
+        # every rank's durable groups: a resume whose bank holds fewer says so (emptied, deleted or cut files)
+        banked = parallel_utils.all_gather_object(self.ctx.rollouts.durable_groups())
+        state = {"iteration": iteration, "agent": self.ctx.agent.state_dict()}
+        if any(n is not None for n in banked):
+            state["rollout_bank_groups"] = banked
         # what was measured at this iteration (training metrics, an evaluation): --save-retain-best's scores
         measured = [r for r in (self.history[-1:] + self.evals[-1:]) if r["iteration"] == iteration]
         metrics = {k: v for r in measured for k, v in r.items() if k != "iteration"}
-        self.run.save(iteration, {"iteration": iteration, "agent": self.ctx.agent.state_dict()}, metrics)
+        self.run.save(iteration, state, metrics)
         self.ctx.rollouts.checkpoint_saved(iteration)  # a rollout bank forgets what this checkpoint trained

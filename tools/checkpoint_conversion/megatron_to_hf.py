@@ -183,7 +183,7 @@ def _run_flags_of(ckpt: Path) -> dict | None:
 def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, megatron_args: list[str] | None = None,
                            hf_config_dir: str | os.PathLike | None = None,
                            tokenizer_dir: str | os.PathLike | None = None,
-                           dtype: str | None = None, model_type: str | None = None) -> Path:
+                           dtype: str | None = None, model_type: str | None = None, newest: bool = False) -> Path:
     """Write the Hugging Face form of the Megatron checkpoint ``load`` into ``save``; returns ``save``.
 
     ``megatron_args``: the model flags (default: those stored in the checkpoint, else ``megatron_args.txt``
@@ -197,7 +197,7 @@ def convert_megatron_to_hf(load: str | os.PathLike, save: str | os.PathLike, meg
     if not load.exists():
         raise ConversionError(f"--load={load}: no such directory")
     try:
-        ckpt = resolve_checkpoint_dir(load)
+        ckpt = resolve_checkpoint_dir(load, newest)
     except CheckpointError as e:
         raise ConversionError(f"--load={load}: {e}") from e
     dirs = _search_dirs(load, ckpt)
@@ -257,6 +257,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     "Model flags may follow '--'.", allow_abbrev=False)
     p.add_argument("--load", required=True, help="checkpoint save dir (tracker) or a checkpoint directory")
     p.add_argument("--save", required=True, help="output Hugging Face directory")
+    p.add_argument("--load-newest-checkpoint", action="store_true",
+                   help="when the tracker names an older iteration than complete checkpoints present, convert the "
+                        "newest of them (with a warning) instead of refusing")
     p.add_argument("--megatron-args", help=f"file with the model flags (default: the flags stored in the checkpoint, "
                                            f"else {ARGS_TXT} next to it)")
     p.add_argument("--hf-config", help=f"directory with the original config.json (default: {HF_CONFIG_DIR}/ next "
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConversionError(f"--megatron-args={args.megatron_args}: no such file")
             flags = read_flags_file(args.megatron_args)
         convert_megatron_to_hf(args.load, args.save, flags, args.hf_config, args.tokenizer_dir, args.dtype,
-                               args.model_type)
+                               args.model_type, args.load_newest_checkpoint)
     except ConversionError as e:
         log.error("%s", e)
         return 2

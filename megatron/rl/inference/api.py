@@ -31,6 +31,7 @@ from megatron.rl.inference.validation import (SEED_MAX, MaxTokens, NumSamples, S
                                               Temperature, Text, TopK, TopP, request_error, sample_count)
 
 from megatron.rl.base.errors import RLError
+from megatron.rl.base.secrets import resolve_secrets
 
 logger = logging.getLogger(__name__)
 
@@ -360,8 +361,11 @@ def backend_class(name: str) -> type[InferenceInterface]:
 
 
 def build_inference_interface(name: str, **kwargs: Any) -> InferenceInterface:
-    """Build the backend registered as ``name`` with ``kwargs``; unknown names list the registered ones."""
-    return backend_class(name)(**kwargs)
+    """Build the backend registered as ``name`` with ``kwargs``; unknown names list the registered ones.
+
+    A secret may be given through its source (``api_key_env: VAR``, ``api_key_file: PATH``), read here
+    (:func:`megatron.rl.base.secrets.resolve_secrets`) so configuration dumps never hold it."""
+    return backend_class(name)(**resolve_secrets(kwargs, where=f"{name} backend: "))
 
 
 def expand_requests(requests: Sequence[InferenceRequest]) -> list[InferenceRequest]:

@@ -61,7 +61,8 @@ def megatron_backend_from_cli(argv: Sequence[str]):
     path = cfg.checkpoint.load or cfg.checkpoint.pretrained_checkpoint
     try:
         loaded = load_checkpoint(path, model, None, None, load_optimizer=False, load_rng=False,
-                                 model_args=checkpoint_model_args(cfg, tokenizer))
+                                 model_args=checkpoint_model_args(cfg, tokenizer),
+                                 newest=cfg.checkpoint.load_newest_checkpoint)
     except CheckpointError as e:
         raise InferenceError(f"cannot serve {path}: {e}") from e
     log.info("serving %s (iteration %s)", loaded.path, loaded.iteration)

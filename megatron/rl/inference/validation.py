@@ -72,7 +72,8 @@ class RequestLimits:
     max_tokens: the ``max_tokens`` a request may ask for. max_stop / max_stop_chars: stop strings and
     their length. max_prompt_chars: characters of a prompt or of one chat message. max_prompts: prompts
     of one completion request. max_messages: messages of one chat request. max_logprobs /
-    max_top_logprobs: OpenAI's ``logprobs`` (completions) and ``top_logprobs`` (chat).
+    max_top_logprobs: OpenAI's ``logprobs`` (completions) and ``top_logprobs`` (chat). body_timeout_s: seconds
+    the whole body may take to arrive after the headers (408 and the connection closed after it).
 
     The defaults bound one request's work to ``max_samples`` x ``max_tokens`` (256 x 4096 tokens: a GRPO group of
     64 for each of 4 prompts), so that no client holds a server for long: a static-batching backend
@@ -90,6 +91,7 @@ class RequestLimits:
     max_messages: int = 256
     max_logprobs: int = 5
     max_top_logprobs: int = 20
+    body_timeout_s: int = 30
 
     def __post_init__(self) -> None:
         for f in fields(self):

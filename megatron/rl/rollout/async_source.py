@@ -11,6 +11,7 @@ import contextvars
 import dataclasses
 import logging
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch.distributed as dist
@@ -22,7 +23,8 @@ from megatron.rl.inference.control import control_of
 from megatron.rl.inference.forwarding import ForwardingInference
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rollout.async_config import AsyncRolloutConfig
-from megatron.rl.rollout.bank import BankSession, RolloutBank, bank_path
+from megatron.rl.base.errors import ConfigError
+from megatron.rl.rollout.bank import BankSession, RolloutBank, RolloutBankCorruptError, bank_path, scan_records
 from megatron.rl.rollout.collection import for_training, generation_split, rollout_request
 from megatron.rl.rollout.pipeline import (VERSIONS_KEY, FinishedGroup, GroupTicket, PhaseControl, RequestGate,
                                           RolloutPipeline, SubmissionState)
@@ -143,7 +145,7 @@ class AsyncRollouts:
     lockstep), whose batches are regrouped by training DP rank (``shard``)."""
 
     def __init__(self, agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int, start_iteration: int,
-                 bank: BankSession | None = None, resuming: bool = False):
+                 bank: BankSession | None = None, resuming: bool = False, recorded: int | None = None):
         ac: AsyncRolloutConfig = rl.async_rollouts
         self.config = ac
         # RolloutShard of a separate inference layout or of MoE EP > 1's lockstep groups (None: by DP rank)
@@ -164,7 +166,7 @@ class AsyncRollouts:
         restored: list[FinishedGroup] = []
         on_finished = submission = None
         if bank is not None:  # before the pipeline exists: restoring may move the agents' prompt positions
-            groups, sub = bank.start(start_iteration, resuming)
+            groups, sub = bank.start(start_iteration, resuming, recorded)
             restored = [FinishedGroup(GroupTicket(g.index, g.batch, g.submitted, g.attempt), g.group, g.finished, 0)
                         for g in groups]
             submission = SubmissionState(sub["next_index"], tuple(sub["resubmit"]), tuple(sub["skip"]))
@@ -181,10 +183,12 @@ class AsyncRollouts:
 
     @classmethod
     def build(cls, agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int, start_iteration: int,
-              save: str | None = None, resuming: bool = False) -> "AsyncRollouts":
+              save: str | None = None, resuming: bool = False,
+              recorded: Sequence[int | None] | None = None) -> "AsyncRollouts":
         """The source, with its durable rollout bank when ``--rl-durable-rollout-bank`` asks for one (at
-        ``--rl-rollout-bank-dir``, else ``<save>/rollout_bank``; restored from when ``resuming``)."""
-        bank = None
+        ``--rl-rollout-bank-dir``, else ``<save>/rollout_bank``; restored from when ``resuming``). ``recorded``:
+        the durable groups of every global rank, as the loaded checkpoint counted them."""
+        bank = mine = None
         if rl.async_rollouts.durable_rollout_bank:
             _, _, gen_size = generation_split(inference)
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -193,7 +197,8 @@ class AsyncRollouts:
                       "data_parallel_size": gen_size, "world_size": world}
             bank = BankSession(RolloutBank(bank_path(rollout_bank_dir(rl.async_rollouts, save), rank)), agent,
                                layout)
-        return cls(agent, inference, rl, seed, start_iteration, bank=bank, resuming=resuming)
+            mine = recorded[rank] if recorded is not None and len(recorded) == world else None
+        return cls(agent, inference, rl, seed, start_iteration, bank=bank, resuming=resuming, recorded=mine)
 
     def collect(self, iteration: int) -> list[RolloutGroup]:
         if iteration < self.pipeline.version:
@@ -218,6 +223,10 @@ class AsyncRollouts:
         if self.bank is not None:
             self.bank.checkpoint_saved(iteration, dataclasses.asdict(self.pipeline.submission_state()))
 
+    def durable_groups(self) -> int | None:
+        """This rank's completed groups in the bank that no iteration consumed yet; None without a bank."""
+        return self.bank.durable_groups() if self.bank is not None else None
+
     def ledger(self) -> dict | None:
         """The bank's uids since the last call (produced / consumed / restored), None without a bank."""
         return self.bank.ledger() if self.bank is not None else None
@@ -240,3 +249,30 @@ class AsyncRollouts:
 def rollout_bank_dir(ac: AsyncRolloutConfig, save: str | None) -> str:
     """``--rl-rollout-bank-dir``, else ``<--save>/rollout_bank`` (validation ensures one of them is set)."""
     return ac.rollout_bank_dir or os.path.join(str(save), "rollout_bank")
+
+
+def check_bank_left_unused(ac: AsyncRolloutConfig, save: str | None, resuming: bool) -> None:
+    """A resumed run without ``--rl-durable-rollout-bank`` whose bank directory holds completed, untrained
+    groups would silently drop them: a ConfigError naming the flag (before any model is built)."""
+    if not resuming or ac.durable_rollout_bank or not (ac.rollout_bank_dir or save):
+        return
+    directory = rollout_bank_dir(ac, save)
+    if os.path.isdir(directory) and (left := untrained_groups_in(directory)):
+        raise ConfigError(f"the rollout bank {directory} holds {left} completed, untrained group(s) of the run "
+                          f"being resumed but --rl-durable-rollout-bank is off: pass it to train them, or move "
+                          f"the directory away to drop them")
+
+
+def untrained_groups_in(directory: str | os.PathLike) -> int:
+    """Completed groups no consumption mark names, over every rank's file in ``directory`` (a damaged file counts
+    as holding one: it is not empty)."""
+    count = 0
+    for path in sorted(Path(directory).glob("bank-rank*.log")):
+        try:
+            records, _ = scan_records(path.read_bytes(), str(path))
+        except (OSError, RolloutBankCorruptError):
+            count += 1
+            continue
+        consumed = {u for r in records if r["kind"] == "consumed" for u in r["uids"]}
+        count += sum(1 for r in records if r["kind"] == "group" and r["uid"] not in consumed)
+    return count

@@ -23,8 +23,9 @@ is one UTF-8 JSON object (no pickle) with a ``kind``:
 * ``"consumed"``: ``iteration`` and the ``uids`` that iteration trained on.
 
 Every record is written with one ``write`` and ``fsync``-ed before the pipeline goes on (write-through). A crash
-mid-write leaves a short or checksum-failing *last* record: it is truncated away on open, with a warning (that
-group was not durable yet, so it is regenerated). :meth:`RolloutBank.compact` rewrites the file (temporary file,
+mid-write leaves a short *last* record (or one whose tail is zero bytes): it is truncated away on open, with a
+warning (that group was not durable yet, so it is regenerated). A last record of its full length that fails its
+checksum was written whole and synced: it is corruption (:class:`RolloutBankCorruptError`), not a torn write. :meth:`RolloutBank.compact` rewrites the file (temporary file,
 ``fsync``, ``os.replace``, directory ``fsync``), so a crash during compaction leaves the old or the new file, never
 a mix; every file starts as a compaction (:meth:`BankSession.start` compacts before anything is appended), which
 ends with its ``"checkpoint"`` record. So only records after an intact ``"checkpoint"`` record can be torn: damage
@@ -158,7 +159,7 @@ def scan_records(data: bytes, name: str = "rollout bank") -> tuple[list[dict], i
     """Parse a bank file's bytes: (records, length of the intact prefix).
 
     A damaged record after an intact ``"checkpoint"`` record and with no intact record after it is a torn tail
-    (the prefix ends before it). Any other damage raises :class:`RolloutBankCorruptError` naming ``name`` and the
+    (the prefix ends before it) when it is short or ends in zero bytes; one of its full length is corruption. Any other damage raises :class:`RolloutBankCorruptError` naming ``name`` and the
     offset: an intact record after it, or no ``"checkpoint"`` record before it (compaction wrote those bytes, and
     its atomic rename cannot tear them).
     """
@@ -183,7 +184,25 @@ def scan_records(data: bytes, name: str = "rollout bank") -> tuple[list[dict], i
         raise RolloutBankCorruptError(
             f"{name}: {where} and no intact checkpoint record comes before it, so compaction wrote it (an atomic "
             f"rename: a crash cannot have torn or cut it). {_START_AFRESH}")
+    if offset < len(data):
+        _check_torn(data, offset, name)
     return records, offset
+
+
+def _check_torn(data: bytes, offset: int, name: str) -> None:
+    """Raise :class:`RolloutBankCorruptError` unless the damaged last record at ``offset`` is what a crash
+    mid-write leaves: fewer bytes than its header declares (or a short header), or a tail of zero bytes (a file
+    extended before its data reached the disk). A record of its full length that fails its checksum was written
+    whole and synced; its bytes changed afterwards."""
+    if offset + _HEADER.size > len(data) or data.endswith(b"\0"):
+        return
+    magic, length, _ = _HEADER.unpack_from(data, offset)
+    if magic == MAGIC and offset + _HEADER.size + length > len(data):
+        return
+    what = "fails its checksum" if magic == MAGIC else "has no record header"
+    raise RolloutBankCorruptError(
+        f"{name}: the last record (byte {offset} to {len(data)}) is complete but {what}: the file was damaged "
+        f"after it was written, not torn by a crash. {_START_AFRESH}")
 
 
 _START_AFRESH = "Move the file away to start the bank afresh (its groups are then regenerated)."
@@ -403,9 +422,16 @@ class BankSession:
         self._ledger: dict[str, Any] = {"produced": {}, "consumed": [], "restored": []}
         self.attempt = 0  # of this run: one more than the last run that wrote the file (uids stay unique)
 
-    def start(self, iteration: int, resuming: bool) -> tuple[list[GroupRecord], dict]:
+    def durable_groups(self) -> int:
+        """Completed groups on disk that no iteration consumed yet: what compaction at a checkpoint keeps, at
+        least (a checkpoint records it, so a resume can tell when the file lost some)."""
+        consumed = self.bank.consumed()
+        return sum(1 for r in self.bank.records if r["kind"] == "group" and r["uid"] not in consumed)
+
+    def start(self, iteration: int, resuming: bool, recorded: int | None = None) -> tuple[list[GroupRecord], dict]:
         """The groups to restore at checkpoint ``iteration`` and where the pipeline submits (loading the agents'
         newer prompt positions, if the bank has any); ``resuming`` False (a new run) drops what the bank holds.
+        ``recorded``: the durable groups checkpoint ``iteration`` counted for this rank (fewer found is reported).
         Leaves the file compacted."""
         restore: list[GroupRecord] = []
         submission = {"next_index": iteration * self.layout["groups_per_step"], "resubmit": [], "skip": []}
@@ -422,6 +448,7 @@ class BankSession:
                             plan.note, len(old))
             else:
                 restore = plan.restore
+                self._report_lost(iteration, len(restore), recorded)
                 saved = self.bank.layout()
                 if restore and saved is not None and saved != self.layout:
                     raise RolloutBankError(
@@ -440,6 +467,12 @@ class BankSession:
                           submission)
         self._ledger["restored"] = [g.uid for g in restore]
         return restore, submission
+
+    def _report_lost(self, iteration: int, found: int, recorded: int | None) -> None:
+        if recorded is not None and found < recorded:
+            log.warning("rollout bank %s: %d durable group(s) found but checkpoint %d recorded %d: %d completed "
+                        "group(s) were lost (the file was emptied, deleted or cut) and are generated again",
+                        self.bank.path, found, iteration, recorded, recorded - found)
 
     def completed(self, uid: str, index: int, batch: int, submitted: int, finished: int, group: RolloutGroup,
                   attempt: int = 0) -> None:

@@ -44,6 +44,9 @@ class RolloutSource(Protocol):
     def ledger(self) -> dict | None:
         """The rollout-group uids since the last call (produced / consumed / restored), for audits; None: none."""
 
+    def durable_groups(self) -> int | None:
+        """Completed, untrained groups this rank holds on disk (a checkpoint records it); None: nothing durable."""
+
     def close(self) -> None:
         """Stop generating (groups generated ahead are dropped, or stay in the bank)."""
 
@@ -77,6 +80,9 @@ class SynchronousRollouts:
     def ledger(self) -> dict | None:
         return None
 
+    def durable_groups(self) -> int | None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -85,13 +91,16 @@ class SynchronousRollouts:
 
 
 def build_rollout_source(agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int, start_iteration: int,
-                         save: str | None = None, resuming: bool = False) -> RolloutSource:
+                         save: str | None = None, resuming: bool = False,
+                         recorded: list[int | None] | None = None) -> RolloutSource:
     """The run's rollout source: asynchronous when any asynchronous-rollout flag is set, else synchronous.
 
     start_iteration: the iteration the run starts (or resumes) at. save: ``--save`` (the rollout bank's default
     home). resuming: this run continues an earlier one (``--load``), so a durable rollout bank restores what it
-    holds.
+    holds. recorded: every rank's durable groups as the loaded checkpoint counted them (a bank that lost some
+    says so).
     """
     if rl.async_rollouts.enabled:
-        return AsyncRollouts.build(agent, inference, rl, seed, start_iteration, save=save, resuming=resuming)
+        return AsyncRollouts.build(agent, inference, rl, seed, start_iteration, save=save, resuming=resuming,
+                                   recorded=recorded)
     return SynchronousRollouts(agent, inference, rl, seed)

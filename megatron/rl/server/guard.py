@@ -4,15 +4,21 @@
   case-insensitive (RFC 7235: ``bearer``, ``BEARER`` work); a bare token without the scheme is rejected
   (RFC 6750 requires it, and accepting both invites clients that work against one server and not the
   other). Tokens are compared in constant time.
-* **Body size** (:class:`BodySizeLimit`): a body over the limit is answered 413 from its
-  ``Content-Length`` before it is read, or as soon as the streamed bytes pass the limit.
+* **Body size and pace** (:class:`BodySizeLimit`): a body over the limit is answered 413 from its
+  ``Content-Length`` before it is read, or as soon as the streamed bytes pass the limit; a body that has not
+  arrived whole within ``body_timeout_s`` of the request's start is answered 408 and its connection closed, so
+  a client that sends headers and then stalls holds no connection for long.
+* **Connections** (:func:`add_limit_flag`'s ``--max-connections``): uvicorn answers 503 past that many
+  connections and requests in flight.
 * **Docs** (:func:`install_docs`): ``/openapi.json`` and ``/docs`` need the key when one is set (the docs
   page embeds the schema, since a browser cannot send the header when it fetches it).
 * **Bounded caches** (:class:`LRUCache`).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Generic, Hashable, TypeVar
 
@@ -26,6 +32,7 @@ __all__ = ["bearer_token", "authorized", "BodySizeLimit", "install_docs", "LRUCa
            "safe_message"]
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+MAX_CONNECTIONS = 1024
 
 
 def safe_message(text: str, limit: int = 500) -> str:
@@ -57,12 +64,18 @@ class BodySizeLimit:
     servers' disconnect watch) go to the connection as usual.
     """
 
-    def __init__(self, app: Any, max_bytes: int, reject: Callable[[int, str], Response]):
-        self.app, self.max_bytes, self.reject = app, int(max_bytes), reject
+    def __init__(self, app: Any, max_bytes: int, reject: Callable[[int, str], Response], timeout_s: float = 30.0):
+        self.app, self.max_bytes, self.reject, self.timeout_s = app, int(max_bytes), reject, float(timeout_s)
 
     def _too_large(self) -> Response:
         return self.reject(413, f"request body is larger than this server's limit of {self.max_bytes} bytes "
-                                "(--max-body-bytes)")
+                                f"(--limit max_body_bytes=N)")
+
+    def _too_slow(self) -> Response:
+        response = self.reject(408, f"the request body did not arrive within {self.timeout_s:g} s "
+                                    f"(--limit body_timeout_s=N)")
+        response.headers["Connection"] = "close"
+        return response
 
     async def __call__(self, scope: dict, receive: Callable[[], Awaitable[dict]], send: Any) -> None:
         if scope["type"] != "http":
@@ -79,8 +92,13 @@ class BodySizeLimit:
                 await self._too_large()(scope, receive, send)
                 return
         chunks, size = [], 0
+        deadline = time.monotonic() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                await self._too_slow()(scope, receive, send)
+                return
             if message["type"] != "http.request":  # disconnected while sending: nothing to answer
                 return
             size += len(message.get("body", b""))
@@ -151,11 +169,14 @@ class LRUCache(Generic[K, V]):
 
 
 def add_limit_flag(parser: Any) -> None:
-    """``--limit KEY=VALUE`` (repeatable): override one field of :class:`RequestLimits`."""
+    """``--limit KEY=VALUE`` (repeatable): override one field of :class:`RequestLimits`; ``--max-connections``."""
 
     defaults = ", ".join(f"{k}={v}" for k, v in RequestLimits().__dict__.items())
     parser.add_argument("--limit", action="append", default=[], metavar="KEY=VALUE",
                         help=f"per-request limit (repeatable); defaults: {defaults}")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                        help="connections and requests in flight at once; past it new ones are answered 503 "
+                             f"(default {MAX_CONNECTIONS})")
 
 
 def limits_from_flags(values: list[str], parser: Any) -> Any:

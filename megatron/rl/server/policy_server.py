@@ -186,9 +186,11 @@ class _ServerThread:
     def __init__(self, app: Any, host: str, port: int):
         import uvicorn
 
+        from megatron.rl.server.guard import MAX_CONNECTIONS  # fastapi: only when serving
+
         self.url = f"http://{host}:{port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                     timeout_graceful_shutdown=5))
+                                                     timeout_graceful_shutdown=5, limit_concurrency=MAX_CONNECTIONS))
         self._thread = threading.Thread(target=self._run, name="policy-server", daemon=True)
 
     def _run(self) -> None:

@@ -14,6 +14,7 @@ import time
 
 from megatron.rl.base.errors import UserError
 from megatron.rl.logging import current_rank, setup_distributed_logging
+from megatron.rl.training.launcher_watch import watch_launcher
 
 __all__ = ["report_user_error", "run_cli"]
 
@@ -64,6 +65,7 @@ def run_cli(program: str, main, argv=None) -> int:
     setup_distributed_logging(_log_level(sys.argv[1:] if argv is None else argv))
     from megatron.rl.training.initialize import destroy_megatron  # torch: the CLI's first steps stay torch-free
 
+    watch_launcher()  # a torchrun worker stops when torchrun is killed, instead of training on unsupervised
     try:
         try:
             return main(argv)

@@ -178,6 +178,10 @@ class CheckpointConfig:
     no_verify_checkpoint_checksums: bool = flag(
         False, help="load without checking the checkpoint's files against the checksum manifest written at save "
                     "(for huge checkpoints on trusted storage); loaded values are still scanned for NaN/Inf")
+    # a tracker behind complete checkpoints of later iterations is refused; this loads the newest instead
+    load_newest_checkpoint: bool = flag(
+        False, help="when latest_checkpointed_iteration.txt names an older iteration than complete checkpoints "
+                    "present, load the newest of them (with a warning) instead of refusing")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron.rl import parallel_utils
-from megatron.rl.logging import setup_distributed_logging
+from megatron.rl.logging import current_rank, setup_distributed_logging
 from megatron.rl.training.checkpoint.save_load import (CheckpointError, latest_checkpoint, load_checkpoint,
                                                        save_checkpoint)
 from megatron.rl.training.config import TrainingConfig
@@ -31,6 +31,8 @@ from megatron.rl.training.checkpoint.retention import RetentionPolicy, apply_ret
 from megatron.rl.training.checkpoint.run_flags import RUN_FLAGS_KEY
 from megatron.rl.training.model_provider import build_model, checkpoint_model_args
 from megatron.rl.training.optimizer import build_optimizer
+from megatron.rl.training.checkpoint.paths import remove_partial_dirs
+from megatron.rl.training.run_lock import RunLock
 from megatron.rl.training.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -83,12 +85,16 @@ def resolve_load_dir(cfg: TrainingConfig, required: bool = True) -> str | None:
     c = cfg.checkpoint
     if not c.load:
         return None
-    if latest_checkpoint(c.load) is not None:
+    if latest_checkpoint(c.load, c.load_newest_checkpoint) is not None:
         return c.load
     if not required:
         return None
     if c.save and os.path.abspath(c.save) == os.path.abspath(c.load):
-        log.info("--load %s holds no checkpoint yet: starting from scratch (auto-resume run)", c.load)
+        if not os.path.exists(c.load):  # a mistyped path would otherwise silently start over
+            log.warning("--load %s does not exist: starting a new run (check the path if this run should resume)",
+                        c.load)
+        else:
+            log.info("--load %s holds no checkpoint yet: starting from scratch (auto-resume run)", c.load)
         return None
     if c.pretrained_checkpoint:
         return None
@@ -111,6 +117,7 @@ class TrainingRun:
     model_args: dict  # stored with every checkpoint and compared on load
     ref_model: list | None = None
     writer: Any = None
+    run_lock: RunLock | None = None  # global rank 0's lock of --save, held until close()
 
     @classmethod
     def build(cls, cfg: TrainingConfig, policy: ResumePolicy = PRETRAIN_RESUME, *, ref_model: bool = False,
@@ -122,6 +129,11 @@ class TrainingRun:
         ``policy.evaluate_only`` the model is not DDP-wrapped and optimizer, scheduler and writer are None."""
 
         setup_distributed_logging(cfg.logging.log_level)
+        # one run per --save directory, checked before anything is built (rank 0: one process per run holds it)
+        writes = cfg.checkpoint.save and not policy.evaluate_only
+        run_lock = RunLock(cfg.checkpoint.save) if writes and current_rank() == 0 else None
+        if run_lock is not None:  # an interrupted save's leftovers go first: on a full disk they hold the space
+            remove_partial_dirs(Path(cfg.checkpoint.save))  # that resuming (the rollout bank's compaction) needs
         load_dir = resolve_load_dir(cfg, required=policy.load_required)
         tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
         runtime = initialize_megatron(cfg)
@@ -133,7 +145,8 @@ class TrainingRun:
         model_args = checkpoint_model_args(cfg, tokenizer)
         if run_flags:
             model_args[RUN_FLAGS_KEY] = run_flags
-        return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler, model_args, ref, writer)
+        return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler, model_args, ref, writer,
+                   run_lock)
 
     def _load(self, path: str, *, weights_only: bool, model=None):
 
@@ -143,11 +156,13 @@ class TrainingRun:
                                    None if model is not None else self.optimizer,
                                    None if model is not None else self.scheduler, load_optimizer=False,
                                    load_rng=False, model_args=self.model_args,
-                                   verify_checksums=not c.no_verify_checkpoint_checksums)
+                                   verify_checksums=not c.no_verify_checkpoint_checksums,
+                                   newest=c.load_newest_checkpoint)
         return load_checkpoint(path, self.model, self.optimizer, self.scheduler,
                                load_optimizer=not (c.no_load_optim or c.finetune),
                                load_rng=not (c.no_load_rng or c.finetune), model_args=self.model_args,
-                               verify_checksums=not c.no_verify_checkpoint_checksums)
+                               verify_checksums=not c.no_verify_checkpoint_checksums,
+                               newest=c.load_newest_checkpoint)
 
     def resume(self) -> Resumed:
         """Load the reference model (from ``--pretrained-checkpoint``), then resume from ``--load`` or start
@@ -192,3 +207,5 @@ class TrainingRun:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.run_lock is not None:
+            self.run_lock.release()

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(agent, token=token, inference=inference, config=cfg)
     logger.info("serving agent %r (%s) on http://%s:%d", agent.name, agent.type_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=args.log_level == "debug")
+                access_log=args.log_level == "debug", limit_concurrency=args.max_connections)
 
 
 if __name__ == "__main__":

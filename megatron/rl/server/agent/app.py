@@ -4,7 +4,8 @@ Routes (JSON bodies are the polymorphic pydantic types of :mod:`megatron.rl.agen
 ``type_name``):
 
 * ``GET  /health``  -> ``{"status": "ok", "agent": <type>, "env_id": <name>}`` (no token needed)
-* ``GET  /agent``   -> the agent's configuration (``agent.model_dump()``)
+* ``GET  /agent``   -> the agent's configuration (``agent.model_dump()``, secrets redacted:
+  :mod:`megatron.rl.base.secrets`)
 * ``POST /request`` -> an :class:`AgentRequest` (grouped rollouts, rollouts, evaluation) in, the matching
   :class:`AgentResponse` out
 * ``GET  /state``   -> the agent's ``state_dict()``; ``POST /state`` loads one (all or nothing)
@@ -41,6 +42,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from megatron.rl.base.secrets import redact
 from megatron.rl.agent.api import (Agent, AgentRequest, EvaluationRequest, GroupedRolloutRequest, InferenceSpec,
                                    RolloutRequest)
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, backend_class
@@ -147,10 +149,12 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
     cfg = config or EnvServerConfig()
     gen_limits = generation_limits_model(cfg.limits)
     app = FastAPI(title="megatron-rl environment server", openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(BodySizeLimit, max_bytes=cfg.limits.max_body_bytes,
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.limits.max_body_bytes, timeout_s=cfg.limits.body_timeout_s,
                        reject=lambda status, message: _error(status, message, "RequestTooLarge"
-                                                             if status == 413 else "BadRequest"))
+                                                             if status == 413 else "RequestTimeout" if status == 408
+                                                             else "BadRequest"))
     config_dump = agent.model_dump()
+    described = redact(agent.model_dump(mode="json"))  # what GET /agent shows: secrets never leave the server
     allowed = {_spec_key(s): s for s in cfg.allowed_inference}
     # bounded by the allowlist; built lazily, kept for the server's life (a backend may hold a loaded model)
     backends: LRUCache[str, InferenceInterface] = LRUCache(max(1, len(allowed)))
@@ -214,6 +218,10 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         response = _error(exc.status_code, str(exc.detail), "NotFound" if exc.status_code == 404 else "BadRequest")
         response.headers.update(exc.headers or {})  # 405's Allow
+        if exc.status_code == 405:  # starlette names the first route of the path only; GET and POST /state are two
+            methods = {m for r in app.routes if getattr(r, "path", None) == request.url.path
+                       for m in getattr(r, "methods", None) or ()}
+            response.headers["Allow"] = ", ".join(sorted(methods))
         return response
 
     @app.exception_handler(Exception)
@@ -237,7 +245,7 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
 
     @app.get("/agent", dependencies=[Depends(check_token)], responses=_responses(401))
     async def get_agent() -> dict[str, Any]:
-        return config_dump
+        return described
 
     @app.post("/request", dependencies=[Depends(check_token)], responses=_responses(400, 401, 403, 413, 422),
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
@@ -285,20 +293,22 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
         inst = fresh_agent(*key)  # loaded aside and swapped in: a bad state leaves the current one untouched
         try:
             inst.load_state_dict(state)
-        except ValueError as e:
-            raise ClientError(400, f"invalid agent state: {describe_validation_error(e)[0]}") from None
+        except ValueError as e:  # a well-formed JSON object that is not a state: 422, as for /request
+            raise ClientError(422, f"invalid agent state: {describe_validation_error(e)[0]}",
+                              "ValidationError") from None
         except (TypeError, KeyError, AttributeError, ArithmeticError):
-            raise ClientError(400, "invalid agent state (wrong keys or types; GET /state shows the expected "
-                                   "shape)") from None
+            raise ClientError(422, "invalid agent state (wrong keys or types; GET /state shows the expected "
+                                   "shape)", "ValidationError") from None
         agents.put(key, inst)
         return {"status": "ok"}
 
     return app
 
 
-_STATUS_TEXT = {400: "client mistake (bad header, state, unsupported request)", 401: "missing or wrong token",
+_STATUS_TEXT = {400: "client mistake (bad header, unsupported request)", 401: "missing or wrong token",
                 403: "request.inference not allowlisted", 413: "request body too large",
-                422: "body does not match the schema, exceeds a limit, or asks for what this environment cannot serve",
+                422: "body does not match the schema, exceeds a limit, asks for what this environment cannot serve, "
+                     "or is not a valid agent state",
                 500: "environment failure (see log)"}
 
 

@@ -47,6 +47,9 @@ def request_body_schema(limits: RequestLimits, max_rollouts: int, max_ks: int,
             schema["required"] = sorted({*schema["required"], "num_prompts"})
         if "ks" in props:
             _set_max(props["ks"], max_ks, key="maxItems")
+            for option in props["ks"].get("anyOf", [props["ks"]]):
+                if option.get("type") == "array":
+                    option.setdefault("items", {})["minimum"] = 1  # pass@k of k < 1 is refused (422)
         gen = props.get("generation_args", {}).get("properties", {})
         if gen:
             _set_max(gen["n"], limits.max_n)

@@ -23,6 +23,7 @@ import sys
 
 from megatron.rl.inference.api import (InferenceError, InferenceInterface, backend_class,
                                        build_inference_interface)
+from megatron.rl.base.errors import UserError
 from megatron.rl.logging import setup_server_logging
 from megatron.rl.server.guard import LOOPBACK_HOSTS, add_limit_flag, limits_from_flags
 from megatron.rl.server.inference.app import ServerConfig, create_app
@@ -100,7 +101,10 @@ def main(argv: list[str] | None = None) -> None:
         logger.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
     try:
         backend = build_backend(args.backend, dict(args.backend_arg), extra)
-    except (InferenceError, TypeError, ValueError) as e:  # bad name or constructor args: say so, no traceback
+    except (UserError, InferenceError) as e:  # a bad checkpoint, flag or file: one line, as train_rl.py says it
+        print(f"error: --backend {args.backend}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (TypeError, ValueError) as e:  # bad name or constructor args: say so, no traceback
         build_parser().error(f"--backend {args.backend}: {e}")
     try:
         cfg = ServerConfig(model_name=args.model_name, api_key=args.api_key, batch_window_s=args.batch_window_ms / 1000,
@@ -110,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--default-max-tokens: {e}")
     logger.info("serving backend %r as model %r on http://%s:%d", args.backend, args.model_name, args.host, args.port)
     uvicorn.run(create_app(backend, cfg), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
+                timeout_graceful_shutdown=5, access_log=args.log_level == "debug",
+                limit_concurrency=args.max_connections)
 
 
 if __name__ == "__main__":

@@ -293,7 +293,7 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
                   redoc_url=None)
     app.state.batcher = batcher
     app.state.backend = backend
-    app.add_middleware(BodySizeLimit, max_bytes=cfg.limits.max_body_bytes,
+    app.add_middleware(BodySizeLimit, max_bytes=cfg.limits.max_body_bytes, timeout_s=cfg.limits.body_timeout_s,
                        reject=lambda status, message: _error(status, message))
 
     async def check_auth(request: Request) -> None:

@@ -72,13 +72,13 @@ def checkpoint_flags(cfg: Any, vocab_size: int | None) -> dict[str, Any]:
     return out
 
 
-def read_model_args(load_dir: str | os.PathLike) -> dict[str, Any]:
-    """The ``model_args`` of the checkpoint ``load_dir`` resolves to (see ``--load``; {} when it has none).
-    Reads the common state only (no tensors, no process group). Raises CheckpointError for a missing or
-    unreadable checkpoint."""
+def read_model_args(load_dir: str | os.PathLike, newest: bool = False) -> dict[str, Any]:
+    """The ``model_args`` of the checkpoint ``load_dir`` resolves to (see ``--load``; {} when it has none;
+    ``newest``: ``--load-newest-checkpoint``). Reads the common state only (no tensors, no process group). Raises
+    CheckpointError for a missing or unreadable checkpoint."""
     from megatron.core import dist_checkpointing
 
-    ckpt = resolve_checkpoint_dir(load_dir)
+    ckpt = resolve_checkpoint_dir(load_dir, newest)
     try:
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
     except Exception as e:  # noqa: BLE001 - any failure means the common state cannot be read
@@ -86,9 +86,9 @@ def read_model_args(load_dir: str | os.PathLike) -> dict[str, Any]:
     return dict(common.get("model_args") or {})
 
 
-def read_checkpoint_flags(load_dir: str | os.PathLike) -> dict[str, Any] | None:
+def read_checkpoint_flags(load_dir: str | os.PathLike, newest: bool = False) -> dict[str, Any] | None:
     """The stored model flags of the checkpoint ``load_dir`` resolves to, or None when it predates them."""
-    flags = read_model_args(load_dir).get(FLAGS_KEY)
+    flags = read_model_args(load_dir, newest).get(FLAGS_KEY)
     return dict(flags) if flags else None
 
 
@@ -127,17 +127,18 @@ def flags_to_argv(flags: dict[str, Any], parser: argparse.ArgumentParser, skip: 
     return [token for group in _flag_groups(flags, parser, skip) for token in group]
 
 
-def _load_source(argv: Sequence[str]) -> tuple[str, str]:
-    """(flag, path) of the checkpoint to read: --load when it holds one, else --pretrained-checkpoint."""
+def _load_source(argv: Sequence[str]) -> tuple[str, str, bool]:
+    """(flag, path) of the checkpoint to read: --load when it holds one, else --pretrained-checkpoint; and
+    whether --load-newest-checkpoint was given."""
     # Only the checkpoint flags: the model flags (some required) may be the very ones to come from it.
     p = add_flags(argparse.ArgumentParser(add_help=False, allow_abbrev=False), CheckpointConfig)
     ns, _ = p.parse_known_args(list(argv))
-    if ns.load and Path(ns.load).is_dir() and latest_checkpoint(ns.load) is not None:
-        return "--load", ns.load
+    if ns.load and Path(ns.load).is_dir() and latest_checkpoint(ns.load, ns.load_newest_checkpoint) is not None:
+        return "--load", ns.load, ns.load_newest_checkpoint
     if ns.pretrained_checkpoint:
-        return "--pretrained-checkpoint", ns.pretrained_checkpoint
+        return "--pretrained-checkpoint", ns.pretrained_checkpoint, ns.load_newest_checkpoint
     if ns.load:
-        return "--load", ns.load
+        return "--load", ns.load, ns.load_newest_checkpoint
     raise ConfigError(f"{FLAG} reads the model flags from a checkpoint: pass --load DIR or "
                       f"--pretrained-checkpoint DIR.")
 
@@ -150,9 +151,9 @@ def merge_checkpoint_args(argv: Sequence[str], parser: argparse.ArgumentParser
     ``"--option value"`` strings); the middle two are for :func:`check_explicit_flags`. Raises ConfigError when
     there is no checkpoint or it stores no flags.
     """
-    flag, path = _load_source(argv)
+    flag, path, newest = _load_source(argv)
     try:
-        model_args = read_model_args(path)
+        model_args = read_model_args(path, newest)
     except CheckpointError as e:
         raise ConfigError(f"{FLAG}: cannot read the model flags from {flag}={path}: {e}") from e
     stored = dict(model_args.get(FLAGS_KEY) or {})

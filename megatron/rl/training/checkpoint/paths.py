@@ -40,6 +40,7 @@ COMMON_FILE = "common.pt"
 TMP_INFIX = ".tmp-"
 TRASH_INFIX = ".replaced-"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
+NEWEST_FLAG = "--load-newest-checkpoint"
 _PARTIAL_RE = re.compile(r"^(iter_\d{7,}|release)(\.tmp-|\.replaced-)")
 
 
@@ -109,10 +110,14 @@ def complete_iterations(root: Path) -> list[int]:
     return sorted(its)
 
 
+_TRACKER_RE = re.compile(rb"^(0|[1-9][0-9]{0,18}|release)\n?\Z")
+
+
 def read_tracker(root: Path) -> int | str | None:
     """The tracker's content: an int iteration, ``"release"``, or None when there is no tracker file.
 
-    Raises CheckpointError when the file exists but does not hold an int >= 0 or "release".
+    Raises CheckpointError unless the file holds exactly what :func:`write_tracker` writes: an int >= 0
+    without leading zeros or spaces, or ``release``, and at most one newline after it.
     """
     tracker = root / TRACKER_FILENAME
     if not tracker.is_file():
@@ -122,19 +127,15 @@ def read_tracker(root: Path) -> int | str | None:
             raw = f.read(65)
     except OSError as e:
         raise CheckpointError(f"cannot read tracker file {tracker}: {e.strerror or e}") from None
-    text = raw[:64].decode("utf-8", "replace").strip() + ("..." if len(raw) > 64 else "")
-    if text == RELEASE:
-        return RELEASE
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
+    match = _TRACKER_RE.match(raw)
+    if match is None:
+        text = raw[:64].decode("utf-8", "replace") + ("..." if len(raw) > 64 else "")
         raise CheckpointError(
-            f"corrupt tracker file {tracker}: expected an iteration number or 'release', found {text[:80]!r}. "
-            f"Write the iteration of a complete checkpoint directory into it (complete ones: "
+            f"corrupt tracker file {tracker}: expected an iteration number or 'release' (and a newline), found "
+            f"{text[:80]!r}. Write the iteration of a complete checkpoint directory into it (complete ones: "
             f"{complete_iterations(root) or 'none'}), or point --load at a checkpoint directory.")
-    return value
+    value = match.group(1).decode()
+    return RELEASE if value == RELEASE else int(value)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -193,13 +194,55 @@ def remove_partial_dirs(root: Path) -> list[Path]:
     return removed
 
 
-def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
+def _interrupted_save(root: Path, newer: list[int]) -> bool:
+    """True when the one newer checkpoint is a save killed between publishing its directory and rewriting the
+    tracker: its completion marker was written after the tracker was. A tracker edited or damaged after the
+    saves is newer than every checkpoint it is behind."""
+    if len(newer) != 1:
+        return False
+    try:
+        marker = (root / checkpoint_dir_name(newer[0]) / COMPLETION_MARKER).stat().st_mtime_ns
+        tracker = (root / TRACKER_FILENAME).stat().st_mtime_ns
+    except OSError:
+        return False
+    if marker < tracker:
+        return False
+    logger.warning("%s: the save of iteration %d was interrupted before the tracker named it; loading iteration "
+                   "%s, as the tracker says (that save is written again)", root, newer[0],
+                   read_tracker(root))
+    return True
+
+
+def _check_nothing_newer(root: Path, value: int | str, newest: bool) -> int | str:
+    """``value``, unless complete checkpoints newer than it exist: then the newest with ``newest``, else an error.
+
+    A tracker behind the directories it describes was damaged or edited; resuming from it would later write over
+    the newer checkpoints, so it is never followed silently.
+    """
+    if value == RELEASE:
+        return value
+    newer = [i for i in complete_iterations(root) if i > value]
+    if not newer or _interrupted_save(root, newer):
+        return value
+    if newest:
+        logger.warning("%s names iteration %d but complete checkpoints of later iterations exist (%s): loading the "
+                       "newest, %d (%s)", root / TRACKER_FILENAME, value, newer, newer[-1], NEWEST_FLAG)
+        return newer[-1]
+    raise CheckpointError(
+        f"{root / TRACKER_FILENAME} names iteration {value} but complete checkpoints of later iterations exist: "
+        f"{newer}. The tracker was damaged or edited; write the iteration to load into it, remove the later "
+        f"directories, or pass {NEWEST_FLAG} to load the newest ({newer[-1]})")
+
+
+def latest_checkpoint(load_dir: str | os.PathLike, newest: bool = False) -> Path | None:
     """The checkpoint directory ``--load load_dir`` would load, or None when there is none yet.
 
     ``load_dir`` may be a checkpoint directory itself (it holds ``metadata.json``) or a save directory
     with a tracker file. Returns None when ``load_dir`` does not exist or holds no tracker (nothing was
     ever published there). Raises CheckpointError when the tracker is corrupt or names a directory that
-    is missing or incomplete: that is never silently replaced by an older checkpoint.
+    is missing or incomplete: that is never silently replaced by an older checkpoint; and when complete
+    checkpoints newer than the tracker exist, unless ``newest`` (``--load-newest-checkpoint``) picks the newest
+    of them with a warning.
     """
     root = Path(load_dir)
     if not root.is_dir():
@@ -213,6 +256,7 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
     value = read_tracker(root)
     if value is None:
         return None
+    value = _check_nothing_newer(root, value, newest)
     ckpt = root / checkpoint_dir_name(value)
     if not ckpt.is_dir():
         raise CheckpointError(
@@ -222,7 +266,7 @@ def latest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
     return ckpt
 
 
-def resolve_checkpoint_dir(load_dir: str | os.PathLike) -> Path:
+def resolve_checkpoint_dir(load_dir: str | os.PathLike, newest: bool = False) -> Path:
     """Like :func:`latest_checkpoint` but every 'nothing to load' case is a CheckpointError, and the
     directory found must be complete."""
     root = Path(load_dir)
@@ -230,7 +274,7 @@ def resolve_checkpoint_dir(load_dir: str | os.PathLike) -> Path:
         raise CheckpointError(f"checkpoint directory {root} does not exist: check --load / --pretrained-checkpoint")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint path {root} is not a directory")
-    ckpt = latest_checkpoint(root)
+    ckpt = latest_checkpoint(root, newest)
     if ckpt is None:
         found = complete_iterations(root)
         hint = (f"complete checkpoints present: {found}; write one into {TRACKER_FILENAME} or load "

@@ -347,7 +347,7 @@ def _saved_contents(ckpt: Path, common: dict) -> set[str]:
 def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn.Module], optimizer=None,
                     opt_param_scheduler=None, *, load_optimizer: bool = True, load_rng: bool = True,
                     strict: bool = True, model_args: dict | None = None,
-                    verify_checksums: bool = True) -> LoadedCheckpoint:
+                    verify_checksums: bool = True, newest: bool = False) -> LoadedCheckpoint:
     """Load the latest checkpoint of ``load_dir`` into the given model/optimizer/scheduler. Collective.
 
     Args:
@@ -362,13 +362,15 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
         model_args: this run's architecture flags; any key stored with a different value raises.
         verify_checksums: check the files against the checksum manifest before reading them
             (``--no-verify-checkpoint-checksums`` turns it off); the NaN/Inf scan of loaded values always runs.
+        newest: a tracker behind complete checkpoints of later iterations loads the newest of them, with a
+            warning, instead of raising (``--load-newest-checkpoint``).
 
     Returns: LoadedCheckpoint. Raises CheckpointError for a missing/corrupt/incomplete checkpoint, a
     model_args mismatch, missing optimizer state with ``load_optimizer=True``, or tensors that do not fit.
     """
-    _require_distributed()
     t0 = time.perf_counter()
-    ckpt = paths.resolve_checkpoint_dir(load_dir)
+    ckpt = paths.resolve_checkpoint_dir(load_dir, newest)  # a bad directory is named before anything else
+    _require_distributed()
     verified = verify_checksums and integrity.verify_manifest(ckpt)
     common = _load_common(ckpt)
     info = common.get("checkpoint_info") or {}

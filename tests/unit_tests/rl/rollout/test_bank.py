@@ -52,7 +52,7 @@ def test_round_trip_keeps_groups_exactly(tmp_path):
     assert [r["kind"] for r in again.records] == ["checkpoint"] + ["group"] * 3 + ["consumed"]
 
 
-@pytest.mark.parametrize("cut", ["header", "half", "all_but_one", "bad_crc", "zeros"])
+@pytest.mark.parametrize("cut", ["header", "half", "all_but_one", "zeros", "zero_tail"])
 def test_a_torn_last_record_is_truncated_with_a_warning(tmp_path, caplog, cut):
     path = tmp_path / "b.log"
     bank = RolloutBank(path)
@@ -63,7 +63,7 @@ def test_a_torn_last_record_is_truncated_with_a_warning(tmp_path, caplog, cut):
     intact = path.read_bytes()
     tail = encode_record(_record(1).to_json())
     torn = {"header": tail[:6], "half": tail[: len(tail) // 2], "all_but_one": tail[:-1],
-            "bad_crc": tail[:-3] + bytes([tail[-3] ^ 0xFF]) + tail[-2:], "zeros": b"\0" * 100}[cut]
+            "zeros": b"\0" * 100, "zero_tail": tail[:-8] + b"\0" * 8}[cut]
     path.write_bytes(intact + torn)
     with caplog.at_level(logging.WARNING, logger="megatron.rl.rollout.bank"):
         bank = RolloutBank(path)
@@ -73,6 +73,25 @@ def test_a_torn_last_record_is_truncated_with_a_warning(tmp_path, caplog, cut):
     bank.append_group(_record(2))  # appending goes on after the truncated tail
     bank.close()
     assert [g.uid for g in RolloutBank(path).groups()] == ["g0", "g2"]
+
+
+@pytest.mark.parametrize("where", ["payload_bit", "crc_bit", "magic"])
+def test_a_complete_last_record_with_a_bad_checksum_is_named_corruption(tmp_path, caplog, where):
+    """A flipped bit in a whole, synced last record is damage after the write, not a torn write."""
+    path = tmp_path / "b.log"
+    bank = RolloutBank(path)
+    bank.compact(0, keep=[], agent_state=None, layout=LAYOUT)
+    bank.append_group(_record(0))
+    bank.close()
+    data = bytearray(path.read_bytes())
+    last = data.rfind(MAGIC)
+    pos = {"payload_bit": len(data) - 30, "crc_bit": last + 9, "magic": last}[where]
+    data[pos] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(RolloutBankCorruptError, match=f"the last record \\(byte {last} to {len(data)}\\) is "
+                                                      "complete but .*not torn by a crash"):
+        RolloutBank(path)
+    assert "torn" not in caplog.text and path.read_bytes() == bytes(data)  # nothing truncated
 
 
 @pytest.mark.parametrize("where", ["payload", "length", "magic"])
@@ -295,6 +314,62 @@ def test_session_start_compacts_restores_and_checks_the_layout(tmp_path, caplog)
     with caplog.at_level(logging.WARNING, logger="megatron.rl.rollout.bank"):
         assert BankSession(RolloutBank(path), Agent(), LAYOUT).start(0, resuming=False)[0] == []
     assert "does not resume" in caplog.text and RolloutBank(path).groups() == []
+
+
+def _session_saved_with_two_untrained(path):
+    """A session that saved checkpoint 1 with g2, g3 completed but untrained; returns what the checkpoint records."""
+    s = BankSession(RolloutBank(path), Agent(), LAYOUT)
+    s.start(0, resuming=False)
+    for i in range(4):
+        s.completed(f"g{i}", i, i // 2, i // 2, i // 2, _group(i))
+    s.consumed(1, ["g0", "g1"])
+    recorded = s.durable_groups()
+    s.checkpoint_saved(1, {"next_index": 4, "resubmit": [], "skip": []})
+    s.close()
+    return recorded
+
+
+@pytest.mark.parametrize("damage", ["emptied", "deleted", "cut"])
+def test_a_bank_with_fewer_groups_than_the_checkpoint_recorded_says_so(tmp_path, caplog, damage):
+    path = tmp_path / "b.log"
+    recorded = _session_saved_with_two_untrained(path)
+    assert recorded == 2
+    if damage == "emptied":
+        path.write_bytes(b"")
+    elif damage == "deleted":
+        path.unlink()
+    else:  # the first group record cut away, as a truncation to a compacted file's second record would leave it
+        records = [r for r in RolloutBank(path).records if r.get("uid") != "g2"]
+        path.write_bytes(b"".join(encode_record(r) for r in records))
+    with caplog.at_level(logging.WARNING, logger="megatron.rl.rollout.bank"):
+        restored, _ = BankSession(RolloutBank(path), Agent(), LAYOUT).start(1, resuming=True, recorded=recorded)
+    found = 1 if damage == "cut" else 0
+    assert len(restored) == found
+    lines = [r.getMessage() for r in caplog.records if "checkpoint 1 recorded" in r.getMessage()]
+    assert len(lines) == 1 and f"{found} durable group(s) found but checkpoint 1 recorded 2: {2 - found} " in lines[0]
+
+
+def test_an_intact_bank_resumes_without_a_loss_report(tmp_path, caplog):
+    path = tmp_path / "b.log"
+    recorded = _session_saved_with_two_untrained(path)
+    with caplog.at_level(logging.WARNING, logger="megatron.rl.rollout.bank"):
+        restored, _ = BankSession(RolloutBank(path), Agent(), LAYOUT).start(1, resuming=True, recorded=recorded)
+    assert [g.uid for g in restored] == ["g2", "g3"] and "recorded" not in caplog.text
+
+
+def test_a_non_empty_bank_with_the_bank_off_is_an_error_naming_the_flag(tmp_path):
+    from megatron.rl.base.errors import ConfigError
+    from megatron.rl.rollout.async_source import check_bank_left_unused
+
+    save = tmp_path / "save"
+    _session_saved_with_two_untrained(save / "rollout_bank" / "bank-rank0.log")
+    off, on = AsyncRolloutConfig(), AsyncRolloutConfig(durable_rollout_bank=True)
+    with pytest.raises(ConfigError, match=r"holds 2 completed, untrained group\(s\).*--rl-durable-rollout-bank is off"):
+        check_bank_left_unused(off, str(save), resuming=True)
+    check_bank_left_unused(on, str(save), resuming=True)  # the bank restores them
+    check_bank_left_unused(off, str(save), resuming=False)  # a new run: nothing of it to lose
+    (save / "rollout_bank" / "bank-rank0.log").write_bytes(b"")
+    check_bank_left_unused(off, str(save), resuming=True)  # an empty bank loses nothing
 
 
 # ----------------------------------------------------------------------------------------------- under the pipeline

@@ -190,10 +190,22 @@ def test_bad_state_is_refused_and_changes_nothing(state):
     client = _client()
     before = client.get("/state", headers=AUTH).json()
     r = client.post("/state", json=state, headers=AUTH)
-    assert r.status_code in (400, 422), r.text
+    assert r.status_code == 422 and r.json()["error"] == "ValidationError", r.text  # as the schema says
     assert client.get("/state", headers=AUTH).json() == before
     ok = {"train_stream": {**before["train_stream"], "consumed_global": 5}}
     assert client.post("/state", json=ok, headers=AUTH).status_code == 200
+
+
+def test_405_lists_every_method_of_the_path_and_the_schema_bounds_ks():
+    client = _client()
+    r = client.options("/state", headers=AUTH)
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
+    spec = client.get("/openapi.json", headers=AUTH).json()
+    variants = spec["paths"]["/request"]["post"]["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
+    ks = next(v["properties"]["ks"] for v in variants if "ks" in v["properties"])
+    assert next(o for o in ks["anyOf"] if o.get("type") == "array")["items"]["minimum"] == 1
+    assert client.post("/request", headers=AUTH, json={"type_name": "EvaluationRequest", "num_prompts": 1,
+                                                       "ks": [0]}).status_code == 422
 
 
 def test_agent_failures_are_500_without_internals():

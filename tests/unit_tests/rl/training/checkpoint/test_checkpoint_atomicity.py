@@ -185,7 +185,7 @@ def _corrupt_shards(root):
 
 @pytest.mark.parametrize("damage, message", [
     (_no_tracker, r"no latest_checkpointed_iteration.txt in .*save: complete checkpoints present: \[1\]"),
-    (_corrupt_tracker, r"corrupt tracker file .*found 'iter_1'"),
+    (_corrupt_tracker, r"corrupt tracker file .*found 'iter_1\\n'"),
     (_tracker_to_missing, r"names 7 but .*iter_0000007 does not exist.*Complete checkpoints present: \[1\]"),
     (_incomplete, r"iter_0000001 is incomplete or corrupt: missing metadata.json"),
     # the checksum manifest catches these first (test_checkpoint_integrity.py covers loads without it)
