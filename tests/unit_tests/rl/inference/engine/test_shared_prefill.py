@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit_tests.rl.inference.scripts.megatron_common import (init_distributed, peaked_tiny_gpt,
 from tests.conftest import needs_entry
+from tests.unit_tests.rl.inference.scripts.megatron_common import (init_distributed, peaked_tiny_gpt,
+                                                                   teacher_forced_logprobs)
 
 pytestmark = needs_entry("dynamic context: shared prompt prefill")
-                                                                   teacher_forced_logprobs)
 
 MAX_GAP = 1e-5  # the fp32 train-inference bound of test_megatron_logprob_gap.py
 
