@@ -9,7 +9,8 @@ deprecations that megatron-core's checkpointing triggers. None of them asks the 
 - deprecation notices raised inside megatron-core or torch ("full scope is deprecated", ShardedTensor,
   ``load_state_dict``, the ``custom_layers.transformer_engine`` module), and megatron-core 0.19's notices about
   its own API (``GPTModel`` giving way to ``HybridModel``, its experimental MIMO config, its legacy async save and
-  common-state loader) as warnings or megatron-core log records: logged at DEBUG only (:func:`is_known_notice`).
+  common-state loader) as warnings or megatron-core log records, and torch DCP's notices when 0.19 reads a
+  checkpoint's common state before any process group exists: logged at DEBUG only (:func:`is_known_notice`).
 
 Every other warning is shown as before. :func:`summarize_dependency_warnings` installs the filter (idempotent).
 """
@@ -32,7 +33,8 @@ _MISSING = re.compile(r"\b(Apex|Transformer Engine and Apex) (is|are) not instal
 _INTERNAL = re.compile(r"full scope is deprecated|deprecating ShardedTensor|`load_state_dict` is deprecated|"
                        r"custom_layers\.transformer_engine.*deprecated|GPTModel IS DEPRECATED|"
                        r"MimoModelConfig is experimental|MCore's async save is deprecated|"
-                       r"load_common is deprecated", re.S)
+                       r"load_common is deprecated|assuming the intent is to load in a single process|"
+                       r"The argument order of load has been changed", re.S)
 
 _state = {"installed": False, "noted": False}
 

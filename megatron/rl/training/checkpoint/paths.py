@@ -67,9 +67,11 @@ def new_stamp() -> str:
 
 
 def checkpoint_format(ckpt_dir: Path) -> str:
-    """``"common.pt"`` (megatron-core 0.16.1: the common state in its own file), ``"sharded common"``
-    (0.19: the common state inside the sharded files) or ``""`` when the completion marker is missing or
-    unreadable."""
+    """``"common.pt"`` (megatron-core 0.16.1: the common state in its own file, which the marker's
+    ``common_backend`` announces), ``"sharded common"`` (0.19: the common state inside the sharded files) or ``""``
+    when the completion marker is missing or unreadable."""
+    if (Path(ckpt_dir) / COMMON_FILE).is_file():
+        return COMMON_FILE
     try:
         marker = json.loads((Path(ckpt_dir) / COMPLETION_MARKER).read_text())
     except (OSError, ValueError):
