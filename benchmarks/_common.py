@@ -23,10 +23,14 @@ ARITHMETIC_ENV = REPO / "examples" / "rl" / "environment_configs" / "arithmetic.
 
 
 def child_env(threads: int | str) -> dict[str, str]:
-    """The environment of a benchmark's subprocess: ``threads`` OpenMP threads, this checkout first on the path
-    and the caller's ``PYTHONPATH`` kept after it (a GPU machine may bring megatron-core through it)."""
+    """The environment of a benchmark's subprocess: ``threads`` OpenMP threads (``"auto"``: no OMP_NUM_THREADS,
+    the process chooses), this checkout first on the path and the caller's ``PYTHONPATH`` kept after it (a GPU
+    machine may bring megatron-core through it)."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads != "auto":
+        env["OMP_NUM_THREADS"] = str(threads)
+    return {**env, "PYTHONPATH": path}
 
 
 def model_flags(hidden: int, layers: int, heads: int, seq_length: int) -> list[str]:

@@ -49,6 +49,7 @@ TRL is optional (``pip install -e ".[bench]"``); without it the ``trl`` side pri
 and is skipped.
 
     python benchmarks/grpo_vs_trl.py [--shapes small large] [--rounds 2] [--steps 4] [--threads 2]
+    python benchmarks/grpo_vs_trl.py --shapes small --threads auto --co-runners 1   # a shared machine
 """
 from __future__ import annotations
 
@@ -301,7 +302,8 @@ def child(a) -> int:
     """One side, one run, in this process: per-step phase times as JSON to ``--out``."""
     import torch
 
-    torch.set_num_threads(a.threads)
+    if a.threads != "auto":
+        torch.set_num_threads(int(a.threads))
     shape = SHAPES[a.shape]
     if a.side == "trl":
         with tempfile.TemporaryDirectory() as work:
@@ -320,7 +322,7 @@ def trl_available() -> bool:
     return importlib.util.find_spec("trl") is not None and importlib.util.find_spec("datasets") is not None
 
 
-def run_side(side: str, shape: str, steps: int, threads: int) -> list[dict]:
+def run_side(side: str, shape: str, steps: int, threads: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "records.json"
         env = C.child_env(threads)
@@ -348,42 +350,54 @@ def run(a) -> dict:
     if a.steps < 2:
         raise SystemExit(f"--steps={a.steps}: need >= 2 (the first step of each run is a warm-up)")
     results = {}
-    for shape in a.shapes:
-        records: dict[str, list[dict]] = {s: [] for s in sides}
-        for r in range(a.rounds):
-            for side in (sides if r % 2 == 0 else sides[::-1]):
-                records[side] += run_side(side, shape, a.steps, a.threads)
-                print(f"[{shape}] round {r + 1}/{a.rounds} {side}: "
-                      f"{C.median([x['total'] for x in records[side]]):.3f} s/step so far", file=sys.stderr, flush=True)
-        summary = {s: summarize(s, records[s]) for s in sides}
-        results[shape] = summary
-        print(f"\nshape {shape}: {SHAPES[shape].describe()}; {a.threads} threads; median of {a.rounds} rounds x "
-              f"{a.steps - 1} measured steps")
-        print(C.machine_line())
-        rows, unequal = [], []
-        for s in sides:
-            m = summary[s]
-            eff = f"{m['packing_efficiency']:.3f}" if "packing_efficiency" in m else "-"
-            shared = f"{m['shared']:.2f}" if "shared" in m else "-"
-            why = equal_work(m, summary["trl"]) if "trl" in summary else None
-            if why:
-                unequal.append(f"{s}: {why}")
-            if "trl" not in summary or why:
-                ratio = cpu_ratio = "-" if "trl" not in summary else "unequal work"
-            else:
-                ratio = f"{summary['trl']['total'] / m['total']:.2f}x"
-                cpu_ratio = f"{summary['trl']['cpu'] / m['cpu']:.2f}x"
-            tokens = [f"{m[k]:.0f}" if k in m else "-" for k in ("generated_tokens", "trained_tokens")]
-            train_rate = f"{m['trained_tokens'] / m['train']:.0f}" if "trained_tokens" in m and m["train"] > 0 else "-"
-            rows.append([s, f"{m['total']:.3f}", f"{m['generate']:.3f}", f"{m['logprobs']:.3f}", f"{m['train']:.3f}",
-                         *tokens, train_rate, eff, shared, ratio, f"{m['cpu']:.3f}", cpu_ratio])
-        print(C.format_table(["side", "s/step (median)", "generate", "log-probs / score", "train (fwd+bwd+opt)",
-                              "generated tokens", "trained tokens", "train tokens/s", "packing eff.",
-                              "prompt tokens shared", "TRL s/step / this", "CPU s/step", "TRL CPU s / this"], rows,
-                             title=f"GRPO step, {shape} shape"))
-        for line in unequal:
-            print(f"no ratio to TRL for {line} per step (more than {EQUAL_WORK_TOLERANCE:.0%} apart)")
+    co_runners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.co_runners)]
+    try:
+        for shape in a.shapes:
+            results[shape] = run_shape(a, shape, sides)
+    finally:
+        for proc in co_runners:
+            proc.kill()
+            proc.wait()
     return results
+
+
+def run_shape(a, shape: str, sides: list[str]) -> dict:
+    """Every side on ``shape``, interleaved over the rounds; prints the table, returns the summary."""
+    records: dict[str, list[dict]] = {s: [] for s in sides}
+    for r in range(a.rounds):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            records[side] += run_side(side, shape, a.steps, a.threads)
+            print(f"[{shape}] round {r + 1}/{a.rounds} {side}: "
+                  f"{C.median([x['total'] for x in records[side]]):.3f} s/step so far", file=sys.stderr, flush=True)
+    summary = {s: summarize(s, records[s]) for s in sides}
+    busy = f", {a.co_runners} CPU-bound co-running process(es)" if a.co_runners else ""
+    print(f"\nshape {shape}: {SHAPES[shape].describe()}; {a.threads} threads{busy}; median of {a.rounds} "
+          f"rounds x {a.steps - 1} measured steps")
+    print(C.machine_line())
+    rows, unequal = [], []
+    for s in sides:
+        m = summary[s]
+        eff = f"{m['packing_efficiency']:.3f}" if "packing_efficiency" in m else "-"
+        shared = f"{m['shared']:.2f}" if "shared" in m else "-"
+        why = equal_work(m, summary["trl"]) if "trl" in summary else None
+        if why:
+            unequal.append(f"{s}: {why}")
+        if "trl" not in summary or why:
+            ratio = cpu_ratio = "-" if "trl" not in summary else "unequal work"
+        else:
+            ratio = f"{summary['trl']['total'] / m['total']:.2f}x"
+            cpu_ratio = f"{summary['trl']['cpu'] / m['cpu']:.2f}x"
+        tokens = [f"{m[k]:.0f}" if k in m else "-" for k in ("generated_tokens", "trained_tokens")]
+        train_rate = f"{m['trained_tokens'] / m['train']:.0f}" if "trained_tokens" in m and m["train"] > 0 else "-"
+        rows.append([s, f"{m['total']:.3f}", f"{m['generate']:.3f}", f"{m['logprobs']:.3f}", f"{m['train']:.3f}",
+                     *tokens, train_rate, eff, shared, ratio, f"{m['cpu']:.3f}", cpu_ratio])
+    print(C.format_table(["side", "s/step (median)", "generate", "log-probs / score", "train (fwd+bwd+opt)",
+                          "generated tokens", "trained tokens", "train tokens/s", "packing eff.",
+                          "prompt tokens shared", "TRL s/step / this", "CPU s/step", "TRL CPU s / this"], rows,
+                         title=f"GRPO step, {shape} shape"))
+    for line in unequal:
+        print(f"no ratio to TRL for {line} per step (more than {EQUAL_WORK_TOLERANCE:.0%} apart)")
+    return summary
 
 
 def parse(argv=None):
@@ -392,7 +406,11 @@ def parse(argv=None):
     p.add_argument("--sides", nargs="+", default=list(DEFAULT_SIDES), choices=SIDES)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4, help="steps per run (the first is a warm-up)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", default="2",
+                   help="torch threads of every side (OMP_NUM_THREADS), or 'auto': no variable set, each side "
+                        "chooses (ours: the CPU thread budget; TRL: torch's default)")
+    p.add_argument("--co-runners", type=int, default=0,
+                   help="CPU-bound processes ('while True: pass') running beside every side: a shared machine")
     p.add_argument("--json", type=str, default=None, help="also write the summary here")
     # child mode (one side in a fresh process)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

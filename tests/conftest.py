@@ -65,3 +65,13 @@ def needs_entry(name: str):
         not versions.written_for(entry.versions),
         reason=f"{name!r} is written for megatron-core {', '.join(entry.versions)} "
                f"(installed: {versions.installed_version()})")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_threads_fixed_by_default(request, monkeypatch):
+    """Runs inside tests keep torch's thread count: tests compare runs exactly, and a count that followed the
+    machine's load would change reductions' order between them. The thread budget's own tests adapt."""
+    if request.node.get_closest_marker("adaptive_cpu_threads") is None:
+        from megatron.rl.runtime import cpu_threads
+
+        monkeypatch.setattr(cpu_threads, "_MIN_WINDOW_S", float("inf"))

@@ -134,7 +134,10 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
                                         recorded=start.run_state.get("rollout_bank_groups"))
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
         start_inference_copy(ctx, rl, backend)
-    log.info(run_summary(cfg, rl, start, ctx.rollouts.describe()))
+    if run.threads is not None:  # other processes' load while the run was built decides the first count
+        run.threads.update()
+    log.info(run_summary(cfg, rl, start, ctx.rollouts.describe(),
+                         threads=run.threads.describe() if run.threads is not None else None))
     return run, ctx, start.iteration
 
 
@@ -191,6 +194,8 @@ class _Loop:
         ledger = self.ctx.rollouts.ledger()
         if ledger is not None and self.jsonl is not None:  # rollout bank: this rank's group uids, for audits
             self.jsonl.write({"iteration": iteration, "rollout_groups": ledger})
+        if self.run.threads is not None:  # fewer CPU threads while other processes keep cores busy
+            self.run.threads.update()
         self.all_failed = count_all_failed(self.all_failed, metrics, rl.rollouts_per_step)
         if rl.max_all_failed_iterations and self.all_failed >= rl.max_all_failed_iterations:
             raise AllRolloutsFailedError(

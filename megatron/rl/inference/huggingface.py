@@ -28,6 +28,7 @@ from megatron.rl.inference.api import (CANCELLED, GenerationArgs, InferenceError
 from megatron.rl.inference.chat_template import render_chat
 from megatron.rl.inference.sampling import sample_next
 from megatron.rl.inference.stopping import completes_stop, finish_response
+from megatron.rl.runtime.cpu_threads import follow as follow_thread_budget
 from megatron.rl.runtime.openmp import release_thread_pool
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,7 @@ class HuggingFaceInference(InferenceInterface):
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=dev)], dim=1)
 
     def _generate_sync(self, flat: list[InferenceRequest]) -> list[InferenceResponse]:
+        follow_thread_budget()  # a worker thread: the trainer's torch thread count (other processes' load)
         prepared = [self._prepare(r) for r in flat]
         rows = [p for p in prepared if isinstance(p, _Row)]
         with self._lock:

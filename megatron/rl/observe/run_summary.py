@@ -9,6 +9,8 @@ One log record, logged once before the first iteration, so a glance at the top o
       rollouts: synchronous (every iteration generates its own groups)
       packing:  sequence packing into --seq-length 64 rows (prompt sharing auto, attention auto, at most 16
                 sequences per row)
+      threads:  2 intra-op threads on 2 usable cores, fewer while other processes keep cores busy (--cpu-threads N
+                fixes the count)
       from checkpoint (--use-checkpoint-args): --num-layers 4, --hidden-size 128, ..., --rl-max-new-tokens 8
 
 The last line lists the flags ``--use-checkpoint-args`` took from the checkpoint (none: no line).
@@ -83,10 +85,11 @@ def checkpoint_args_line(cfg: Any) -> str | None:
                          break_long_words=False)
 
 
-def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str) -> str:
+def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str, threads: str | None = None) -> str:
     """The summary text for ``cfg`` (TrainingConfig), ``rl`` (RLConfig), ``start`` (the run's
     :class:`~megatron.rl.training.run.Resumed`) and ``rollouts`` (the rollout source's
-    :meth:`~megatron.rl.rollout.source.RolloutSource.describe`). Pure: reads its arguments only."""
+    :meth:`~megatron.rl.rollout.source.RolloutSource.describe`); ``threads``: the CPU thread budget's
+    description (None on GPUs: no line). Pure: reads its arguments only."""
     steps = max(rl.grpo_iterations * rl.rollouts_per_step // cfg.train.global_batch_size, 1)
     lines = [f"RL run: {cfg.train.train_iters} iterations from {start.iteration} ({rl.prompts_per_step} prompts x "
              f"{rl.group_size} rollouts each, {steps} optimizer step{'s' if steps > 1 else ''} per iteration)",
@@ -94,6 +97,6 @@ def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str) -> str:
              f"  backend:  {_backend(rl)}",
              f"  layout:   {_layout(cfg, rl)}",
              f"  rollouts: {rollouts}",
-             f"  packing:  {_packing(cfg, rl)}"]
+             f"  packing:  {_packing(cfg, rl)}"] + ([f"  threads:  {threads}"] if threads else [])
     restored = checkpoint_args_line(cfg)
     return "\n".join(lines + ([restored] if restored else []))

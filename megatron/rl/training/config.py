@@ -29,7 +29,7 @@ from megatron.rl.training.checkpoint.retention import RetentionPolicy
 
 __all__ = ["ConfigError", "ModelConfig", "ParallelConfig", "OptimConfig", "TrainConfig", "CheckpointConfig",
            "LoggingConfig", "TokenizerConfig", "DataConfig", "TrainingConfig", "build_parser", "parse_args",
-           "resolve_config", "transformer_engine_importable"]
+           "resolve_config", "transformer_engine_importable", "parse_cpu_threads"]
 
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -255,6 +255,20 @@ def _resolve_train(t: TrainConfig, p: ParallelConfig, o: OptimConfig) -> tuple[T
     return t, o
 
 
+def parse_cpu_threads(value: str) -> int | None:
+    """``--cpu-threads``: None for ``auto``, else the fixed count (a positive integer)."""
+    if value == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"--cpu-threads {value!r}: expected 'auto' or a positive number of threads "
+                          "(e.g. --cpu-threads 1 on a machine shared with other jobs)")
+    return n
+
+
 def _check_io(cfg: TrainingConfig) -> None:
     c, d, lg = cfg.checkpoint, cfg.data, cfg.logging
     _positive("--save-interval", c.save_interval)
@@ -268,6 +282,7 @@ def _check_io(cfg: TrainingConfig) -> None:
         _need(cfg.tokenizer.tokenizer_model is not None,
               "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a local directory).")
     _positive("--vocab-size", cfg.tokenizer.vocab_size)
+    parse_cpu_threads(cfg.train.cpu_threads)
     if lg.wandb_project is not None:
         _need(importlib.util.find_spec("wandb") is not None,
               f"--wandb-project={lg.wandb_project} needs the wandb package: pip install wandb "

@@ -110,6 +110,9 @@ class TrainConfig:
     exit_signal_handler: bool = flag(False, help="on --exit-signal: finish the iteration, save (with --save) and "
                                                  "exit 0")
     exit_signal: str = flag("SIGTERM", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"])
+    cpu_threads: str = flag("auto", help="torch's CPU threads per process: 'auto' (the usable cores, fewer while "
+                                         "other processes keep cores busy; OMP_NUM_THREADS fixes it) or a number. "
+                                         "Ignored on GPUs.")
     num_microbatches: int = derived(1)          # global / (micro * DP), per DP rank per iteration
 
 

@@ -285,6 +285,8 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
                      " | ".join(f"{k}: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.3f}" for k, v in result.items()))
             if writer is not None:
                 writer.log_scalars({f"validation/{k}": v for k, v in result.items()}, iteration)
+        if run.threads is not None:  # fewer CPU threads while other processes keep cores busy
+            run.threads.update()
         if control.after_iteration(iteration):
             break
     control.finish(iteration)

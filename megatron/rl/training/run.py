@@ -24,7 +24,8 @@ from megatron.rl import parallel_utils
 from megatron.rl.logging import current_rank, setup_distributed_logging
 from megatron.rl.training.checkpoint.save_load import (CheckpointError, latest_checkpoint, load_checkpoint,
                                                        save_checkpoint)
-from megatron.rl.training.config import TrainingConfig
+from megatron.rl.runtime.cpu_threads import ThreadBudget
+from megatron.rl.training.config import TrainingConfig, parse_cpu_threads
 from megatron.rl.training.initialize import initialize_megatron
 from megatron.rl.training.metrics import build_metrics_writer
 from megatron.rl.training.checkpoint.retention import RetentionPolicy, apply_retention, record_score
@@ -118,6 +119,7 @@ class TrainingRun:
     ref_model: list | None = None
     writer: Any = None
     run_lock: RunLock | None = None  # global rank 0's lock of --save, held until close()
+    threads: ThreadBudget | None = None  # torch's CPU thread count (None on GPUs)
 
     @classmethod
     def build(cls, cfg: TrainingConfig, policy: ResumePolicy = PRETRAIN_RESUME, *, ref_model: bool = False,
@@ -137,6 +139,9 @@ class TrainingRun:
         load_dir = resolve_load_dir(cfg, required=policy.load_required)
         tokenizer = build_tokenizer(cfg.tokenizer.tokenizer_type, cfg.tokenizer.tokenizer_model)
         runtime = initialize_megatron(cfg)
+        threads = None if runtime.is_cuda else ThreadBudget(parse_cpu_threads(cfg.train.cpu_threads))
+        if threads is not None:
+            threads.start()
         trains = not policy.evaluate_only
         model = build_model(cfg, wrap_with_ddp=trains, tokenizer=tokenizer)
         optimizer, scheduler = build_optimizer(cfg, model) if trains else (None, None)
@@ -146,7 +151,7 @@ class TrainingRun:
         if run_flags:
             model_args[RUN_FLAGS_KEY] = run_flags
         return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler, model_args, ref, writer,
-                   run_lock)
+                   run_lock, threads)
 
     def _load(self, path: str, *, weights_only: bool, model=None):
 

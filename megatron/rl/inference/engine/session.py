@@ -27,6 +27,7 @@ from megatron.rl.inference.engine.construct import free_context
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, SampleSpec, build_engine
 from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler
 from megatron.rl.inference.stopping import completes_stop, finish_response
+from megatron.rl.runtime.cpu_threads import follow as follow_thread_budget
 from megatron.rl.runtime import setup_runtime
 from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
 from megatron.rl.runtime.torch_attention import release_thread_buffers
@@ -103,6 +104,7 @@ class EngineStepper:
             self._scheduler.deliver_many([self._finish(entry.record)])
 
     async def step(self) -> None:
+        follow_thread_budget()  # this thread's torch thread count follows the trainer's (other processes' load)
         result = await self.engine.async_step()
         # one hand-over for the step's finished requests: each wake-up of a caller's loop is a write to its pipe
         self._scheduler.deliver_many([self._finish(record) for record in result["finished_request_records"]])
