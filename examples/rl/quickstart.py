@@ -262,6 +262,10 @@ def main(argv=None) -> int:
           flush=True)
     import torch
 
+    from megatron.rl.runtime.machine import machine_type
+
+    # what the model learns moves with the CPU's float kernels: figures are compared per machine type
+    print(f"machine: {machine_type()}", flush=True)
     gpu = torch.cuda.is_available()
     nproc = args.nproc or (torch.cuda.device_count() if gpu else 1)
     out = args.out.resolve()
@@ -297,7 +301,7 @@ def main(argv=None) -> int:
         first, final = evals[0][1], final_pass_at_1(evals)
         print(f"held-out pass@1 (sampled at T=1, 200 prompts): {first:.3f} at iteration {evals[0][0]} -> {final:.3f} "
               f"(mean of the last {min(3, len(evals))} evaluations, up to iteration {evals[-1][0]}); "
-              f"change {final - first:+.3f}")
+              f"change {final - first:+.3f}; on {machine_type()}")
     print(f"reward curve: {png}; metrics: {metrics}; total {clock(time.time() - start)}")
     print(f"sample completions: python tools/show_samples.py {metrics} --last 1")
     return 0
