@@ -17,13 +17,13 @@ advantage ``A``.
   and a loss value of ``-c_t A_t``). No token's gradient is ever zeroed; the published defaults keep no lower
   bound (eps_lower 1: ``c_t >= 0``) and cap the weight at 4 (eps_upper 3).
 
-Each loss declares its default clip range (``--grpo-clamp-eps-lower/upper`` unset: :meth:`PolicyLossConfig.clip_range`).
+Each loss declares its default clip range, help line and own settings with :func:`loss_settings`.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -45,14 +45,43 @@ class PolicyLossConfigError(ConfigError):
     """A policy-loss or off-policy-correction flag value that cannot work (the message names the flag)."""
 
 
-def clip_defaults(eps_lower: float, eps_upper: float) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Declare a registered loss's default clip range (used when ``--grpo-clamp-eps-lower/upper`` are unset)."""
+def loss_settings(eps_lower: float, eps_upper: float, summary: str = "", *, clips_weight: bool = False,
+                  **options: Any) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Declare what a registered loss needs from the command line.
+
+    ``eps_lower`` / ``eps_upper``: its default clip range (``--grpo-clamp-eps-lower/upper`` unset). ``summary``:
+    its line in ``--grpo-policy-loss``'s help. ``clips_weight``: the clip bounds a weight that may reach 0
+    (``eps_lower`` up to 1), not the ratio itself (below 1). ``options``: the loss's own settings with their
+    defaults, given as ``--grpo-policy-loss-option NAME=VALUE`` (typed like the default) and passed to the loss
+    as keyword arguments.
+    """
 
     def mark(fn: PolicyLossFn) -> PolicyLossFn:
         fn.default_clip = (eps_lower, eps_upper)
+        fn.summary, fn.clips_weight, fn.options = summary, clips_weight, dict(options)
         return fn
 
     return mark
+
+
+def clip_defaults(eps_lower: float, eps_upper: float) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Declare only a registered loss's default clip range (:func:`loss_settings` declares the rest)."""
+    return loss_settings(eps_lower, eps_upper)
+
+
+def _losses_help() -> str:
+    losses = POLICY_LOSSES.registered()
+    return "; ".join(f"{name}: {getattr(fn, 'summary', '') or 'registered loss'}" for name, fn in losses.items()) + "."
+
+
+def _clip_help(side: int) -> Callable[[], str]:
+    def text() -> str:
+        own = ", ".join(f"{name} {getattr(fn, 'default_clip', (0.2, 0.2))[side]:g}"
+                        for name, fn in POLICY_LOSSES.registered().items())
+        bound = "ratio >= 1 - eps_lower" if side == 0 else "ratio <= 1 + eps_upper (> eps_lower is DAPO's clip-higher)"
+        return f"Clip: {bound}. Default: the loss's own ({own})."
+
+    return text
 
 
 def _check_same_shape(**tensors: Optional[torch.Tensor]) -> None:
@@ -90,7 +119,7 @@ def _ratio_stats(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
 
 
 @POLICY_LOSSES.register("ppo_clip")
-@clip_defaults(0.2, 0.2)
+@loss_settings(0.2, 0.2, "token ratio, token clip")
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, eps_lower: float = 0.2, eps_upper: float = 0.2,
                   seq_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -123,7 +152,7 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
 
 
 @POLICY_LOSSES.register("gspo")
-@clip_defaults(3e-4, 4e-4)
+@loss_settings(3e-4, 4e-4, "sequence ratio (geometric mean), sequence clip")
 def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               eps_lower: float = 3e-4, eps_upper: float = 4e-4, seq_ids: Optional[torch.Tensor] = None,
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -150,7 +179,7 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
 
 
 @POLICY_LOSSES.register("cispo")
-@clip_defaults(1.0, 3.0)
+@loss_settings(1.0, 3.0, "REINFORCE weighted by the clipped, stop-gradient token ratio", clips_weight=True)
 def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                eps_lower: float = 1.0, eps_upper: float = 3.0, seq_ids: Optional[torch.Tensor] = None,
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -177,14 +206,12 @@ class PolicyLossConfig:
     """Knobs of the per-token GRPO/PPO loss; each field is also its ``train_rl.py`` flag (see ``name=``)."""
 
     policy_loss: str = flag("ppo_clip", name="--grpo-policy-loss", choices=registry_choices(POLICY_LOSSES),
-                            help="ppo_clip: token ratio, token clip; gspo: sequence ratio (geometric mean), sequence "
-                                 "clip; cispo: REINFORCE weighted by the clipped, stop-gradient token ratio.")
-    eps_lower: float | None = flag(None, name="--grpo-clamp-eps-lower",
-                                   help="Clip: ratio >= 1 - eps_lower. Default: the loss's own (ppo_clip 0.2, gspo "
-                                        "3e-4, cispo 1 = no lower bound).")
-    eps_upper: float | None = flag(None, name="--grpo-clamp-eps-upper",
-                                   help="Clip: ratio <= 1 + eps_upper (> eps_lower is DAPO's clip-higher). Default: "
-                                        "the loss's own (ppo_clip 0.2, gspo 4e-4, cispo 3).")
+                            help=_losses_help)
+    eps_lower: float | None = flag(None, name="--grpo-clamp-eps-lower", help=_clip_help(0))
+    eps_upper: float | None = flag(None, name="--grpo-clamp-eps-upper", help=_clip_help(1))
+    loss_options: tuple[str, ...] = flag((), name="--grpo-policy-loss-option", metavar="NAME=VALUE",
+                                         help="A setting of the chosen policy loss's own (repeatable values); a "
+                                              "registered loss declares its settings with loss_settings().")
     kl_beta: float = flag(0.0, name="--grpo-kl-beta",
                           help="Weight of the KL penalty to the reference model; 0 never builds the reference model.")
     kl_estimator: str = flag("k3", name="--grpo-kl-estimator", choices=registry_choices(KL_ESTIMATORS))
@@ -225,6 +252,20 @@ class PolicyLossConfig:
         return (lo if self.eps_lower is None else self.eps_lower, hi if self.eps_upper is None else self.eps_upper)
 
     @property
+    def options(self) -> dict[str, Any]:
+        """``--grpo-policy-loss-option`` values typed like the loss's declared defaults (declared defaults for the
+        rest); :class:`PolicyLossConfigError` for a setting the loss does not declare or a value of another type."""
+        declared = dict(getattr(POLICY_LOSSES.get(self.policy_loss), "options", {}))
+        for item in self.loss_options:
+            name, sep, value = item.partition("=")
+            if not sep or name not in declared:
+                known = ", ".join(f"{k}={v!r}" for k, v in declared.items()) or "none"
+                raise PolicyLossConfigError(f"--grpo-policy-loss-option {item!r}: --grpo-policy-loss "
+                                            f"{self.policy_loss} declares these settings: {known}; give NAME=VALUE.")
+            declared[name] = _typed(value, declared[name], item)
+        return declared
+
+    @property
     def correction(self) -> str | None:
         """The importance-sampling correction in force (None: off)."""
         return self.is_mode or ("truncated" if self.is_correction else None)
@@ -253,6 +294,18 @@ class PolicyLossConfig:
         return self.entropy_weight != 0 or self.report_entropy
 
 
+def _typed(value: str, default: Any, item: str) -> Any:
+    try:
+        if isinstance(default, bool):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1")
+        return type(default)(value) if default is not None else value
+    except ValueError:
+        raise PolicyLossConfigError(f"--grpo-policy-loss-option {item!r}: expected a {type(default).__name__} like "
+                                    f"the default {default!r}.") from None
+
+
 def validate_policy_loss(cfg: PolicyLossConfig) -> None:
     """Raise :class:`PolicyLossConfigError` (naming the flag) for values no run can use; call before building."""
 
@@ -268,8 +321,9 @@ def validate_policy_loss(cfg: PolicyLossConfig) -> None:
                         ("--rl-reject-sequence-max-log-ratio", cfg.reject_max_log_ratio),
                         ("--rl-reject-sequence-mean-log-ratio", cfg.reject_mean_log_ratio)):
         need(value is None or math.isfinite(value), f"{name}={value}: must be a finite number.")
-    # CISPO's clip bounds a weight, which may reach 0; PPO-clip and GSPO clip the ratio itself, which must stay > 0.
-    max_lower = 1.0 if cfg.policy_loss == "cispo" else 1.0 - 1e-12
+    _ = cfg.options  # raises for a setting the loss does not declare
+    # a clip that bounds a weight (CISPO) may reach 0; one that clips the ratio itself must keep it > 0
+    max_lower = 1.0 if getattr(POLICY_LOSSES.get(cfg.policy_loss), "clips_weight", False) else 1.0 - 1e-12
     need(0 <= lo <= max_lower, f"--grpo-clamp-eps-lower={lo}: must be in [0, 1{']' if max_lower == 1 else ')'} for "
                                f"--grpo-policy-loss {cfg.policy_loss} (the clip keeps the ratio >= 1 - eps_lower).")
     need(hi >= 0, f"--grpo-clamp-eps-upper={hi}: must be >= 0.")
@@ -307,7 +361,7 @@ def compute_token_loss(cfg: PolicyLossConfig, logprobs: torch.Tensor, old_logpro
     policy_fn = POLICY_LOSSES.get(cfg.policy_loss)
     eps_lower, eps_upper = cfg.clip_range
     loss, stats = policy_fn(logprobs, old_logprobs, advantages, mask, eps_lower=eps_lower, eps_upper=eps_upper,
-                            seq_ids=seq_ids)
+                            seq_ids=seq_ids, **cfg.options)
     mask_f = mask.to(loss.dtype)
     if cfg.needs_inference_logprobs and inference_logprobs is None:
         raise ValueError("--rl-inference-logprobs-is-correction / --rl-importance-sampling-mode / "

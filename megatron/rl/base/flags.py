@@ -60,7 +60,8 @@ _FLAG, _DERIVED, _SECTION = "flag", "derived", "section"
 REMOVED_FLAGS = "megatron_rl_removed_flags"  # the parser attribute holding the configs' _removed_flags
 
 
-def flag(default: Any = dataclasses.MISSING, *, name: str | None = None, help: str | None = None,  # noqa: A002
+def flag(default: Any = dataclasses.MISSING, *, name: str | None = None,
+         help: str | Callable[[], str] | None = None,  # noqa: A002
          choices: Sequence | Callable[[], Sequence] | None = None, nargs: str | int | None = None,
          metavar: str | None = None, group: str | None = None) -> Any:
     """A dataclass field that is also a command-line flag (see the module docstring)."""
@@ -163,8 +164,8 @@ def _argparse_kwargs(cls: type, f: dataclasses.Field) -> dict:
     if choices is not None:
         kw["choices"] = list(choices() if callable(choices) else choices)
     for key in ("help", "metavar"):
-        if meta[key] is not None:
-            kw[key] = meta[key]
+        if meta[key] is not None:  # help may be a callable, like choices: text that lists a registry's entries
+            kw[key] = meta[key]() if callable(meta[key]) else meta[key]
     return kw
 
 
