@@ -22,6 +22,7 @@ from typing import Any
 from megatron.rl import runtime
 from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import flag
+from megatron.rl.inference.api import backend_class
 from megatron.rl.inference.engine.lockstep import lockstep_rank_groups
 from megatron.rl.training.config import TrainingConfig
 
@@ -118,7 +119,7 @@ def validate_inference_layout(layout: InferenceLayoutConfig, cfg: TrainingConfig
             log.warning("--refit-method / --rl-verify-model-weights-swap have no effect without a separate "
                         "inference layout (--rl-inference-tensor-model-parallel-size etc.)")
         return
-    _need(inference_backend == "megatron",
+    _need(backend_class(inference_backend).in_process_engine,
           f"--inference-backend {inference_backend} does not generate with this run's megatron-core policy, so a "
           f"separate inference layout (--rl-inference-*-model-parallel-size) has nothing to build: drop those "
           f"flags, or use --inference-backend megatron.")

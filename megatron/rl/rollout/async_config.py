@@ -21,6 +21,7 @@ from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import flag
+from megatron.rl.inference.api import backend_class
 from megatron.rl.inference.control import sees_weight_updates
 from megatron.rl.layout.groups import InferenceLayoutConfig
 from megatron.rl.training.config import TrainingConfig
@@ -167,6 +168,8 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: RunFlags, cfg: TrainingC
                       p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size) > 1
     generating = ("the separate inference layout's replicas (--rl-inference-*-model-parallel-size)" if s is not None
                   else "the training model's replicas")
+    # an in-process engine runs in lockstep over the ranks of a model-parallel replica
+    lockstep_engine = backend_class(rl.inference_backend).in_process_engine
     need(ac.consumption_granularity == "B" or not model_parallel,
          f"--rl-consumption-granularity G with model parallelism of {generating}: which groups finish first can "
          f"differ between the ranks of one model replica (rewards run in threads), and they must train on the same "
@@ -179,7 +182,7 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: RunFlags, cfg: TrainingC
              f"--rl-max-inflight-requests={cap} with --rl-submission-granularity B: a batch of {local_groups} "
              f"groups x {rl.group_size} rollouts per data-parallel rank could never be admitted; raise the cap or "
              f"submit per group (G) or per request (R).")
-        need(rl.inference_backend != "megatron" or not model_parallel,
+        need(not lockstep_engine or not model_parallel,
              "--rl-max-inflight-requests with model parallelism: submissions would happen as requests finish, at "
              "times that differ between the ranks of one engine, which must submit in the same order; drop the cap.")
     need(not ac.partial_rollouts or sees_weight_updates(rl.inference_backend),
@@ -192,7 +195,7 @@ def validate_async_rollouts(ac: AsyncRolloutConfig, rl: RunFlags, cfg: TrainingC
     # and after them on another: misnumbered (error responses, seen on CPU with an inference TP=2 copy) or waited
     # for forever (a hang). Without evaluations the pipeline alone submits, in the same order.
     eval_on = bool(cfg.train.eval_interval) and rl.prompts_per_eval > 0
-    need(not (ac.partial_rollouts and rl.inference_backend == "megatron" and model_parallel and eval_on),
+    need(not (ac.partial_rollouts and lockstep_engine and model_parallel and eval_on),
          f"--rl-partial-rollouts with evaluations during training (--eval-interval={cfg.train.eval_interval}, "
          f"--rl-prompts-per-eval={rl.prompts_per_eval}) and model parallelism of {generating}: an evaluation's "
          f"requests reach the ranks of one lockstep engine at different points of the paused rollouts' "
