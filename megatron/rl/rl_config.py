@@ -26,7 +26,9 @@ from pathlib import Path
 
 from megatron.rl.algorithms import ADVANTAGE_ESTIMATORS, AGGREGATIONS
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig, validate_policy_loss
+from megatron.rl.agent.env_config import import_env_config_modules
 from megatron.rl.base.flags import add_flags, derived, flag, from_namespace, registry_choices, section
+from megatron.rl.base.registry import UnknownNameError
 from megatron.rl.inference import api
 from megatron.rl.inference.engine.engine_flags import EngineFlags, validate_engine_flags
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
@@ -194,10 +196,17 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _known_backends() -> list[str]:
-    """Built-in backend names plus any registered so far, without importing the backends' modules."""
-
-    return api.InferenceInterface._registry.names()
+def inference_backend_class(name: str) -> type[api.InferenceInterface]:
+    """The backend class ``--inference-backend`` names, looked up in the registry (its abilities decide the checks
+    that depend on the backend), or a :class:`ConfigError` naming the flag, the value and the registered backends."""
+    try:
+        return api.backend_class(name)
+    except UnknownNameError:
+        raise ConfigError(
+            f"--inference-backend={name}: no inference backend is registered under that name; registered backends: "
+            f"{', '.join(api.backend_names())}. A backend of your own registers itself with "
+            f"@InferenceInterface.register({name!r}) in its module: list that module under `imports:` in the "
+            f"environment config (with --langrl-allow-imports), or import it before calling train_rl.main().") from None
 
 
 def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
@@ -210,6 +219,9 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
                          and cfg.model.attention_dropout == 0)
     rl = dataclasses.replace(raw, observe=resolve_observe(raw.observe, raw, cfg),
                              loss=async_loss_config(raw.loss, raw.async_rollouts))
+    # A backend of the user's registers itself when its module is imported: the environment config's imports run
+    # (with --langrl-allow-imports) before --inference-backend is looked up in the registry.
+    import_env_config_modules(rl.env_config, allow_imports=rl.allow_import_paths)
     validate_rl_config(rl, cfg)
     return rl
 
@@ -220,49 +232,12 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
         log.warning("--hidden-dropout=%s / --attention-dropout=%s: with dropout the policy being trained differs "
                     "from the one that scored the old log-probs, so PPO ratios are noisy (train_rl.py defaults "
                     "both to 0)", cfg.model.hidden_dropout, cfg.model.attention_dropout)
-    dp = cfg.parallel.data_parallel_size
-    gbs = cfg.train.global_batch_size
-    for flag, value in (("--grpo-prompts-per-step", rl.prompts_per_step), ("--grpo-group-size", rl.group_size),
-                        ("--grpo-iterations", rl.grpo_iterations), ("--rl-max-new-tokens", rl.max_new_tokens),
-                        ("--rl-sequence-packing-max-sequences-per-bin", rl.max_sequences_per_bin)):
-        _need(value >= 1, f"{flag}={value}: must be >= 1.")
-    _need(rl.group_size >= 2 or rl.advantage_estimator not in ("grpo", "rloo", "drgrpo"),
-          f"--grpo-group-size={rl.group_size}: the {rl.advantage_estimator!r} advantage compares rollouts within a "
-          f"group, so it needs at least 2 rollouts per prompt.")
-    _need(rl.prompts_per_step % dp == 0,
-          f"--grpo-prompts-per-step={rl.prompts_per_step} must be divisible by the data-parallel size {dp} "
-          f"(each DP rank collects an equal share of prompt groups).")
-    _need(rl.rollouts_per_step % gbs == 0,
-          f"--grpo-prompts-per-step x --grpo-group-size = {rl.prompts_per_step} x {rl.group_size} = "
-          f"{rl.rollouts_per_step} rollouts per iteration must be a multiple of --global-batch-size={gbs} "
-          f"(each optimizer step trains on --global-batch-size sequences).")
-    # Hostile / mistyped values: every float flag finite, every range checked here, before any model is built,
-    # not after the checkpoint is loaded or one iteration in.
-    for flag, value in (("--rl-default-temperature", rl.temperature), ("--rl-default-top-p", rl.top_p),
-                        ("--rl-eval-temperature", rl.eval_temperature),
-                        ("--grpo-kl-beta", rl.loss.kl_beta), ("--grpo-entropy-term-weight", rl.loss.entropy_weight)):
-        _need(math.isfinite(value), f"{flag}={value}: must be a finite number.")
-    # Every backend refuses 0 < T < MIN_TEMPERATURE per request (near-zero temperatures overflow the softmax).
-    _need(MIN_TEMPERATURE <= rl.temperature <= MAX_TEMPERATURE,
-          f"--rl-default-temperature={rl.temperature}: must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (the policy "
-          f"samples at this temperature and the trainer scores log-probs at it).")
-    _need(rl.eval_temperature == 0 or MIN_TEMPERATURE <= rl.eval_temperature <= MAX_TEMPERATURE,
-          f"--rl-eval-temperature={rl.eval_temperature}: must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
-          f"{MAX_TEMPERATURE}].")
-    validate_policy_loss(rl.loss)  # clip ranges, IS correction, sequence rejection: checked beside their fields
-    _need(rl.inference_backend in _known_backends(),
-          f"--inference-backend={rl.inference_backend}: unknown backend; registered: {_known_backends()}.")
-    _need(0 < rl.top_p <= 1, f"--rl-default-top-p={rl.top_p}: must be in (0, 1].")
-    _need(rl.top_k >= 0, f"--rl-default-top-k={rl.top_k}: must be >= 0 (0 disables top-k).")
-    _need(rl.loss.kl_beta >= 0, f"--grpo-kl-beta={rl.loss.kl_beta}: must be >= 0.")
-    _need(rl.max_new_tokens < cfg.model.seq_length,
-          f"--rl-max-new-tokens={rl.max_new_tokens} leaves no room for a prompt within --seq-length="
-          f"{cfg.model.seq_length}.")
-    _need(rl.max_all_failed_iterations >= 0,
-          f"--rl-max-all-failed-iterations={rl.max_all_failed_iterations}: must be >= 0 (0 never stops).")
-    _need(rl.prompts_per_eval >= 0, f"--rl-prompts-per-eval={rl.prompts_per_eval}: must be >= 0.")
-    _need(rl.inference_backend != "openai" or rl.inference_server_url,
-          "--inference-backend openai needs --inference-server-url (the OpenAI-compatible server's base URL).")
+    _validate_batch(rl, cfg)
+    _validate_values(rl, cfg)
+    backend = inference_backend_class(rl.inference_backend)
+    _need(not backend.needs_server_url or rl.inference_server_url,
+          f"--inference-backend {rl.inference_backend} needs --inference-server-url (the OpenAI-compatible server's "
+          f"base URL).")
     _validate_serving(rl, cfg)
     _need(cfg.parallel.virtual_pipeline_model_parallel_size is None,
           "train_rl.py does not support the interleaved pipeline schedule yet; drop "
@@ -282,6 +257,54 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
     validate_async_rollouts(rl.async_rollouts, rl, cfg)
 
 
+def _validate_batch(rl: RLConfig, cfg: TrainingConfig) -> None:
+    """The batch arithmetic (see the module docstring): sizes >= 1, groups per DP rank, sequences per step."""
+    dp = cfg.parallel.data_parallel_size
+    gbs = cfg.train.global_batch_size
+    for flag, value in (("--grpo-prompts-per-step", rl.prompts_per_step), ("--grpo-group-size", rl.group_size),
+                        ("--grpo-iterations", rl.grpo_iterations), ("--rl-max-new-tokens", rl.max_new_tokens),
+                        ("--rl-sequence-packing-max-sequences-per-bin", rl.max_sequences_per_bin)):
+        _need(value >= 1, f"{flag}={value}: must be >= 1.")
+    _need(rl.group_size >= 2 or rl.advantage_estimator not in ("grpo", "rloo", "drgrpo"),
+          f"--grpo-group-size={rl.group_size}: the {rl.advantage_estimator!r} advantage compares rollouts within a "
+          f"group, so it needs at least 2 rollouts per prompt.")
+    _need(rl.prompts_per_step % dp == 0,
+          f"--grpo-prompts-per-step={rl.prompts_per_step} must be divisible by the data-parallel size {dp} "
+          f"(each DP rank collects an equal share of prompt groups).")
+    _need(rl.rollouts_per_step % gbs == 0,
+          f"--grpo-prompts-per-step x --grpo-group-size = {rl.prompts_per_step} x {rl.group_size} = "
+          f"{rl.rollouts_per_step} rollouts per iteration must be a multiple of --global-batch-size={gbs} "
+          f"(each optimizer step trains on --global-batch-size sequences).")
+
+
+def _validate_values(rl: RLConfig, cfg: TrainingConfig) -> None:
+    """Each value in its range: sampling, the loss, lengths, limits."""
+    # Hostile / mistyped values: every float flag finite, every range checked here, before any model is built,
+    # not after the checkpoint is loaded or one iteration in.
+    for flag, value in (("--rl-default-temperature", rl.temperature), ("--rl-default-top-p", rl.top_p),
+                        ("--rl-eval-temperature", rl.eval_temperature),
+                        ("--grpo-kl-beta", rl.loss.kl_beta), ("--grpo-entropy-term-weight", rl.loss.entropy_weight)):
+        _need(math.isfinite(value), f"{flag}={value}: must be a finite number.")
+    # Every backend refuses 0 < T < MIN_TEMPERATURE per request (near-zero temperatures overflow the softmax).
+    _need(MIN_TEMPERATURE <= rl.temperature <= MAX_TEMPERATURE,
+          f"--rl-default-temperature={rl.temperature}: must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}] (the policy "
+          f"samples at this temperature and the trainer scores log-probs at it).")
+    _need(rl.eval_temperature == 0 or MIN_TEMPERATURE <= rl.eval_temperature <= MAX_TEMPERATURE,
+          f"--rl-eval-temperature={rl.eval_temperature}: must be 0 (greedy) or in [{MIN_TEMPERATURE}, "
+          f"{MAX_TEMPERATURE}].")
+    validate_policy_loss(rl.loss)  # clip ranges, IS correction, sequence rejection: checked beside their fields
+    inference_backend_class(rl.inference_backend)  # a name no backend is registered under: a ConfigError
+    _need(0 < rl.top_p <= 1, f"--rl-default-top-p={rl.top_p}: must be in (0, 1].")
+    _need(rl.top_k >= 0, f"--rl-default-top-k={rl.top_k}: must be >= 0 (0 disables top-k).")
+    _need(rl.loss.kl_beta >= 0, f"--grpo-kl-beta={rl.loss.kl_beta}: must be >= 0.")
+    _need(rl.max_new_tokens < cfg.model.seq_length,
+          f"--rl-max-new-tokens={rl.max_new_tokens} leaves no room for a prompt within --seq-length="
+          f"{cfg.model.seq_length}.")
+    _need(rl.max_all_failed_iterations >= 0,
+          f"--rl-max-all-failed-iterations={rl.max_all_failed_iterations}: must be >= 0 (0 never stops).")
+    _need(rl.prompts_per_eval >= 0, f"--rl-prompts-per-eval={rl.prompts_per_eval}: must be >= 0.")
+
+
 def _validate_serving(rl: RLConfig, cfg: TrainingConfig) -> None:
     """--rl-serve-inference / --rl-max-policy-logprob-gap (see megatron/rl/server/policy_server.py)."""
     _need(rl.max_policy_logprob_gap > 0, f"--rl-max-policy-logprob-gap={rl.max_policy_logprob_gap}: must be > 0.")
@@ -292,7 +315,7 @@ def _validate_serving(rl: RLConfig, cfg: TrainingConfig) -> None:
         parse_address(rl.serve_inference)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    _need(rl.inference_backend == "megatron",
+    _need(inference_backend_class(rl.inference_backend).in_process_engine,
           f"--rl-serve-inference serves the in-process engine, but --inference-backend={rl.inference_backend}; "
           f"use --inference-backend megatron (an external server already serves itself).")
     _need(not rl.inference_layout.enabled,

@@ -233,84 +233,119 @@ def build_packed_batch(info: PackingInfo, bin_ids: Sequence[Optional[int]], toke
             like ``token_ids``), placed at the tokens' positions (``-1`` elsewhere): ``PackedBatch.token_values``.
     Returns: PackedBatch with ``len(bin_ids)`` rows of ``info.bin_capacity`` positions.
     """
+    per_token, per_sequence, token_aligned = dict(per_token or {}), dict(per_sequence or {}), dict(token_aligned or {})
+    _check_inputs(info, token_ids, loss_masks, per_token, per_sequence, token_aligned)
+    rows, s_len = len(bin_ids), info.bin_capacity
+    at = _Placement.of(info, bin_ids)
+    flat_ids = _concat([_stored(token_ids[s], k) for s, k in zip(at.order, at.skip)], torch.long)
+    flat_mask = _concat([_stored(loss_masks[s], k) for s, k in zip(at.order, at.skip)], dtype)
+    if len(at.order) and bool(flat_mask[at.first].any()):
+        bad = at.order[int(flat_mask[at.first].nonzero()[0])]
+        raise ValueError(f"loss_masks[{bad}][0] is set, but the first token of a sequence has no "
+                         f"prediction; only generated tokens (after the prompt) can be trained")
+    pred_where = at.where[at.predicted]
+    tokens = torch.full((rows * s_len,), pad_token_id, dtype=torch.long)
+    tokens[at.where] = flat_ids
+    labels = torch.full((rows * s_len,), pad_token_id, dtype=torch.long)
+    # a predicted position holds the next token's label and mask (never past its sequence's end)
+    labels[pred_where] = flat_ids.roll(-1)[at.predicted]
+    loss_mask = torch.zeros(rows * s_len, dtype=dtype)
+    loss_mask[pred_where] = flat_mask.roll(-1)[at.predicted]
+    seq_ids = torch.full((rows * s_len,), -1, dtype=torch.long)
+    seq_ids[at.where] = torch.repeat_interleave(at.order_t, at.lengths)
+    # positions count from 0 in every sequence and in each row's padding tail
+    row_lengths = [[info.seq_lengths[s] for s in seqs] for seqs in at.row_seqs]
+    used = [sum(ls) for ls in row_lengths]
+    segment_start = torch.repeat_interleave(torch.tensor([r * s_len + u for r, u in enumerate(used)],
+                                                         dtype=torch.long), s_len)
+    segment_start[at.where] = at.seq_start
+    position_ids = torch.arange(rows * s_len) - segment_start
+    if any(at.skip):  # a sequence stored after its shared prefix counts its positions on from it
+        position_ids[at.where] += torch.repeat_interleave(torch.tensor(at.skip, dtype=torch.long), at.lengths)
+    values = _placed_values(at, rows * s_len, per_token, per_sequence, dtype)
+    aligned = {k: flat.view(rows, s_len, *flat.shape[1:]) for k, flat in _placed_aligned(at, rows * s_len,
+                                                                                          token_aligned).items()}
+    segments = [tuple(ls + ([s_len - u] if u < s_len else [])) for ls, u in zip(row_lengths, used)]
+    return PackedBatch(tokens.view(rows, s_len), labels.view(rows, s_len), position_ids.view(rows, s_len),
+                       loss_mask.view(rows, s_len), seq_ids.view(rows, s_len),
+                       {k: v.view(rows, s_len) for k, v in values.items()}, tuple(bin_ids), tuple(segments), info,
+                       aligned)
+
+
+def _check_inputs(info: PackingInfo, token_ids: Sequence, loss_masks: Sequence, per_token: dict,
+                  per_sequence: dict, token_aligned: dict) -> None:
+    """Every input has one entry per sequence of the plan, of the lengths :func:`build_packed_batch` documents."""
     _check_lengths("token_ids", token_ids, info, 0)
     _check_lengths("loss_masks", loss_masks, info, 0)
-    per_token = dict(per_token or {})
-    per_sequence = dict(per_sequence or {})
     for name, vals in per_token.items():
         _check_lengths(f"per_token[{name!r}]", vals, info, -1)
     for name, vals in per_sequence.items():
         if vals.shape != (info.num_sequences,):
             raise ValueError(f"per_sequence[{name!r}] must have shape [{info.num_sequences}], got {tuple(vals.shape)}")
-    token_aligned = dict(token_aligned or {})
     for name, vals in token_aligned.items():
         _check_lengths(f"token_aligned[{name!r}]", vals, info, 0)
     if set(per_token) & set(per_sequence):
         raise ValueError(f"names used twice: {sorted(set(per_token) & set(per_sequence))}")
 
-    rows, s_len = len(bin_ids), info.bin_capacity
-    # Every real token's flat position (row * S + offset + i), laid out sequence after sequence: each tensor is
-    # then filled by one scatter instead of ~10 small slice assignments per sequence (this runs on every
-    # iteration's whole batch).
-    row_seqs = [() if b is None else info.bins[b] for b in bin_ids]
-    placed = [(r, s) for r, seqs in enumerate(row_seqs) for s in seqs]
-    order = [s for _, s in placed]
-    order_t = torch.tensor(order, dtype=torch.long)
-    lengths = torch.tensor([info.seq_lengths[s] for s in order], dtype=torch.long)
-    starts = torch.tensor([r * s_len + info.seq_starts[s] for r, s in placed], dtype=torch.long)
-    seq_start = torch.repeat_interleave(starts, lengths)  # [tokens]: flat position of the token's sequence start
-    first = torch.cumsum(lengths, 0) - lengths
-    within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)  # index in the sequence
-    where = seq_start + within
-    predicted = within < torch.repeat_interleave(lengths - 1, lengths)  # every token but each sequence's last
-    skip = [info.skipped(s) for s in order]
-    flat_ids = _concat([_stored(token_ids[s], k) for s, k in zip(order, skip)], torch.long)
-    flat_mask = _concat([_stored(loss_masks[s], k) for s, k in zip(order, skip)], dtype)
-    if len(order) and bool(flat_mask[first].any()):
-        bad = order[int(flat_mask[first].nonzero()[0])]
-        raise ValueError(f"loss_masks[{bad}][0] is set, but the first token of a sequence has no "
-                         f"prediction; only generated tokens (after the prompt) can be trained")
-    pred_where = where[predicted]
 
-    tokens = torch.full((rows * s_len,), pad_token_id, dtype=torch.long)
-    tokens[where] = flat_ids
-    labels = torch.full((rows * s_len,), pad_token_id, dtype=torch.long)
-    # a predicted position holds the next token's label and mask (never past its sequence's end)
-    labels[pred_where] = flat_ids.roll(-1)[predicted]
-    loss_mask = torch.zeros(rows * s_len, dtype=dtype)
-    loss_mask[pred_where] = flat_mask.roll(-1)[predicted]
-    seq_ids = torch.full((rows * s_len,), -1, dtype=torch.long)
-    seq_ids[where] = torch.repeat_interleave(order_t, lengths)
-    # positions count from 0 in every sequence and in each row's padding tail
-    row_lengths = [[info.seq_lengths[s] for s in seqs] for seqs in row_seqs]
-    used = [sum(ls) for ls in row_lengths]
-    segment_start = torch.repeat_interleave(torch.tensor([r * s_len + u for r, u in enumerate(used)],
-                                                         dtype=torch.long), s_len)
-    segment_start[where] = seq_start
-    position_ids = torch.arange(rows * s_len) - segment_start
-    if any(skip):  # a sequence stored after its shared prefix counts its positions on from it
-        position_ids[where] += torch.repeat_interleave(torch.tensor(skip, dtype=torch.long), lengths)
+@dataclass
+class _Placement:
+    """Every real token's flat position (row * S + offset + i) in the rows, laid out sequence after sequence: each
+    tensor is then filled by one scatter instead of ~10 small slice assignments per sequence (this runs on every
+    iteration's whole batch)."""
+
+    row_seqs: list  # [rows] the sequences of each row
+    order: list[int]  # the sequences in placement order
+    order_t: torch.Tensor
+    lengths: torch.Tensor  # [sequences] stored lengths, in placement order
+    skip: list[int]  # [sequences] shared-prefix tokens not stored, in placement order
+    seq_start: torch.Tensor  # [tokens] flat position of the token's sequence start
+    first: torch.Tensor  # [sequences] index of each sequence's first token among all tokens
+    where: torch.Tensor  # [tokens] flat position of every token
+    predicted: torch.Tensor  # [tokens] every token but each sequence's last
+
+    @classmethod
+    def of(cls, info: PackingInfo, bin_ids: Sequence[Optional[int]]) -> "_Placement":
+        s_len = info.bin_capacity
+        row_seqs = [() if b is None else info.bins[b] for b in bin_ids]
+        placed = [(r, s) for r, seqs in enumerate(row_seqs) for s in seqs]
+        order = [s for _, s in placed]
+        lengths = torch.tensor([info.seq_lengths[s] for s in order], dtype=torch.long)
+        starts = torch.tensor([r * s_len + info.seq_starts[s] for r, s in placed], dtype=torch.long)
+        seq_start = torch.repeat_interleave(starts, lengths)
+        first = torch.cumsum(lengths, 0) - lengths
+        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)  # index in the sequence
+        return cls(row_seqs=row_seqs, order=order, order_t=torch.tensor(order, dtype=torch.long), lengths=lengths,
+                   skip=[info.skipped(s) for s in order], seq_start=seq_start, first=first,
+                   where=seq_start + within, predicted=within < torch.repeat_interleave(lengths - 1, lengths))
+
+
+def _placed_values(at: _Placement, size: int, per_token: dict, per_sequence: dict,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Flat [size] tensors: per-token values at the predicted positions, per-sequence ones at every position."""
     values = {}
     for k, v in per_token.items():
-        flat = torch.zeros(rows * s_len, dtype=dtype)
-        flat[pred_where] = _concat([_stored(v[s], n) for s, n in zip(order, skip)], dtype)
-        values[k] = flat.view(rows, s_len)
+        flat = torch.zeros(size, dtype=dtype)
+        flat[at.where[at.predicted]] = _concat([_stored(v[s], n) for s, n in zip(at.order, at.skip)], dtype)
+        values[k] = flat
     for k, v in per_sequence.items():
-        flat = torch.zeros(rows * s_len, dtype=dtype)
-        flat[where] = torch.repeat_interleave(v.to(dtype)[order_t], lengths)
-        values[k] = flat.view(rows, s_len)
+        flat = torch.zeros(size, dtype=dtype)
+        flat[at.where] = torch.repeat_interleave(v.to(dtype)[at.order_t], at.lengths)
+        values[k] = flat
+    return values
+
+
+def _placed_aligned(at: _Placement, size: int, token_aligned: dict) -> dict[str, torch.Tensor]:
+    """Flat [size, ...] tensors of the token-aligned values at their tokens' positions, -1 elsewhere."""
     aligned = {}
     for k, v in token_aligned.items():
-        stored = [_stored(v[s], n) for s, n in zip(order, skip)]
+        stored = [_stored(v[s], n) for s, n in zip(at.order, at.skip)]
         like = v[0] if len(v) else torch.zeros(0, dtype=torch.long)  # trailing shape and dtype of every sequence's
-        flat = torch.full((rows * s_len, *like.shape[1:]), -1, dtype=like.dtype)
+        flat = torch.full((size, *like.shape[1:]), -1, dtype=like.dtype)
         if stored:
-            flat[where] = torch.cat(stored).to(like.dtype)
-        aligned[k] = flat.view(rows, s_len, *like.shape[1:])
-    segments = [tuple(ls + ([s_len - u] if u < s_len else [])) for ls, u in zip(row_lengths, used)]
-    return PackedBatch(tokens.view(rows, s_len), labels.view(rows, s_len), position_ids.view(rows, s_len),
-                       loss_mask.view(rows, s_len), seq_ids.view(rows, s_len), values, tuple(bin_ids),
-                       tuple(segments), info, aligned)
+            flat[at.where] = torch.cat(stored).to(like.dtype)
+        aligned[k] = flat
+    return aligned
 
 
 def _stored(item: Sequence, skipped: int) -> Sequence:

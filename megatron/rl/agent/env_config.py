@@ -44,7 +44,7 @@ from megatron.rl.base.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EnvConfigError", "load_env_config", "build_agent_from_config", "import_builtin_agents",
+__all__ = ["EnvConfigError", "load_env_config", "import_env_config_modules", "build_agent_from_config", "import_builtin_agents",
            "resolve_agent_type", "add_env_config_args", "BUILTIN_AGENT_MODULES", "DEFAULT_ENV_CONFIG"]
 
 # The embedded default task (relative to the repository root).
@@ -179,13 +179,16 @@ def _format_validation(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def load_env_config(config: str | Path | dict | list, allow_imports: bool = False) -> list[TaskEntry]:
-    """Parse and validate a config (a YAML file path, or the already-loaded data) into task entries."""
+def _read_config(config: str | Path | dict | list) -> tuple[Any, str, Path | None]:
+    """(data, where it came from for messages, the directory relative ``*_path`` arguments resolve against)."""
     if isinstance(config, (str, Path)):
         path = Path(config)
-        data, src, base = _load_yaml(path), str(path), path.resolve().parent
-    else:
-        data, src, base = config, "<env config>", None
+        return _load_yaml(path), str(path), path.resolve().parent
+    return config, "<env config>", None
+
+
+def _split_imports(data: Any, src: str) -> tuple[list, list[str]]:
+    """(the environment entries, the modules listed under ``imports``), checking the top-level shape."""
     imports: list[str] = []
     if isinstance(data, dict):
         unknown = sorted(set(data) - {"environments", "imports"})
@@ -199,53 +202,81 @@ def load_env_config(config: str | Path | dict | list, allow_imports: bool = Fals
     if not isinstance(data, list) or not data:
         raise EnvConfigError(f"{src}: expected a non-empty list of environments (or a mapping with an "
                              f"'environments' list), got {type(data).__name__}")
+    return data, imports
+
+
+def _run_imports(imports: list[str], src: str, allow_imports: bool) -> None:
     if imports and not allow_imports:
         raise EnvConfigError(f"{src}: key 'imports' lists {_short(imports)}; {_IMPORT_HINT}")
     for module in imports:
         _import_module(module, f"{src}: key 'imports'")
 
-    entries: list[TaskEntry] = []
+
+def import_env_config_modules(config: str | Path | dict | list, allow_imports: bool = False) -> list[str]:
+    """Import the modules the config lists under ``imports`` (what they register by decorator, agents or inference
+    backends, can then be named); returns them. Errors are :func:`load_env_config`'s."""
+    data, src, _ = _read_config(config)
+    _, imports = _split_imports(data, src)
+    _run_imports(imports, src, allow_imports)
+    return imports
+
+
+def load_env_config(config: str | Path | dict | list, allow_imports: bool = False) -> list[TaskEntry]:
+    """Parse and validate a config (a YAML file path, or the already-loaded data) into task entries."""
+    data, src, base = _read_config(config)
+    data, imports = _split_imports(data, src)
+    _run_imports(imports, src, allow_imports)
     type_counts: dict[str, int] = {}
-    for i, raw in enumerate(data):
+    for raw in data:
         if isinstance(raw, dict):
             type_counts[str(raw.get("type"))] = type_counts.get(str(raw.get("type")), 0) + 1
-    for i, raw in enumerate(data):
-        where = f"{src}: environments[{i}]"
-        if not isinstance(raw, dict):
-            raise EnvConfigError(f"{where}: expected a mapping with keys {list(_ENTRY_KEYS)}, got {_short(raw)}")
-        unknown = sorted(set(raw) - set(_ENTRY_KEYS))
-        if unknown:
-            raise EnvConfigError(f"{where}: unknown key(s) {_short(unknown)}; allowed keys: {list(_ENTRY_KEYS)}")
-        type_name = raw.get("type")
-        if not isinstance(type_name, str) or not type_name:
-            raise EnvConfigError(f"{where}: key 'type' is required (a registered agent type or module:Class)")
-        where = f"{where} (type {_short(type_name)})"
-        weight = raw.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0 \
-                or weight == float("inf"):
-            hint = _WEIGHT_HINT if isinstance(weight, str) else ""
-            raise EnvConfigError(f"{where}: key 'weight' must be a finite number >= 0, got {_short(weight)}{hint}")
-        eval_only = raw.get("evaluation_only", False)
-        if not isinstance(eval_only, bool):
-            raise EnvConfigError(f"{where}: key 'evaluation_only' must be true or false, got {_short(eval_only)}")
-        args = raw.get("args") or {}
-        if not isinstance(args, dict):
-            raise EnvConfigError(f"{where}: key 'args' must be a mapping of the agent's fields, got {_short(args)}")
-        default_name = type_name.rsplit(":", 1)[-1]
-        name = raw.get("name") or (default_name if type_counts[type_name] == 1 else f"{default_name}_{i}")
-        if not isinstance(name, str):
-            raise EnvConfigError(f"{where}: key 'name' must be a string, got {_short(name)}")
-        cls = resolve_agent_type(type_name, allow_imports, f"{where}: key 'type'")
-        try:
-            agent = cls(**_resolve_paths(args, base))
-        except ValidationError as e:
-            raise EnvConfigError(f"{where}: key 'args': {_format_validation(e)[:2000]}") from None
-        except (ValueError, TypeError, OSError) as e:
-            raise EnvConfigError(f"{where}: key 'args': {str(e)[:2000]}") from e
-        except ImportError as e:  # an optional package the agent type needs (the message names the extra)
-            raise EnvConfigError(f"{where}: {str(e)[:2000]}") from e
-        entries.append(TaskEntry(name=name, agent=agent, weight=float(weight), evaluation_only=eval_only))
+    entries = [_entry(i, raw, src, base, type_counts, allow_imports) for i, raw in enumerate(data)]
+    _check_entries(entries, src)
+    return entries
 
+
+def _entry(i: int, raw: Any, src: str, base: Path | None, type_counts: dict[str, int],
+           allow_imports: bool) -> TaskEntry:
+    """Environment entry ``i`` (``raw``, as read) as a task entry with its agent built."""
+    where = f"{src}: environments[{i}]"
+    if not isinstance(raw, dict):
+        raise EnvConfigError(f"{where}: expected a mapping with keys {list(_ENTRY_KEYS)}, got {_short(raw)}")
+    unknown = sorted(set(raw) - set(_ENTRY_KEYS))
+    if unknown:
+        raise EnvConfigError(f"{where}: unknown key(s) {_short(unknown)}; allowed keys: {list(_ENTRY_KEYS)}")
+    type_name = raw.get("type")
+    if not isinstance(type_name, str) or not type_name:
+        raise EnvConfigError(f"{where}: key 'type' is required (a registered agent type or module:Class)")
+    where = f"{where} (type {_short(type_name)})"
+    weight = raw.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0 \
+            or weight == float("inf"):
+        hint = _WEIGHT_HINT if isinstance(weight, str) else ""
+        raise EnvConfigError(f"{where}: key 'weight' must be a finite number >= 0, got {_short(weight)}{hint}")
+    eval_only = raw.get("evaluation_only", False)
+    if not isinstance(eval_only, bool):
+        raise EnvConfigError(f"{where}: key 'evaluation_only' must be true or false, got {_short(eval_only)}")
+    args = raw.get("args") or {}
+    if not isinstance(args, dict):
+        raise EnvConfigError(f"{where}: key 'args' must be a mapping of the agent's fields, got {_short(args)}")
+    default_name = type_name.rsplit(":", 1)[-1]
+    name = raw.get("name") or (default_name if type_counts[type_name] == 1 else f"{default_name}_{i}")
+    if not isinstance(name, str):
+        raise EnvConfigError(f"{where}: key 'name' must be a string, got {_short(name)}")
+    cls = resolve_agent_type(type_name, allow_imports, f"{where}: key 'type'")
+    try:
+        agent = cls(**_resolve_paths(args, base))
+    except ValidationError as e:
+        raise EnvConfigError(f"{where}: key 'args': {_format_validation(e)[:2000]}") from None
+    except (ValueError, TypeError, OSError) as e:
+        raise EnvConfigError(f"{where}: key 'args': {str(e)[:2000]}") from e
+    except ImportError as e:  # an optional package the agent type needs (the message names the extra)
+        raise EnvConfigError(f"{where}: {str(e)[:2000]}") from e
+    return TaskEntry(name=name, agent=agent, weight=float(weight), evaluation_only=eval_only)
+
+
+def _check_entries(entries: list[TaskEntry], src: str) -> None:
+    """Names unique, at least one environment that trains, a positive training weight."""
     names = [e.name for e in entries]
     for i, n in enumerate(names):
         if names.index(n) != i:
@@ -257,7 +288,6 @@ def load_env_config(config: str | Path | dict | list, allow_imports: bool = Fals
     if train_weight <= 0:
         raise EnvConfigError(f"{src}: key 'weight': the weights of the training environments sum to "
                              f"{train_weight}; give at least one a positive weight")
-    return entries
 
 
 def build_agent_from_config(config: str | Path | dict | list, allow_imports: bool = False,

@@ -34,11 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from megatron.rl.agent.judge import check_template
 from megatron.rl.base.optional import import_optional
+from megatron.rl.base.errors import RLError
 
 __all__ = ["RewardModelConfig", "RewardModel", "RewardModelError"]
 
 
-class RewardModelError(RuntimeError):
+class RewardModelError(RLError, RuntimeError):
     """The reward model could not score a batch (the message says why)."""
 
 

@@ -42,6 +42,7 @@ from megatron.rl.inference.api import (ChatMessage, GenerationArgs, InferenceInt
                                        InferenceResponse)
 from megatron.rl.base.routes import Routes
 from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
+from megatron.rl.base.errors import RLError
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ class RewardOnlyAgent(Agent):
                                   metrics={"mean_reward": mean, "num_prompts": float(len(groups))})
 
 
-class _RewardTimeout(asyncio.TimeoutError):
+class _RewardTimeout(RLError, asyncio.TimeoutError):
     """A reward or observation overran ``reward_timeout_s`` (or could not start: see ``_off_loop``)."""
 
 

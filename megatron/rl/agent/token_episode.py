@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.rl.inference.api import GenerationArgs, InferenceRequest, InferenceResponse
+from megatron.rl.base.errors import RLError
 
 __all__ = ["TokenEpisode", "TokenMismatchError"]
 
 
-class TokenMismatchError(RuntimeError):
+class TokenMismatchError(RLError, RuntimeError):
     """The backend answered a token-in request with tokens that do not start with the prefix it was given."""
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from megatron.rl.base.errors import RLError
+
 __all__ = ["MissingExtraError", "import_optional"]
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(RLError, ImportError):
     """An optional package a feature needs is not installed; the message names the extra to install."""
 
 

@@ -48,6 +48,7 @@ from megatron.rl.agent.token_episode import TokenEpisode, TokenMismatchError
 from megatron.rl.base.optional import import_optional
 from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface
+from megatron.rl.base.errors import RLError
 
 __all__ = ["OpenEnvAgent", "rubric_scores"]
 
@@ -72,7 +73,7 @@ def _action_class(env: Any) -> type | None:
     return None
 
 
-class _EnvFailure(Exception):
+class _EnvFailure(RLError):
     """The environment (or the policy's action for it) failed: the rollout fails with this reason."""
 
 

@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable
 
+from megatron.rl.base.errors import RLError
+
 __all__ = ["ExprError", "ParseOptions", "parse", "evaluate_exact", "evaluate_float", "leaf_numbers", "Node"]
 
 
-class ExprError(ValueError):
+class ExprError(RLError, ValueError):
     """The text is not a valid, bounded expression (the reward function scores it 0)."""
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "CANCELLED",
     "build_inference_interface",
     "backend_class",
+    "backend_names",
     "registered_backends",
     "expand_requests",
     "expand_checked",
@@ -222,6 +223,25 @@ class InferenceInterface(abc.ABC):
     #: of collecting requests into one ``agenerate`` call.
     continuous_batching: ClassVar[bool] = False
 
+    # Abilities: what the run's checks ask of the backend --inference-backend names, declared by its class and read
+    # from the registered class (``backend_class(name).records_routes``), never by comparing backend names. A new
+    # backend declares what it can do here and every check follows. (Whether the trainer's weight updates reach it
+    # is :attr:`TrainerControl.supports_weight_updates <megatron.rl.inference.control.TrainerControl>`.)
+    #: It generates with this run's megatron-core model in this process: an engine sized by the engine flags
+    #: (``--inference-dynamic-batching-*``), run in lockstep by the ranks of a model-parallel replica, that a separate
+    #: inference layout can build as a copy and ``--rl-serve-inference`` can serve.
+    in_process_engine: ClassVar[bool] = False
+    #: Its responses carry the MoE experts every token was routed to (``InferenceResponse.routes``), which
+    #: ``--rl-router-replay rollout`` replays in the trainer.
+    records_routes: ClassVar[bool] = False
+    #: It captures its own decode step in CUDA graphs (``--cuda-graph-impl local``).
+    captures_decode_graphs: ClassVar[bool] = False
+    #: It generates on a server at ``--inference-server-url``, which a run with it must give.
+    needs_server_url: ClassVar[bool] = False
+    #: Its constructor takes a live model, so a standalone server builds it from a checkpoint's flags
+    #: (:meth:`from_cli`) only, never from ``--backend-arg`` values.
+    serves_checkpoint: ClassVar[bool] = False
+
     @classmethod
     def from_cli(cls, argv: list[str]) -> "InferenceInterface":
         """Build the backend from command-line flags (used by ``python -m megatron.rl.server.inference``).
@@ -351,6 +371,11 @@ def registered_backends() -> list[str]:
     """Names of all registered backends, importing the built-in ones that can be imported."""
     InferenceInterface._registry.load_builtins()  # an optional dependency or a module not written yet: skipped
     return list(InferenceInterface._registry)
+
+
+def backend_names() -> list[str]:
+    """Names of the built-in backends and of every backend registered so far, sorted; imports nothing."""
+    return InferenceInterface._registry.names()
 
 
 def backend_class(name: str) -> type[InferenceInterface]:

@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from megatron.rl.base.errors import ConfigError
+from megatron.rl.base.errors import ConfigError, RLError
 from megatron.rl.inference.api import (GenerationArgs, InferenceError, InferenceInterface, InferenceRequest,
                                        InferenceResponse, expand_checked)
 from megatron.rl.inference.chat_template import render_chat
@@ -70,7 +70,7 @@ from megatron.rl.runtime.openmp import release_thread_pool
 __all__ = ["MegatronInference", "EngineSettings"]
 
 
-class _RequestError(ValueError):
+class _RequestError(RLError, ValueError):
     pass
 
 
@@ -100,6 +100,12 @@ class MegatronInference(InferenceInterface, TrainerControl):
     # the engine admits requests at every step, whoever sends them: the inference server forwards each HTTP request
     # at once instead of holding it until the running batch ends
     continuous_batching = True
+    # the abilities the run's checks read (InferenceInterface): the engine is megatron-core's, in this process, on
+    # this run's model; it records MoE routes and captures its decode step in CUDA graphs
+    in_process_engine = True
+    records_routes = True
+    captures_decode_graphs = True
+    serves_checkpoint = True  # its constructor takes the live model: a server loads a checkpoint (from_cli)
 
     def __init__(self, model: Any, tokenizer: Any, settings: EngineSettings | None = None,
                  max_sequence_length: int | None = None, process_groups: Any = None):

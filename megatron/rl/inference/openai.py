@@ -67,6 +67,8 @@ class OpenAIInference(InferenceInterface, TrainerControl):
             unknown parameters (api.openai.com).
     """
 
+    needs_server_url = True  # an RL run builds it from --inference-server-url
+
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, timeout: float = 60.0,
                  max_retries: int = 2, max_concurrency: int = 64, request_token_ids: bool = True):
         self.base_url = base_url.rstrip("/")

@@ -22,6 +22,7 @@ from typing import Any
 from megatron.rl import runtime
 from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import flag
+from megatron.rl.inference.api import backend_class
 from megatron.rl.inference.engine.lockstep import lockstep_rank_groups
 from megatron.rl.training.config import TrainingConfig
 
@@ -108,7 +109,6 @@ def validate_inference_layout(layout: InferenceLayoutConfig, cfg: TrainingConfig
     ``cuda``: whether the run uses CUDA (default: the runtime's choice).
     """
     if cuda is None:
-
         cuda = runtime.cuda_usable()
     if layout.refit_method == "nccl" and not cuda:
         raise ConfigError("--refit-method nccl needs CUDA (NCCL moves GPU tensors); this run has no usable GPU: "
@@ -118,7 +118,7 @@ def validate_inference_layout(layout: InferenceLayoutConfig, cfg: TrainingConfig
             log.warning("--refit-method / --rl-verify-model-weights-swap have no effect without a separate "
                         "inference layout (--rl-inference-tensor-model-parallel-size etc.)")
         return
-    _need(inference_backend == "megatron",
+    _need(backend_class(inference_backend).in_process_engine,
           f"--inference-backend {inference_backend} does not generate with this run's megatron-core policy, so a "
           f"separate inference layout (--rl-inference-*-model-parallel-size) has nothing to build: drop those "
           f"flags, or use --inference-backend megatron.")
@@ -126,6 +126,18 @@ def validate_inference_layout(layout: InferenceLayoutConfig, cfg: TrainingConfig
                         ("--rl-inference-pipeline-model-parallel-size", layout.pipeline_model_parallel_size),
                         ("--rl-inference-expert-model-parallel-size", layout.expert_model_parallel_size)):
         _need(value is None or value >= 1, f"{flag}={value}: must be >= 1.")
+    s = _validate_sizes(layout, cfg)
+    p = cfg.parallel
+    same = (s.tp, s.pp, s.ep) == (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                   p.expert_model_parallel_size)
+    if same:
+        log.warning("the inference layout equals the training layout (TP=%d PP=%d EP=%d): the copy costs memory "
+                    "and a refit per update for no speed-up; drop --rl-inference-*-model-parallel-size to "
+                    "generate with the training model itself", s.tp, s.pp, s.ep)
+
+
+def _validate_sizes(layout: InferenceLayoutConfig, cfg: TrainingConfig) -> LayoutSizes:
+    """The inference layout's sizes, once they divide the world, the heads, the layers and the experts."""
     s = layout.sizes(cfg)
     m = cfg.model
     world = s.world
@@ -158,12 +170,7 @@ def validate_inference_layout(layout: InferenceLayoutConfig, cfg: TrainingConfig
               f"--rl-inference-pipeline-model-parallel-size={s.pp} with tied embeddings and an unpipelined trainer: "
               f"megatron-core's refit (resharding planner) has no source for the last stage's output-layer copy; "
               f"use --rl-inference-pipeline-model-parallel-size 1, or --untie-embeddings-and-output-weights.")
-    same = (s.tp, s.pp, s.ep) == (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                   p.expert_model_parallel_size)
-    if same:
-        log.warning("the inference layout equals the training layout (TP=%d PP=%d EP=%d): the copy costs memory "
-                    "and a refit per update for no speed-up; drop --rl-inference-*-model-parallel-size to "
-                    "generate with the training model itself", s.tp, s.pp, s.ep)
+    return s
 
 
 # ---------------------------------------------------------------------------------------------- groups

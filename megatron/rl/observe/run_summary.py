@@ -22,6 +22,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from megatron.rl.inference.api import backend_class
+
 __all__ = ["run_summary", "checkpoint_args_line"]
 
 
@@ -42,7 +44,7 @@ def _start(cfg, start) -> str:
 
 def _backend(rl) -> str:
     name = rl.inference_backend
-    if name == "megatron":
+    if backend_class(name).in_process_engine:
         text = "megatron (the in-process engine on the " + \
             ("inference copy)" if rl.inference_layout.enabled else "training weights)")
     elif rl.inference_server_url:
@@ -62,7 +64,7 @@ def _layout(cfg, rl) -> str:
         s = rl.inference_layout.sizes(cfg)
         method = rl.inference_layout.refit_method or "gloo on CPU, nccl on CUDA"
         return text + f"; generation on an inference copy at TP={s.tp} PP={s.pp} EP={s.ep} (refit: {method})"
-    if rl.inference_backend != "megatron":
+    if not backend_class(rl.inference_backend).in_process_engine:
         return text + "; generation on the backend's own devices"
     return text + "; generation at the training layout"
 

@@ -134,6 +134,11 @@ def _resolve_model(m: ModelConfig, cuda: bool) -> ModelConfig:
     for flag, v in (("--hidden-dropout", m.hidden_dropout), ("--attention-dropout", m.attention_dropout)):
         _need(0.0 <= v < 1.0, f"{flag}={v}: must be in [0, 1).")
     _need(not (m.bf16 and m.fp16), "--bf16 and --fp16 were both given; choose one.")
+    return _resolve_experts_and_kernels(m, cuda)
+
+
+def _resolve_experts_and_kernels(m: ModelConfig, cuda: bool) -> ModelConfig:
+    """``m`` with the MoE defaults and the transformer implementation filled in, and what needs CUDA checked."""
     if m.num_experts is not None:
         if m.moe_ffn_hidden_size is None:
             m = _set(m, moe_ffn_hidden_size=m.ffn_hidden_size)

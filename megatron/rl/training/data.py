@@ -49,7 +49,7 @@ import hashlib
 import json
 import logging
 import os
-from typing import Dict, Iterator, List, Optional, Protocol, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Sequence
 
 import numpy
 import torch
@@ -253,6 +253,22 @@ def _check_sources(prefixes: Sequence[str]) -> str:
     return hashlib.sha1(json.dumps(stats).encode()).hexdigest()[:16]
 
 
+def _blend(data_cfg: DataSourceConfig, mock: bool, num_samples: Optional[int]) -> tuple[Any, str]:
+    """(megatron-core's blend of --data-path, the sources' fingerprint); (None, "") for --mock-data."""
+    data_path = getattr(data_cfg, "data_path", None)
+    if mock and data_path:
+        raise DataError("--mock-data and --data-path were both given; choose one")
+    if not mock and not data_path:
+        raise DataError("no training data: pass --data-path (JSONL file or .bin/.idx prefix) or --mock-data")
+    if mock:
+        return None, ""
+    blend = get_blend_from_list(list(data_path))
+    fingerprint = _check_sources(blend[0])
+    if blend[1] is not None and num_samples is None:
+        raise DataError("a weighted --data-path blend needs num_samples (train_iters * global_batch_size)")
+    return blend, fingerprint
+
+
 def build_pretraining_dataset(data_cfg: DataSourceConfig, tokenizer, seq_length: int, seed: int,
                               num_samples: Optional[int], split: str = "train") -> torch.utils.data.Dataset:
     """Build one split of the pretraining dataset (megatron-core ``GPTDataset`` or ``BlendedDataset``).
@@ -266,18 +282,7 @@ def build_pretraining_dataset(data_cfg: DataSourceConfig, tokenizer, seq_length:
     if seq_length < 1:
         raise DataError(f"--seq-length must be >= 1, got {seq_length}")
     mock = bool(getattr(data_cfg, "mock_data", False))
-    data_path = getattr(data_cfg, "data_path", None)
-    if mock and data_path:
-        raise DataError("--mock-data and --data-path were both given; choose one")
-    if not mock and not data_path:
-        raise DataError("no training data: pass --data-path (JSONL file or .bin/.idx prefix) or --mock-data")
-
-    blend, fingerprint = None, ""
-    if not mock:
-        blend = get_blend_from_list(list(data_path))
-        fingerprint = _check_sources(blend[0])
-        if blend[1] is not None and num_samples is None:
-            raise DataError("a weighted --data-path blend needs num_samples (train_iters * global_batch_size)")
+    blend, fingerprint = _blend(data_cfg, mock, num_samples)
     config = PretrainingDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

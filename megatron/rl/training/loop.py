@@ -229,21 +229,14 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
 
     Returns the final iteration, consumed samples, per-iteration stats and the trained model/optimizer.
     """
-
     t, lg = cfg.train, cfg.logging
     if t.train_iters is None:
-
         raise ConfigError("--train-iters is required for pretraining.")
     run = TrainingRun.build(cfg, PRETRAIN_RESUME, metrics_writer=metrics_writer)
     model, optimizer, scheduler, tokenizer, writer = run.model, run.optimizer, run.scheduler, run.tokenizer, run.writer
     start = run.resume()
     iteration, consumed = start.iteration, int(start.run_state.get("consumed_samples", 0))
-    train_iter = _data_iterators(cfg, tokenizer, consumed, "train", t.train_iters * t.global_batch_size)
-    valid_iter = None
-    if t.eval_interval and t.eval_iters > 0:
-        n_eval = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size
-        valid_iter = _data_iterators(cfg, tokenizer, 0, "valid", n_eval)
-
+    train_iter, valid_iter = _pretrain_iterators(cfg, tokenizer, consumed)
     history: list[IterationStats] = []
     evals: list[tuple[int, dict[str, float]]] = []
 
@@ -278,13 +271,7 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
                                            loss_scale_of(optimizer), skipped_total, nan_total))
             window_start, window_iters = time.perf_counter(), 0
         if valid_iter is not None and iteration % t.eval_interval == 0:
-            result = evaluate(forward_step_func, valid_iter, model, t.eval_iters, t.num_microbatches,
-                              cfg.model.seq_length, t.micro_batch_size)
-            evals.append((iteration, result))
-            log.info(" validation at iteration %d | %s", iteration,
-                     " | ".join(f"{k}: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.3f}" for k, v in result.items()))
-            if writer is not None:
-                writer.log_scalars({f"validation/{k}": v for k, v in result.items()}, iteration)
+            evals.append((iteration, _validate(cfg, forward_step_func, valid_iter, model, iteration, writer)))
         if run.threads is not None:  # fewer CPU threads while other processes keep cores busy
             run.threads.update()
         if control.after_iteration(iteration):
@@ -292,3 +279,27 @@ def pretrain(cfg: TrainingConfig, forward_step_func: ForwardStepFunc = gpt_forwa
     control.finish(iteration)
     run.close()
     return PretrainResult(iteration, consumed, history, evals, model, optimizer, scheduler)
+
+
+def _pretrain_iterators(cfg: TrainingConfig, tokenizer, consumed: int) -> tuple:
+    """(training data from ``consumed`` samples on, validation data or None without --eval-interval/--eval-iters)."""
+    t = cfg.train
+    train_iter = _data_iterators(cfg, tokenizer, consumed, "train", t.train_iters * t.global_batch_size)
+    valid_iter = None
+    if t.eval_interval and t.eval_iters > 0:
+        n_eval = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size
+        valid_iter = _data_iterators(cfg, tokenizer, 0, "valid", n_eval)
+    return train_iter, valid_iter
+
+
+def _validate(cfg: TrainingConfig, forward_step_func: ForwardStepFunc, valid_iter, model, iteration: int,
+              writer) -> dict[str, float]:
+    """One validation pass at ``iteration``: its losses, logged (and written to TensorBoard / W&B)."""
+    t = cfg.train
+    result = evaluate(forward_step_func, valid_iter, model, t.eval_iters, t.num_microbatches, cfg.model.seq_length,
+                      t.micro_batch_size)
+    log.info(" validation at iteration %d | %s", iteration,
+             " | ".join(f"{k}: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.3f}" for k, v in result.items()))
+    if writer is not None:
+        writer.log_scalars({f"validation/{k}": v for k, v in result.items()}, iteration)
+    return result

@@ -38,11 +38,15 @@ def transformer_config_from_args(model: ModelConfig, parallel: ParallelConfig, *
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if cuda is None:
-
         cuda = runtime.cuda_usable()
-    te = model.transformer_impl == "transformer_engine"
-    dtype = _dtype(model)
-    kw: dict[str, Any] = dict(
+    kw = {**_architecture(model), **_layout_and_kernels(model, parallel, cuda), **_moe(model)}
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def _architecture(model: ModelConfig) -> dict[str, Any]:
+    """The model's shape, activation, norms, biases, dropout and initialisation."""
+    return dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -59,6 +63,14 @@ def transformer_config_from_args(model: ModelConfig, parallel: ParallelConfig, *
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,
+    )
+
+
+def _layout_and_kernels(model: ModelConfig, parallel: ParallelConfig, cuda: bool) -> dict[str, Any]:
+    """Parallel sizes, numerics, the fused kernels where they can run, and activation recomputation."""
+    te = model.transformer_impl == "transformer_engine"
+    dtype = _dtype(model)
+    return dict(
         # parallelism
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -90,20 +102,23 @@ def transformer_config_from_args(model: ModelConfig, parallel: ParallelConfig, *
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
     )
-    if model.num_experts is not None:
-        kw.update(
-            num_moe_experts=model.num_experts,
-            moe_router_topk=model.moe_router_topk,
-            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-            moe_token_dispatcher_type=model.moe_token_dispatcher_type,
-            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-            moe_router_load_balancing_type=model.moe_router_load_balancing_type,
-            moe_grouped_gemm=model.moe_grouped_gemm,
-            moe_permute_fusion=False,
-            moe_router_fusion=False,
-        )
-    kw.update(overrides)
-    return TransformerConfig(**kw)
+
+
+def _moe(model: ModelConfig) -> dict[str, Any]:
+    """The experts' settings of a MoE model (none for a dense one)."""
+    if model.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_grouped_gemm=model.moe_grouped_gemm,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
 
 
 def layer_spec(model: ModelConfig):

@@ -28,6 +28,7 @@ from typing import Any
 
 from megatron.rl.base.errors import ConfigError
 from megatron.rl.base.flags import flag
+from megatron.rl.inference.api import backend_class
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,8 @@ def validate_engine_flags(f: EngineFlags, inference_backend: str, router_replay:
     if f.cuda_graph_impl == "transformer_engine":
         raise ConfigError("--cuda-graph-impl transformer_engine: not supported; megatron-rl captures the in-process "
                           "engine's decode step itself: use --cuda-graph-impl local.")
-    if f.cuda_graphs and inference_backend != "megatron":
+    backend = backend_class(inference_backend)
+    if f.cuda_graphs and not backend.captures_decode_graphs:
         raise ConfigError(f"--cuda-graph-impl local captures the in-process engine's decode step, but "
                           f"--inference-backend={inference_backend}; use --inference-backend megatron, or drop the "
                           f"flag (a server backend runs its own graphs).")
@@ -95,7 +97,7 @@ def validate_engine_flags(f: EngineFlags, inference_backend: str, router_replay:
     ignored = [name for name, value in (("--inference-dynamic-batching-max-requests", f.max_requests),
                                         ("--inference-dynamic-batching-buffer-size-gb", f.buffer_size_gb))
                if value is not None]
-    if ignored and inference_backend != "megatron":
+    if ignored and not backend.in_process_engine:
         log.warning("%s: ignored with --inference-backend=%s (they size the in-process engine)",
                     " and ".join(ignored), inference_backend)
 

@@ -38,6 +38,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from megatron.rl.base.errors import RLError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["DecodeGraphs", "GraphReplayError", "KeepOperands", "cuda_graph_capture"]
@@ -85,7 +87,7 @@ def cuda_graph_capture(run: Callable[[], torch.Tensor], warmup: int = 2) -> tupl
     return replay, out
 
 
-class GraphReplayError(RuntimeError):
+class GraphReplayError(RLError, RuntimeError):
     """A replayed decode graph did not give the eager forward's logits."""
 
 

@@ -49,6 +49,7 @@ from megatron.rl.inference.api import GenerationArgs, InferenceInterface, backen
 from megatron.rl.inference.validation import RequestLimits, describe_validation_error, generation_limits_model
 from megatron.rl.server.guard import BodySizeLimit, LRUCache, authorized, install_docs, safe_message
 from megatron.rl.server.agent.schema import request_body_schema
+from megatron.rl.base.errors import RLError
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class EnvServerConfig:
                              f"a request that gives none: every such request would be refused")
 
 
-class ClientError(Exception):
+class ClientError(RLError):
     """A client mistake: answered ``status`` with ``{"error": kind, "detail": message}``."""
 
     def __init__(self, status: int, message: str, kind: str = "BadRequest"):
@@ -146,69 +147,140 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
     inference: the server's own backend, for requests that name none.
     config: limits and the inference allowlist (default: no client-chosen backends, default limits).
     """
-    cfg = config or EnvServerConfig()
-    gen_limits = generation_limits_model(cfg.limits)
+    server = _EnvServer(agent, token, inference, config or EnvServerConfig())
+    cfg = server.cfg
     app = FastAPI(title="megatron-rl environment server", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodySizeLimit, max_bytes=cfg.limits.max_body_bytes, timeout_s=cfg.limits.body_timeout_s,
                        reject=lambda status, message: _error(status, message, "RequestTooLarge"
                                                              if status == 413 else "RequestTimeout" if status == 408
                                                              else "BadRequest"))
-    config_dump = agent.model_dump()
-    described = redact(agent.model_dump(mode="json"))  # what GET /agent shows: secrets never leave the server
-    allowed = {_spec_key(s): s for s in cfg.allowed_inference}
-    # bounded by the allowlist; built lazily, kept for the server's life (a backend may hold a loaded model)
-    backends: LRUCache[str, InferenceInterface] = LRUCache(max(1, len(allowed)))
+    _install_error_handlers(app)
+    install_docs(app, server.check_token, app.title)
+    _install_routes(app, server)
+    return app
 
-    def evicted(key: tuple[int, int], _: Agent) -> None:
+
+class _EnvServer:
+    """What the routes share: the agent's configuration, one agent per data-parallel rank, the allowlisted
+    client backends, and the request checks."""
+
+    def __init__(self, agent: Agent, token: str | None, inference: InferenceInterface | None,
+                 cfg: EnvServerConfig):
+        self.agent, self.token, self.inference, self.cfg = agent, token, inference, cfg
+        self.gen_limits = generation_limits_model(cfg.limits)
+        self.config_dump = agent.model_dump()
+        self.described = redact(agent.model_dump(mode="json"))  # what GET /agent shows: secrets never leave
+        self.allowed = {_spec_key(s): s for s in cfg.allowed_inference}
+        # bounded by the allowlist; built lazily, kept for the server's life (a backend may hold a loaded model)
+        self.backends: LRUCache[str, InferenceInterface] = LRUCache(max(1, len(self.allowed)))
+        self.agents: LRUCache[tuple[int, int], Agent] = LRUCache(cfg.max_agents, on_evict=self._evicted)
+
+    def _evicted(self, key: tuple[int, int], _: Agent) -> None:
         logger.warning("dropping the agent of X-DP-Rank=%d X-DP-World-Size=%d (more than --max-agents=%d pairs); "
-                       "if that rank comes back its prompt stream starts again", key[0], key[1], cfg.max_agents)
+                       "if that rank comes back its prompt stream starts again", key[0], key[1], self.cfg.max_agents)
 
-    agents: LRUCache[tuple[int, int], Agent] = LRUCache(cfg.max_agents, on_evict=evicted)
-
-    def fresh_agent(rank: int, world: int) -> Agent:
-        inst = type(agent).model_validate(config_dump)
-        inst.bind_inference(inference)
+    def fresh_agent(self, rank: int, world: int) -> Agent:
+        inst = type(self.agent).model_validate(self.config_dump)
+        inst.bind_inference(self.inference)
         inst.set_data_parallel(rank, world)
         return inst
 
-    def coordinates(request: Request) -> tuple[int, int]:
+    def coordinates(self, request: Request) -> tuple[int, int]:
         try:
             rank = int(request.headers.get("x-dp-rank", "0"))
             world = int(request.headers.get("x-dp-world-size", "1"))
         except ValueError:
             raise ClientError(400, "X-DP-Rank and X-DP-World-Size must be integers") from None
-        if not 1 <= world <= cfg.max_dp_world_size:
-            raise ClientError(400, f"X-DP-World-Size={world} is outside 1..{cfg.max_dp_world_size} "
+        if not 1 <= world <= self.cfg.max_dp_world_size:
+            raise ClientError(400, f"X-DP-World-Size={world} is outside 1..{self.cfg.max_dp_world_size} "
                                    "(--max-dp-world-size)")
         if not 0 <= rank < world:
             raise ClientError(400, f"X-DP-Rank={rank} is outside 0..X-DP-World-Size-1={world - 1}")
         return rank, world
 
-    def agent_for(request: Request) -> Agent:
-        key = coordinates(request)
-        inst = agents.get(key)
+    def agent_for(self, request: Request) -> Agent:
+        key = self.coordinates(request)
+        inst = self.agents.get(key)
         if inst is None:
             # A fresh instance per data-parallel rank: same configuration, independent prompt stream.
-            inst = fresh_agent(*key)
-            agents.put(key, inst)
+            inst = self.fresh_agent(*key)
+            self.agents.put(key, inst)
         return inst
 
-    def client_backend(spec: InferenceSpec) -> InferenceInterface:
+    def client_backend(self, spec: InferenceSpec) -> InferenceInterface:
         key = _spec_key(spec)
-        if key not in allowed:
-            hint = ("it matches none of the specs allowlisted with --allow-client-inference" if allowed else
+        if key not in self.allowed:
+            hint = ("it matches none of the specs allowlisted with --allow-client-inference" if self.allowed else
                     "this server does not accept client-chosen inference backends")
             raise ClientError(403, f"request.inference refused: {hint}; omit it to generate with the server's "
                                    "own backend", "Forbidden")
-        built = backends.get(key)
+        built = self.backends.get(key)
         if built is None:
             built = backend_class(spec.backend).for_untrusted_spec(**spec.kwargs)
-            backends.put(key, built)
+            self.backends.put(key, built)
         return built
 
-    def check_token(request: Request) -> None:
-        if not authorized(request.headers.get("authorization"), token):
+    def check_token(self, request: Request) -> None:
+        if not authorized(request.headers.get("authorization"), self.token):
             raise ClientError(401, "missing or wrong bearer token (Authorization: Bearer <token>)", "Unauthorized")
+
+    async def handle(self, request: Request) -> JSONResponse:
+        """POST /request: validate, check the limits, pick the rank's agent and backend, serve."""
+        data = await _json_body(request)
+        try:
+            req = AgentRequest.model_validate(data)
+        except (ValidationError, ValueError) as e:
+            raise ClientError(422, describe_validation_error(e)[0], "ValidationError") from None
+        if type(req) is AgentRequest:
+            raise ClientError(422, f"request needs a type_name, one of {sorted(AgentRequest.registered_types())}",
+                              "ValidationError")
+        check_request_limits(req, self.cfg, self.gen_limits, self.agent)
+        target = self.agent_for(request)
+        if req.inference is not None:
+            req = req.model_copy(update={"inference_interface": self.client_backend(req.inference),
+                                         "inference": None})
+        elif self.inference is None:
+            raise ClientError(400, "this server has no inference backend of its own (--inference-backend); send "
+                                   "request.inference with a spec it allowlists")
+        try:
+            response = await target.handle(req)
+        except NotImplementedError:
+            raise ClientError(400, f"this environment does not support {type(req).__name__}") from None
+        except ValidationError:
+            raise  # something the agent built (from its backend's output) is invalid: a server fault, 500
+        except ValueError as e:  # the agent cannot serve these values (e.g. fewer groups than weighted environments)
+            raise ClientError(422, f"{type(req).__name__}: {describe_validation_error(e)[0]}",
+                              "ValidationError") from None
+        return JSONResponse(content=response.model_dump(mode="json"))
+
+    async def set_state(self, request: Request) -> dict[str, str]:
+        """POST /state: the rank's agent from a state_dict, loaded aside and swapped in."""
+        key = self.coordinates(request)
+        state = await _json_body(request)
+        if not isinstance(state, dict):
+            raise ClientError(422, "the state must be a JSON object (as GET /state returns)", "ValidationError")
+        inst = self.fresh_agent(*key)  # loaded aside and swapped in: a bad state leaves the current one untouched
+        try:
+            inst.load_state_dict(state)
+        except ValueError as e:  # a well-formed JSON object that is not a state: 422, as for /request
+            raise ClientError(422, f"invalid agent state: {describe_validation_error(e)[0]}",
+                              "ValidationError") from None
+        except (TypeError, KeyError, AttributeError, ArithmeticError):
+            raise ClientError(422, "invalid agent state (wrong keys or types; GET /state shows the expected "
+                                   "shape)", "ValidationError") from None
+        self.agents.put(key, inst)
+        return {"status": "ok"}
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
+        raise ClientError(422, "the body is not valid JSON", "ValidationError") from None
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Client mistakes, HTTP errors and server faults, each as ``{"error": kind, "detail": message}``."""
 
     @app.exception_handler(ClientError)
     async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
@@ -231,13 +303,13 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
         return _error(500, f"the environment failed on this request (error id {error_id}; see the server log)",
                       "InternalError")
 
-    install_docs(app, check_token, app.title)
 
-    async def json_body(request: Request) -> Any:
-        try:
-            return json.loads(await request.body())
-        except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested too deep
-            raise ClientError(422, "the body is not valid JSON", "ValidationError") from None
+def _install_routes(app: FastAPI, server: _EnvServer) -> None:
+    """/health, /agent, /request and /state (GET and POST)."""
+    agent, cfg = server.agent, server.cfg
+
+    def check_token(request: Request) -> None:
+        server.check_token(request)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -245,64 +317,24 @@ def create_app(agent: Agent, token: str | None = None, inference: InferenceInter
 
     @app.get("/agent", dependencies=[Depends(check_token)], responses=_responses(401))
     async def get_agent() -> dict[str, Any]:
-        return described
+        return server.described
 
     @app.post("/request", dependencies=[Depends(check_token)], responses=_responses(400, 401, 403, 413, 422),
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": request_body_schema(cfg.limits, cfg.max_rollouts, cfg.max_ks,
                                                 num_prompts_required=_validation_size(agent) is None)}}}})
     async def handle(request: Request) -> JSONResponse:
-        data = await json_body(request)
-        try:
-            req = AgentRequest.model_validate(data)
-        except (ValidationError, ValueError) as e:
-            raise ClientError(422, describe_validation_error(e)[0], "ValidationError") from None
-        if type(req) is AgentRequest:
-            raise ClientError(422, f"request needs a type_name, one of {sorted(AgentRequest.registered_types())}",
-                              "ValidationError")
-        check_request_limits(req, cfg, gen_limits, agent)
-        target = agent_for(request)
-        if req.inference is not None:
-            req = req.model_copy(update={"inference_interface": client_backend(req.inference), "inference": None})
-        elif inference is None:
-            raise ClientError(400, "this server has no inference backend of its own (--inference-backend); send "
-                                   "request.inference with a spec it allowlists")
-        try:
-            response = await target.handle(req)
-        except NotImplementedError:
-            raise ClientError(400, f"this environment does not support {type(req).__name__}") from None
-        except ValidationError:
-            raise  # something the agent built (from its backend's output) is invalid: a server fault, 500
-        except ValueError as e:  # the agent cannot serve these values (e.g. fewer groups than weighted environments)
-            raise ClientError(422, f"{type(req).__name__}: {describe_validation_error(e)[0]}",
-                              "ValidationError") from None
-        return JSONResponse(content=response.model_dump(mode="json"))
+        return await server.handle(request)
 
     @app.get("/state", dependencies=[Depends(check_token)], responses=_responses(400, 401))
     async def get_state(request: Request) -> dict[str, Any]:
-        return agent_for(request).state_dict()
+        return server.agent_for(request).state_dict()
 
     @app.post("/state", dependencies=[Depends(check_token)], responses=_responses(400, 401, 413, 422),
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": {"type": "object", "description": "a state_dict from GET /state"}}}}})
     async def set_state(request: Request) -> dict[str, str]:
-        key = coordinates(request)
-        state = await json_body(request)
-        if not isinstance(state, dict):
-            raise ClientError(422, "the state must be a JSON object (as GET /state returns)", "ValidationError")
-        inst = fresh_agent(*key)  # loaded aside and swapped in: a bad state leaves the current one untouched
-        try:
-            inst.load_state_dict(state)
-        except ValueError as e:  # a well-formed JSON object that is not a state: 422, as for /request
-            raise ClientError(422, f"invalid agent state: {describe_validation_error(e)[0]}",
-                              "ValidationError") from None
-        except (TypeError, KeyError, AttributeError, ArithmeticError):
-            raise ClientError(422, "invalid agent state (wrong keys or types; GET /state shows the expected "
-                                   "shape)", "ValidationError") from None
-        agents.put(key, inst)
-        return {"status": "ok"}
-
-    return app
+        return await server.set_state(request)
 
 
 _STATUS_TEXT = {400: "client mistake (bad header, unsupported request)", 401: "missing or wrong token",

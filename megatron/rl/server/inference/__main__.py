@@ -79,8 +79,8 @@ def build_backend(name: str, backend_args: dict, extra_argv: list[str]) -> Infer
         if backend_args:
             raise SystemExit("--backend-arg and backend flags after '--' cannot be combined; use one or the other")
         return backend_class(name).from_cli(extra_argv)
-    if name == "megatron" and not backend_args:  # its constructor takes a live model: say how to name a checkpoint
-        raise InferenceError("the megatron backend serves a checkpoint: add `-- --load CKPT_DIR` after the server "
+    if backend_class(name).serves_checkpoint and not backend_args:  # its constructor takes a live model
+        raise InferenceError(f"the {name} backend serves a checkpoint: add `-- --load CKPT_DIR` after the server "
                              "flags (older checkpoints also need their model flags there)")
     return build_inference_interface(name, **backend_args)
 

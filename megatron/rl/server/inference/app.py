@@ -44,6 +44,7 @@ from megatron.rl.inference.validation import RequestLimits, describe_validation_
 from megatron.rl.server.guard import BodySizeLimit, authorized, install_docs, safe_message
 from megatron.rl.server.inference.schemas import (UNSUPPORTED_ERROR_TYPES, ErrorBody, body_models, chat_request,
                                                   completion_requests)
+from megatron.rl.base.errors import RLError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class ServerConfig:
                              f"{self.limits.max_tokens}")
 
 
-class BackendFailure(RuntimeError):
+class BackendFailure(RLError, RuntimeError):
     """The backend raised while serving a batch."""
 
 
@@ -278,7 +279,6 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
     """Build the FastAPI app serving ``backend``. Run it with uvicorn (see ``python -m megatron.rl.server.inference``)."""
     cfg = config or ServerConfig()
     batcher = RequestBatcher(backend, cfg.batch_window_s, cfg.max_batch_requests)
-    CompletionBody, ChatCompletionBody = body_models(cfg.limits, cfg.model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -300,6 +300,15 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
         if not authorized(request.headers.get("authorization"), cfg.api_key):
             raise _AuthError()
 
+    _install_error_handlers(app)
+    install_docs(app, check_auth, app.title)
+    _install_routes(app, backend, batcher, cfg, check_auth)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """A missing key, a body off the schema and FastAPI's own answers, each as OpenAI's error object."""
+
     @app.exception_handler(_AuthError)
     async def _auth_failed(request: Request, exc: _AuthError) -> JSONResponse:
         return _error(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (the server's --api-key)",
@@ -318,21 +327,11 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
         response.headers.update(exc.headers or {})  # 405's Allow
         return response
 
-    install_docs(app, check_auth, app.title)
 
-    async def run(request: Request, requests: list[InferenceRequest]) -> list[InferenceResponse] | JSONResponse:
-        try:
-            out = await _wait_unless_disconnected(request, batcher.submit(requests))
-        except BackendFailure as e:
-            return _error(500, str(e), kind="server_error")
-        if out is None:  # client gone; the status is never seen
-            for r in requests:  # its share of a running batch ends at the backend's next step
-                r.cancel()
-            return _error(499, "client disconnected")
-        errors = [r.error or "request failed" for r in out if r.finish_reason == "error"]
-        if errors:
-            return _error(400, errors[0], param="prompt")
-        return out
+def _install_routes(app: FastAPI, backend: InferenceInterface, batcher: RequestBatcher, cfg: ServerConfig,
+                    check_auth: Any) -> None:
+    """/health, /v1/models, /v1/completions and /v1/chat/completions."""
+    CompletionBody, ChatCompletionBody = body_models(cfg.limits, cfg.model_name)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -350,7 +349,7 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
         except (ValidationError, ValueError) as e:
             msg, param = describe_validation_error(e)
             return _error(400, msg, param=param)
-        out = await run(request, reqs)
+        out = await _run(request, batcher, reqs)
         if isinstance(out, JSONResponse):
             return out
         choices = [{"index": i, "text": r.text, "finish_reason": r.finish_reason,
@@ -367,7 +366,7 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
         except (ValidationError, ValueError) as e:
             msg, param = describe_validation_error(e)
             return _error(400, msg, param=param)
-        out = await run(request, [req])
+        out = await _run(request, batcher, [req])
         if isinstance(out, JSONResponse):
             return out
         choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "finish_reason": r.finish_reason,
@@ -378,8 +377,23 @@ def create_app(backend: InferenceInterface, config: ServerConfig | None = None) 
                 "model": cfg.model_name, "choices": choices, "usage": _usage(out),
                 "prompt_token_ids": out[0].token_ids[:out[0].prompt_length]}
 
-    return app
+
+async def _run(request: Request, batcher: RequestBatcher,
+               requests: list[InferenceRequest]) -> list[InferenceResponse] | JSONResponse:
+    """The responses to one HTTP request's ``requests``, or the error that answers it."""
+    try:
+        out = await _wait_unless_disconnected(request, batcher.submit(requests))
+    except BackendFailure as e:
+        return _error(500, str(e), kind="server_error")
+    if out is None:  # client gone; the status is never seen
+        for r in requests:  # its share of a running batch ends at the backend's next step
+            r.cancel()
+        return _error(499, "client disconnected")
+    errors = [r.error or "request failed" for r in out if r.finish_reason == "error"]
+    if errors:
+        return _error(400, errors[0], param="prompt")
+    return out
 
 
-class _AuthError(Exception):
+class _AuthError(RLError):
     pass

@@ -135,14 +135,21 @@ def body_models(limits: RequestLimits, model_name: str | None = None) -> tuple[t
     """``(CompletionBody, ChatCompletionBody)`` carrying ``limits`` (see the module docstring); with ``model_name``,
     ``model`` must name it (any other is answered 404)."""
     lim = limited_types(limits)
-    Stop = lim["stop"]
-    Stops = Annotated[list[Stop], Field(max_length=lim["stops_max"])]
-    Prompt = Annotated[lim["prompt"], Field(min_length=1)]
     # prompts x n <= max_samples, stated by the schema: n <= min(max_n, max_samples) and as many prompts as fit
     max_n = min(limits.max_n, limits.max_samples)
+    common = _common_body(lim, max_n, model_name)
+    CompletionBase = create_model("CompletionBase", __base__=common,
+                                  **{k: (t, None) for k, t in _unsupported_options(chat=False).items()})
+    ChatBase = create_model("ChatBase", __base__=common,
+                            **{k: (t, None) for k, t in _unsupported_options(chat=True).items()})
+    return _completion_body(CompletionBase, lim, limits, max_n), _chat_body(ChatBase, lim, limits)
+
+
+def _common_body(lim: dict[str, Any], max_n: int, model_name: str | None) -> type[_Body]:
+    """The fields both endpoints read: model, sampling, stop strings, seed."""
+    Stop = lim["stop"]
+    Stops = Annotated[list[Stop], Field(max_length=lim["stops_max"])]
     N = Annotated[int, Field(ge=1, le=max_n)]
-    Prompts = Annotated[list[Prompt], Field(min_length=1, max_length=max(1, min(limits.max_prompts,
-                                                                                 limits.max_samples // max_n)))]
 
     class CommonBody(_Body):
         model: (ModelName if model_name is None else _served_model(model_name)) | None = None
@@ -156,12 +163,16 @@ def body_models(limits: RequestLimits, model_name: str | None = None) -> tuple[t
         return_token_ids: bool | None = None
         user: Annotated[str, Field(max_length=256)] | None = None  # accepted, unused
 
-    CompletionBase = create_model("CompletionBase", __base__=CommonBody,
-                                  **{k: (t, None) for k, t in _unsupported_options(chat=False).items()})
-    ChatBase = create_model("ChatBase", __base__=CommonBody,
-                            **{k: (t, None) for k, t in _unsupported_options(chat=True).items()})
+    return CommonBody
 
-    class CompletionBody(CompletionBase):
+
+def _completion_body(base: type[_Body], lim: dict[str, Any], limits: RequestLimits, max_n: int) -> type[_Body]:
+    """/v1/completions: one prompt or a list of them, at most ``max_samples`` samples in all."""
+    Prompt = Annotated[lim["prompt"], Field(min_length=1)]
+    Prompts = Annotated[list[Prompt], Field(min_length=1, max_length=max(1, min(limits.max_prompts,
+                                                                                 limits.max_samples // max_n)))]
+
+    class CompletionBody(base):
         prompt: Prompt | Prompts
         logprobs: _json_int(lim["logprobs"]) | None = None
 
@@ -172,6 +183,12 @@ def body_models(limits: RequestLimits, model_name: str | None = None) -> tuple[t
                 raise ValueError(f"{prompts} prompt(s) x n={self.n} asks for more than this server's "
                                  f"{limits.max_samples} samples per request; split the request")
             return self
+
+    return CompletionBody
+
+
+def _chat_body(base: type[_Body], lim: dict[str, Any], limits: RequestLimits) -> type[_Body]:
+    """/v1/chat/completions: messages of text or text parts."""
 
     class ContentPart(_Part):
         text: lim["prompt"] | None = None
@@ -193,13 +210,13 @@ def body_models(limits: RequestLimits, model_name: str | None = None) -> tuple[t
                                  "characters")
             return text
 
-    class ChatCompletionBody(ChatBase):
+    class ChatCompletionBody(base):
         messages: Annotated[list[MessageBody], Field(min_length=1, max_length=lim["messages_max"])]
         logprobs: bool | None = False
         top_logprobs: _json_int(lim["top_logprobs"]) | None = None
         max_completion_tokens: _json_int(lim["max_tokens"]) | None = None
 
-    return CompletionBody, ChatCompletionBody
+    return ChatCompletionBody
 
 
 CompletionBody, ChatCompletionBody = body_models(RequestLimits())

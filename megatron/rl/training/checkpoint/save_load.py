@@ -40,6 +40,9 @@ from megatron.rl import runtime
 from megatron.rl.runtime.checkpoint_writer import use_in_process_write_results
 from megatron.rl.training.checkpoint import integrity, paths
 from megatron.rl.training.checkpoint.model_checks import check_model_args, check_padded_vocab
+from megatron.rl.training.checkpoint.optimizer_state import (materialize_optimizer_state, optimizer_error,
+                                                             optimizer_metadata, restore_zero_steps,
+                                                             uses_distributed_optimizer)
 from megatron.rl.training.checkpoint.paths import CheckpointError, latest_checkpoint
 from megatron.rl.training.checkpoint.schedule import check_scheduler_matches
 from megatron.rl.training.checkpoint.rng import (RNG_KEY, capture_rng_state, parallel_layout, restore_rng_state,
@@ -117,12 +120,6 @@ def _model_sharded_state(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:
     return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(models)}
 
 
-def _optimizer_metadata(dist_opt_format: str) -> dict[str, Any]:
-    # chained_optim_avoid_prefix: keys of a chained optimizer do not depend on how params are split into
-    # sub-optimizers (dense/expert), so they stay stable when the layout changes.
-    return {"distrib_optim_sharding_type": dist_opt_format, "chained_optim_avoid_prefix": True}
-
-
 def _json_roundtrip(value: dict | None, name: str) -> dict:
     if value is None:
         return {}
@@ -149,80 +146,6 @@ def _describe(e: BaseException) -> str:
 def _cuda_rng() -> bool:
 
     return runtime.cuda_usable()
-
-
-def _materialize_optimizer_state(optimizer) -> None:
-    """Create the state of parameters that have not been stepped yet (a fresh optimizer, iteration 0).
-
-    Without it such a checkpoint has no exp_avg/exp_avg_sq/step entries and cannot be loaded. Adam's
-    lazy initialisation creates exactly these values (zeros, step 0) on its first step, so doing it early
-    changes nothing numerically.
-    """
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        if inner is None:
-            continue
-        empty = [p for g in inner.param_groups for p in g["params"] if len(inner.state[p]) == 0]
-        if not empty:
-            continue
-        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            for p in empty:
-                inner.state[p]["step"] = torch.tensor(0.0)
-                inner.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                inner.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        elif getattr(sub, "init_state_fn", None) is not None:
-            sub.init_state_fn(inner, getattr(sub, "config", None))
-
-
-def _restore_zero_steps(optim_state: Any) -> None:
-    """megatron-core 0.16.1 stores Adam's shared step only when it is truthy (``if step:``), so a checkpoint
-    saved at step 0 has per-param exp_avg/exp_avg_sq but no step and torch Adam's load_state_dict raises
-    KeyError 'step'. Put the missing step (0) back into the loaded optimizer state dict."""
-    if isinstance(optim_state, (list, tuple)):
-        for v in optim_state:
-            _restore_zero_steps(v)
-        return
-    if not isinstance(optim_state, dict):
-        return
-    state = optim_state.get("state")
-    if isinstance(state, dict) and "param_groups" in optim_state and "common_step" not in state:
-        per_param = [v for v in state.values() if isinstance(v, dict)]
-        if per_param and all("exp_avg" in v and "step" not in v for v in per_param):
-            state["common_step"] = torch.tensor(0.0)
-    for v in optim_state.values():
-        if isinstance(v, (dict, list, tuple)):
-            _restore_zero_steps(v)
-
-
-def uses_distributed_optimizer(optimizer) -> bool:
-    """Whether a megatron optimizer (or any part of a chained one) is a ``DistributedOptimizer``."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _optimizer_differences(info: dict, optimizer) -> list[str]:
-    """What differs between the saving run's optimizer setup and this one (from checkpoint_info)."""
-    out = []
-    saved_dist = info.get("distributed_optimizer")
-    now_dist = uses_distributed_optimizer(optimizer)
-    if saved_dist is not None and bool(saved_dist) != now_dist:
-        out.append(f"the checkpoint's optimizer state is from {'the distributed' if saved_dist else 'a plain'} "
-                   f"optimizer but this run uses {'the distributed' if now_dist else 'a plain'} one: "
-                   f"{'add' if saved_dist else 'drop'} --use-distributed-optimizer to match")
-    layout = parallel_layout()
-    saved_layout = info.get("layout") or {}
-    if saved_layout.get("ep", layout["ep"]) != layout["ep"]:
-        out.append(f"expert-parallel size changed ({saved_layout['ep']} -> {layout['ep']}; "
-                   f"--expert-model-parallel-size)")
-    return out
-
-
-def _optimizer_error(ckpt: Path, detail: str, info: dict, optimizer) -> CheckpointError:
-    diffs = _optimizer_differences(info, optimizer)
-    why = "; ".join(diffs) if diffs else f"the optimizer state does not fit this run ({detail})"
-    return CheckpointError(f"cannot load the optimizer state of {ckpt}: {why}. Pass --no-load-optim to load the "
-                           f"model weights only (the optimizer then starts fresh).")
 
 
 # ------------------------------------------------------------------------------------------------- save
@@ -266,14 +189,27 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
         return str(tmp)
 
     tmp_dir = Path(_rank0_then_share(prepare))
+    opt_meta = optimizer_metadata(dist_opt_format)
+    state = _save_state(model_chunks, optimizer, opt_param_scheduler, iteration, run_state, model_args,
+                        dist_opt_format, save_rng, opt_meta)
+    _write_on_every_rank(state, tmp_dir, opt_meta, root / name)
+    integrity.write_manifest(tmp_dir)  # inside the temp dir: published together with the checkpoint
+    final = root / name
+    _rank0_then_share(lambda: paths.publish(tmp_dir, final))
+    _rank0_then_share(lambda: paths.write_tracker(root, iteration))
+    torch.distributed.barrier()
+    if _rank() == 0:
+        logger.info("saved checkpoint %s (iteration %s) in %.2f s", final, iteration, time.perf_counter() - t0)
+    return final
 
-    from megatron.core import dist_checkpointing
 
+def _save_state(model_chunks: Sequence[torch.nn.Module], optimizer, opt_param_scheduler, iteration: int | str,
+                run_state: Any, model_args: Any, dist_opt_format: str, save_rng: bool, opt_meta: dict) -> dict:
+    """The sharded state a save writes: the model, the optimizer, RNG, the scheduler and the common entries."""
     state = _model_sharded_state(model_chunks)
     contents = sorted(state)
-    opt_meta = _optimizer_metadata(dist_opt_format)
     if optimizer is not None:
-        _materialize_optimizer_state(optimizer)
+        materialize_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=False, metadata=opt_meta)
         contents.append("optimizer")
     if save_rng and iteration != paths.RELEASE:  # a release is model-only: nothing to resume
@@ -291,6 +227,13 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
                                 integrity.MANIFEST_INFO_KEY: integrity.MANIFEST_FILENAME}
     if optimizer is not None:
         state["checkpoint_info"]["distributed_optimizer"] = uses_distributed_optimizer(optimizer)
+    return state
+
+
+def _write_on_every_rank(state: dict, tmp_dir: Path, opt_meta: dict, final: Path) -> None:
+    """Write ``state`` into ``tmp_dir``; a CheckpointError on every rank if any rank failed (nothing published)."""
+    from megatron.core import dist_checkpointing
+
     use_in_process_write_results()  # no Manager process that a SIGKILL would orphan
     try:
         dist_checkpointing.save(state, str(tmp_dir), content_metadata=opt_meta)
@@ -302,18 +245,9 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int | str, model_chu
     flags = torch.tensor([0 if ok else 1], dtype=torch.int64, device="cuda" if _cuda_rng() else "cpu")
     torch.distributed.all_reduce(flags)  # every rank learns whether any rank failed
     if int(flags.item()) != 0:
-        raise CheckpointError(f"saving {root / name} failed on {int(flags.item())} rank(s)"
+        raise CheckpointError(f"saving {final} failed on {int(flags.item())} rank(s)"
                               f"{': ' + err if err else ''}; the previous checkpoint is untouched "
                               f"(partial dir {tmp_dir} is removed by the next save)")
-
-    integrity.write_manifest(tmp_dir)  # inside the temp dir: published together with the checkpoint
-    final = root / name
-    _rank0_then_share(lambda: paths.publish(tmp_dir, final))
-    _rank0_then_share(lambda: paths.write_tracker(root, iteration))
-    torch.distributed.barrier()
-    if _rank() == 0:
-        logger.info("saved checkpoint %s (iteration %s) in %.2f s", final, iteration, time.perf_counter() - t0)
-    return final
 
 
 # ------------------------------------------------------------------------------------------------- load
@@ -371,77 +305,21 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     t0 = time.perf_counter()
     ckpt = paths.resolve_checkpoint_dir(load_dir, newest)  # a bad directory is named before anything else
     _require_distributed()
-    verified = verify_checksums and integrity.verify_manifest(ckpt)
-    common = _load_common(ckpt)
-    info = common.get("checkpoint_info") or {}
-    if verify_checksums and not verified:
-        integrity.check_missing_manifest(ckpt, info)
-    integrity.check_iteration_matches_dir(ckpt, common.get("iteration"))
-    saved_args = common.get("model_args") or {}
-    if model_args:
-        current_args = _json_roundtrip(model_args, "model_args")
-        check_model_args(saved_args, current_args, ckpt)
-        check_padded_vocab(ckpt, saved_args, current_args, info.get("layout") or {})
+    common, info, saved_args = _check_before_reading(ckpt, verify_checksums, model_args)
     contents = _saved_contents(ckpt, common)
-
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
     state = _model_sharded_state(model_chunks)
     want_opt = optimizer is not None and load_optimizer
-    if want_opt and "optimizer" not in contents:
-        raise CheckpointError(f"checkpoint {ckpt} has no optimizer state (a model-only/release checkpoint); "
-                              f"load it with load_optimizer=False (--no-load-optim or --finetune)")
-    if want_opt and info.get("distributed_optimizer") is not None and \
-            bool(info["distributed_optimizer"]) != uses_distributed_optimizer(optimizer):
-        raise _optimizer_error(ckpt, "", info, optimizer)  # known before any tensor is read
     if want_opt:
-        saved_meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or \
-            _optimizer_metadata("fully_reshardable")
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=saved_meta)
-
-    layout = parallel_layout()
-    want_rng = load_rng and RNG_KEY in contents
-    if want_rng and info.get("layout") != layout:
-        want_rng = False
-        if _rank() == 0:
-            logger.info("RNG state not restored: saved under layout %s, now %s (generators keep this run's seeds)",
-                        info.get("layout"), layout)
+        state["optimizer"] = _optimizer_sharded_state(ckpt, optimizer, state, common, info, contents)
+    want_rng = _restores_rng(load_rng, contents, info)
     if want_rng:
         state[RNG_KEY] = rng_sharded_object(capture_rng_state(include_cuda=_cuda_rng()))
-
-    try:
-        loaded = dist_checkpointing.load(
-            state, str(ckpt), strict=StrictHandling.ASSUME_OK_UNEXPECTED if strict else StrictHandling.LOG_ALL)
-    except _errors() as e:  # shape/key mismatches and unreadable shards surface here
-        if want_opt and "optimizer" in str(e):
-            raise _optimizer_error(ckpt, _describe(e), info, optimizer) from e
-        raise CheckpointError(f"loading {ckpt} failed ({_describe(e)}). If the architecture changed, "
-                              f"pass model_args to get the differing flag named") from e
-
+    loaded = _read_state(ckpt, state, strict, info, optimizer if want_opt else None)
     models = _unwrap(model_chunks)
-    keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
-    for key, model in zip(keys, models):
-        if key not in loaded:
-            raise CheckpointError(f"checkpoint {ckpt} has no '{key}' entry (saved with a different number of "
-                                  f"virtual pipeline chunks?)")
-        try:
-            model.load_state_dict(loaded[key], strict=strict)
-        except RuntimeError as e:
-            raise CheckpointError(f"checkpoint {ckpt} does not fit the model ({key}): {e}") from e
-
+    _restore_models(ckpt, loaded, models, strict)
     loaded_sched = False
     if want_opt:
-        _restore_zero_steps(loaded["optimizer"])
-        try:
-            optimizer.load_state_dict(loaded["optimizer"])
-        except (KeyError, ValueError, RuntimeError, IndexError, AssertionError) as e:
-            raise _optimizer_error(ckpt, _describe(e), info, optimizer) from e
-        if opt_param_scheduler is not None and "opt_param_scheduler" in common:
-            # named flags instead of megatron-core's bare AssertionError (after the optimizer: its errors first)
-            opt_param_scheduler.load_state_dict(
-                check_scheduler_matches(ckpt, common["opt_param_scheduler"], opt_param_scheduler))
-            loaded_sched = True
+        loaded_sched = _restore_optimizer(ckpt, loaded, common, info, optimizer, opt_param_scheduler)
     elif optimizer is not None:
         optimizer.reload_model_params()  # main (fp32) params must follow the loaded model params
     integrity.check_finite_state(ckpt, models, optimizer if want_opt else None)
@@ -458,3 +336,89 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks: Sequence[torch.nn
     return LoadedCheckpoint(iteration=iteration, run_state=common.get("run_state") or {}, path=ckpt,
                             loaded_optimizer=want_opt, loaded_scheduler=loaded_sched, loaded_rng=want_rng,
                             model_args=saved_args)
+
+
+def _check_before_reading(ckpt: Path, verify_checksums: bool, model_args: dict | None) -> tuple[dict, dict, dict]:
+    """(common state, checkpoint info, saved model args) once the files, the iteration and the architecture
+    flags check out, before any tensor is read."""
+    verified = verify_checksums and integrity.verify_manifest(ckpt)
+    common = _load_common(ckpt)
+    info = common.get("checkpoint_info") or {}
+    if verify_checksums and not verified:
+        integrity.check_missing_manifest(ckpt, info)
+    integrity.check_iteration_matches_dir(ckpt, common.get("iteration"))
+    saved_args = common.get("model_args") or {}
+    if model_args:
+        current_args = _json_roundtrip(model_args, "model_args")
+        check_model_args(saved_args, current_args, ckpt)
+        check_padded_vocab(ckpt, saved_args, current_args, info.get("layout") or {})
+    return common, info, saved_args
+
+
+def _optimizer_sharded_state(ckpt: Path, optimizer, state: dict, common: dict, info: dict, contents: set[str]) -> Any:
+    """The optimizer's sharded state to load into, once the checkpoint is known to hold a matching one."""
+    from megatron.core import dist_checkpointing
+
+    if "optimizer" not in contents:
+        raise CheckpointError(f"checkpoint {ckpt} has no optimizer state (a model-only/release checkpoint); "
+                              f"load it with load_optimizer=False (--no-load-optim or --finetune)")
+    if info.get("distributed_optimizer") is not None and \
+            bool(info["distributed_optimizer"]) != uses_distributed_optimizer(optimizer):
+        raise optimizer_error(ckpt, "", info, optimizer, parallel_layout())  # known before any tensor is read
+    saved_meta = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or \
+        optimizer_metadata("fully_reshardable")
+    return optimizer.sharded_state_dict(state, is_loading=True, metadata=saved_meta)
+
+
+def _restores_rng(load_rng: bool, contents: set[str], info: dict) -> bool:
+    """Whether the saved RNG states are restored: asked for, saved, and saved under this parallel layout."""
+    layout = parallel_layout()
+    want_rng = load_rng and RNG_KEY in contents
+    if want_rng and info.get("layout") != layout:
+        want_rng = False
+        if _rank() == 0:
+            logger.info("RNG state not restored: saved under layout %s, now %s (generators keep this run's seeds)",
+                        info.get("layout"), layout)
+    return want_rng
+
+
+def _read_state(ckpt: Path, state: dict, strict: bool, info: dict, optimizer) -> dict:
+    """``state`` read from ``ckpt`` (``optimizer``: the one whose state is read, else None)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    try:
+        return dist_checkpointing.load(
+            state, str(ckpt), strict=StrictHandling.ASSUME_OK_UNEXPECTED if strict else StrictHandling.LOG_ALL)
+    except _errors() as e:  # shape/key mismatches and unreadable shards surface here
+        if optimizer is not None and "optimizer" in str(e):
+            raise optimizer_error(ckpt, _describe(e), info, optimizer, parallel_layout()) from e
+        raise CheckpointError(f"loading {ckpt} failed ({_describe(e)}). If the architecture changed, "
+                              f"pass model_args to get the differing flag named") from e
+
+
+def _restore_models(ckpt: Path, loaded: dict, models: list, strict: bool) -> None:
+    keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
+    for key, model in zip(keys, models):
+        if key not in loaded:
+            raise CheckpointError(f"checkpoint {ckpt} has no '{key}' entry (saved with a different number of "
+                                  f"virtual pipeline chunks?)")
+        try:
+            model.load_state_dict(loaded[key], strict=strict)
+        except RuntimeError as e:
+            raise CheckpointError(f"checkpoint {ckpt} does not fit the model ({key}): {e}") from e
+
+
+def _restore_optimizer(ckpt: Path, loaded: dict, common: dict, info: dict, optimizer, opt_param_scheduler) -> bool:
+    """Load the optimizer's (and the scheduler's) state; returns whether the scheduler's was loaded."""
+    restore_zero_steps(loaded["optimizer"])
+    try:
+        optimizer.load_state_dict(loaded["optimizer"])
+    except (KeyError, ValueError, RuntimeError, IndexError, AssertionError) as e:
+        raise optimizer_error(ckpt, _describe(e), info, optimizer, parallel_layout()) from e
+    if opt_param_scheduler is not None and "opt_param_scheduler" in common:
+        # named flags instead of megatron-core's bare AssertionError (after the optimizer: its errors first)
+        opt_param_scheduler.load_state_dict(
+            check_scheduler_matches(ckpt, common["opt_param_scheduler"], opt_param_scheduler))
+        return True
+    return False
