@@ -39,13 +39,26 @@ from megatron.rl.inference.engine.batched_admission import BatchedAdmission
 from megatron.rl.runtime import versions
 from megatron.rl.runtime.ranges import concat_ranges
 
-__all__ = ["SharedPromptPrefill", "megatron_core_shares_prompts", "shared_prefill_tokens"]
+__all__ = ["SharedPromptPrefill", "megatron_core_shares_prompts", "forget_shared_prompts", "shared_prefill_tokens"]
 
 
 def megatron_core_shares_prompts() -> bool:
     """Whether the installed megatron-core shares prompt KV blocks itself (0.19's prefix caching), so that
     ``EngineSettings.share_prompt_prefill`` turns that on rather than :class:`SharedPromptPrefill`."""
     return versions.is_0_19()
+
+
+def forget_shared_prompts(context: Any) -> None:
+    """Let no request admitted from now on share the KV blocks cached so far (megatron-core 0.19's prefix cache):
+    after a pause in which the weights may have changed, those blocks hold the old weights' keys and values. The
+    requests holding them keep them; each block returns to the pool when its last holder releases it (megatron-core's
+    default eviction frees a block at reference count zero, registered or not). No-op without prefix caching
+    (0.16.1's :class:`SharedPromptPrefill` shares within one step only, never across a pause)."""
+    allocator = getattr(context, "kv_block_allocator", None)
+    if allocator is None or not getattr(context, "enable_prefix_caching", False):
+        return
+    allocator.kv_hash_to_block_id.clear()
+    allocator.block_hashes.fill_(-1)
 
 
 def shared_prefill_tokens(engine: Any) -> int:

@@ -119,3 +119,43 @@ def test_followers_admitted_beside_requests_in_flight(engines):
         assert r.finish_reason in ("stop", "length"), r.error
         ref = teacher_forced_logprobs(model, r.token_ids, r.prompt_length, 1.0)
         assert float((torch.tensor(r.logprobs) - ref).abs().max()) < MAX_GAP
+
+
+def test_after_a_pause_new_requests_share_no_prompt_cached_before_it(engines):
+    """megatron-core 0.19's prefix cache outlives a step: once the weights may have changed (a paused phase resumed),
+    a new request with a cached prompt computes it anew, while the requests holding the old blocks keep them."""
+    from megatron.rl.inference.engine.shared_prefill import forget_shared_prompts, megatron_core_shares_prompts
+
+    if not megatron_core_shares_prompts():
+        pytest.skip("0.16.1: SharedPromptPrefill shares within one step only, never across a pause")
+    from megatron.core.inference.contexts import DynamicInferenceContext
+    from megatron.core.inference.inference_request import DynamicInferenceRequest
+    from megatron.core.inference.sampling_params import SamplingParams
+    from megatron.core.utils import get_model_config
+
+    from megatron.rl.inference.engine.construct import ContextSizes, make_context
+    from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
+
+    model, _ = engines
+    sizes = ContextSizes(num_layers=2, max_sequence_length=128, buffer_size_gb=0.01, block_size_tokens=BLOCK,
+                         max_tokens=512, max_requests=8)
+    with CudaToCpuMode():
+        context = make_context(DynamicInferenceContext, get_model_config(model), sizes, prefix_caching=True)
+    prompt = torch.arange(1, 3 * BLOCK + 4)
+
+    def admit(rid: int) -> None:
+        context.add_request(DynamicInferenceRequest(
+            request_id=rid, prompt_tokens=prompt.clone(), block_size_tokens=BLOCK, enable_prefix_caching=True,
+            sampling_params=SamplingParams(num_tokens_to_generate=4, termination_id=0)))
+
+    admit(1)
+    admit(2)
+    assert context.prefix_cache_prefill_skipped_tokens == 3 * BLOCK  # shared before the pause
+    holders = context.request_to_kv_block_ids[:2, :3].clone()
+    forget_shared_prompts(context)
+    admit(3)
+    assert context.prefix_cache_prefill_skipped_tokens == 3 * BLOCK  # the new request computed its whole prompt
+    assert torch.equal(context.request_to_kv_block_ids[:2, :3], holders)  # the holders kept their blocks
+    assert not set(context.request_to_kv_block_ids[2, :3].tolist()) & set(holders.flatten().tolist())
+    admit(4)
+    assert context.prefix_cache_prefill_skipped_tokens == 6 * BLOCK  # and the blocks cached after it are shared
