@@ -34,13 +34,18 @@ import _common as C  # noqa: E402
 HIDDEN, LAYERS, HEADS, KV_GROUPS, FFN, VOCAB, SEQ = 256, 4, 4, 2, 688, 384, 128
 
 
-def workload(rows: int, seed: int = 0) -> list[list[int]]:
+def workload(rows: int, seed: int = 0, group_size: int = 1, lengths: tuple[int, int] = (5, 20)) -> list[list[int]]:
+    """``rows`` prompts of ``lengths`` tokens (inclusive); ``group_size`` > 1: each prompt repeated that many times
+    in a row, as a GRPO rollout phase submits a group."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(5, 21, (rows,), generator=g).tolist()
-    return [torch.randint(65, 91, (n,), generator=g).tolist() for n in lengths]
+    count = -(-rows // group_size)
+    sizes = torch.randint(lengths[0], lengths[1] + 1, (count,), generator=g).tolist()
+    prompts = [torch.randint(65, 91, (n,), generator=g).tolist() for n in sizes]
+    return [p for p in prompts for _ in range(group_size)][:rows]
 
 
-def build_megatron():
+def build_megatron(settings=None):
+    """The benchmark's backend; ``settings``: its ``EngineSettings`` (None: the defaults)."""
     argv = (C.model_flags(HIDDEN, LAYERS, HEADS, SEQ) + C.optim_flags(8, 8)
             + ["--group-query-attention", "--num-query-groups", str(KV_GROUPS), "--ffn-hidden-size", str(FFN)])
     trainer = C.build_trainer(argv)
@@ -54,10 +59,10 @@ def build_megatron():
     sample = SamplingController._dynamic_step_sample_logits
     step = DynamicInferenceEngine.async_step
 
-    def counting_sample(self, logits):
+    def counting_sample(self, *logits):  # megatron-core 0.19 passes no logits (they are in the controller's buffer)
         context = self.inference_wrapped_model.inference_context
         rows["n"] = context.total_request_count - context.paused_request_count
-        return sample(self, logits)
+        return sample(self, *logits)
 
     async def timed_step(self, *args, **kwargs):
         rows["n"] = 0
@@ -69,7 +74,7 @@ def build_megatron():
     SamplingController._dynamic_step_sample_logits = counting_sample
     DynamicInferenceEngine.async_step = timed_step
     tokenizer = _NoEos(trainer.tokenizer)
-    backend = MegatronInference(trainer.model[0], tokenizer, max_sequence_length=SEQ)
+    backend = MegatronInference(trainer.model[0], tokenizer, max_sequence_length=SEQ, settings=settings)
     return backend, tokenizer, steps
 
 

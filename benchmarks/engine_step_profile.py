@@ -24,12 +24,14 @@ Two measures per phase, medians over the measured steps:
   These do not move with the machine's load: use them to compare code changes on a shared machine.
 
     python benchmarks/engine_step_profile.py [--requests 16 64 128 256] [--new-tokens 8] [--rounds 2]
+        [--group-size 8 --prompt-tokens 96 120] [--off share_prompt_prefill batched_admission keep_cpu_kv_buffer]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
+import dataclasses
 import statistics
 import sys
 import time
@@ -184,15 +186,19 @@ def split(value: float, mode: str) -> tuple[float, float]:
     return float(calls), float(ops)
 
 
-def run(requests: int, new_tokens: int, rounds: int, backend, tokenizer, probe: StepProbe) -> dict:
-    prompts = D.workload(requests)
-    result = {}
+def run(requests: int, new_tokens: int, rounds: int, backend, tokenizer, probe: StepProbe, group_size: int = 1,
+        lengths: tuple[int, int] = (5, 20)) -> dict:
+    prompts = D.workload(requests, group_size=group_size, lengths=lengths)
+    result = {"phase ms": []}
     for mode in ("time", "count"):
         probe.mode = mode
         records: list[dict] = []
         for _ in range(rounds):
             probe.steps.clear()
+            start = time.perf_counter()
             D.run_megatron(backend, tokenizer, [], prompts, new_tokens, requests)
+            if mode == "time":  # the whole phase: a shared prompt's followers may prefill in a later step
+                result["phase ms"].append((time.perf_counter() - start) * 1e3)
             # admission happens between steps: it is charged to the step that follows it
             records += [s for s in probe.steps if s["rows"] == requests]
         prefill = [s for s in records if not s["decode"]]
@@ -218,15 +224,29 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--group-size", type=int, default=1, help="each prompt submitted this many times (a GRPO group)")
+    p.add_argument("--prompt-tokens", type=int, nargs=2, default=[5, 20], metavar=("MIN", "MAX"))
+    p.add_argument("--off", nargs="*", default=[], choices=["share_prompt_prefill", "batched_admission",
+                                                            "keep_cpu_kv_buffer"],
+                   help="engine features to turn off (EngineSettings fields)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
-    backend, tokenizer, _ = D.build_megatron()
+    settings = None
+    if a.off:
+        from megatron.rl.inference.engine.build import EngineSettings
+
+        settings = dataclasses.replace(EngineSettings.for_device("cpu"), **{f: False for f in a.off})
+    backend, tokenizer, _ = D.build_megatron(settings)
     probe = StepProbe()
     install(probe)
-    results = {n: run(n, a.new_tokens, a.rounds, backend, tokenizer, probe) for n in a.requests}
+    results = {n: run(n, a.new_tokens, a.rounds, backend, tokenizer, probe, a.group_size, tuple(a.prompt_tokens))
+               for n in a.requests}
     print(f"engine step by phase ({D.LAYERS} layers, hidden {D.HIDDEN}, {D.HEADS} heads / {D.KV_GROUPS} KV groups, "
-          f"FFN {D.FFN}; {torch.get_num_threads()} threads; medians)")
+          f"FFN {D.FFN}; {torch.get_num_threads()} threads; medians; prompts of {a.prompt_tokens[0]}-"
+          f"{a.prompt_tokens[1]} tokens in groups of {a.group_size}; off: {', '.join(a.off) or 'nothing'})")
     print(C.machine_line())
+    print("whole generation (ms, median of rounds): " + ", ".join(
+        f"{n} requests {statistics.median(r['phase ms']):.1f}" for n, r in results.items()))
     for kind in ("prefill", "decode"):
         rows = []
         for n, r in results.items():

@@ -55,15 +55,17 @@ def rerun_in_fresh_process(request, timeout: int = 300) -> None:
     assert " passed" in proc.stdout and " skipped" not in proc.stdout, proc.stdout[-2000:]
 
 
-def needs_entry(name: str):
-    """Skip unless the megatron-core patch-registry entry ``name`` was written for the installed megatron-core
-    (features built on it are left off on other releases, where megatron-core's own path runs)."""
+def needs_entry(name: str, *others: str):
+    """Skip unless the megatron-core patch-registry entry ``name`` (or one of ``others``: a feature's entries for
+    other releases) was written for the installed megatron-core (features built on it are left off on other
+    releases, where megatron-core's own path runs)."""
     from megatron.rl.runtime import patches, versions
 
-    entry = patches.REGISTRY[name]
+    entries = [patches.REGISTRY[n] for n in (name, *others)]
+    written = sorted({v for entry in entries for v in entry.versions})
     return pytest.mark.skipif(
-        not versions.written_for(entry.versions),
-        reason=f"{name!r} is written for megatron-core {', '.join(entry.versions)} "
+        not any(versions.written_for(entry.versions) for entry in entries),
+        reason=f"{name!r} is written for megatron-core {', '.join(written)} "
                f"(installed: {versions.installed_version()})")
 
 

@@ -8,7 +8,7 @@ that every such class in the package is listed.
 from __future__ import annotations
 
 from megatron.rl.runtime.patches import declare_subclass
-from megatron.rl.runtime.versions import BOTH, MCORE_0_16
+from megatron.rl.runtime.versions import BOTH, MCORE_0_16, MCORE_0_19
 
 _CONTROLLER = "megatron.core.inference.text_generation_controllers.text_generation_controller:TextGenerationController"
 _CONTEXT = "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext"
@@ -47,22 +47,36 @@ _ENTRIES = (
      f"{_CONTEXT}.add_request, .append_key_value_cache, .update_requests, .reset (and the per-token "
      f"arrays add_request fills)",
      "a GRPO group submits its prompt group-size times and the context prefills each copy; followers enter "
-     "with their last prompt token and get the leader's KV slots after each layer's append", MCORE_0_16),
+     "with their last prompt token and get the leader's KV slots after each layer's append. On 0.19 nothing is "
+     "overridden: EngineSettings.share_prompt_prefill turns on megatron-core's own prefix caching "
+     "(InferenceConfig.enable_prefix_caching), which shares whole KV blocks by reference count", MCORE_0_16),
     ("dynamic context: batched admission", "megatron.rl.inference.engine.batched_admission:BatchedAdmission",
      f"{_CONTEXT}.add_request, .initialize_attention_state, .reset, .deallocate_all_tensors (and the per-request "
      f"and per-token arrays add_request fills)",
      "add_request writes ~20 small tensor entries per request, one request at a time; a rollout phase admits all "
      "its requests in one step, whose prefill then spent more time admitting than in the forward. Whole-prompt "
      "admissions are queued and written in one batch of writes before the step's forward (the same values)", MCORE_0_16),
+    ("dynamic context: batched admission (0.19)", "megatron.rl.inference.engine.batched_admission:BatchedAdmission",
+     f"{_CONTEXT}.add_request, ._compute_prefix_match, .initialize_attention_state, .reset (and the per-request "
+     f"and per-token arrays add_request fills, request_in_prefill_status_tensor, the prefix-cache counters); "
+     f"megatron.core.inference.contexts.kv_block_allocator:KVBlockAllocator.register_kv_block_hashes",
+     "as on 0.16.1; 0.19's add_request also matches the prompt's whole blocks against its prefix cache and "
+     "registers the new ones: a request with a hit is left to it, the others are queued with their blocks' hashes "
+     "registered on admission", MCORE_0_19),
     ("dynamic context: reused CPU KV buffer", "megatron.rl.inference.engine.kv_reuse:ReusedCpuKvBuffer",
      f"{_CONTEXT}.allocate_all_tensors, .deallocate_all_tensors (and the memory_buffer they make)",
      "every rollout phase builds a context whose KV buffer is a fresh allocation that the kernel page-faults "
      "on first write; on CPU a stopped engine's buffer serves the next one of the same shape", MCORE_0_16),
+    ("dynamic context: reused CPU KV buffer (0.19)", "megatron.rl.inference.engine.kv_reuse:ReusedCpuKvBuffer",
+     f"{_CONTEXT}._allocate_memory_buffer (and the memory_buffer it makes)",
+     "as on 0.16.1; 0.19 allocates the buffer in _allocate_memory_buffer and its suspend keeps it, so the kept "
+     "buffer is taken after that allocation and free_context hands the buffer to the pool", MCORE_0_19),
     ("engine admission of token-id prompts", "megatron.rl.inference.engine.rollout_engine:RolloutEngine",
      "megatron.core.inference.engines.dynamic_engine:DynamicInferenceEngine.add_request (calls its _add_request)",
      "add_request's DynamicInferenceRequest deep-copies the prompt tensor (~70 us a request through Python's copy "
      "protocol and the CPU device mode); a rollout phase admits all its requests before its first step, so a "
-     "token-id prompt's request is made with the same tokens and a clone()", MCORE_0_16),
+     "token-id prompt's request is made with the same tokens and a clone(). 0.19's request keeps the prompt "
+     "tensor it is given (no copy): there megatron-core's add_request runs", MCORE_0_16),
     ("scalar sampling parameters", "megatron.rl.inference.engine.session:_scalar_sampling_params",
      "megatron.core.inference.sampling_params:SamplingParams (a deep copy made shallow)",
      "every request deep-copies its SamplingParams on creation, walking ~30 objects where a shallow copy of "

@@ -25,6 +25,9 @@ DIFFERENCES = (
     ("controller step hooks", "0.19: _dynamic_step_sample_logits() and _dynamic_step_calculate_log_probs() take "
      "no logits (they read the controller's logits buffer); the latter returns (log-probs, tensor)",
      "megatron.rl.inference.engine.build:SamplingController"),
+    ("prompt sharing", "0.19 has prefix caching (InferenceConfig.enable_prefix_caching): whole KV blocks of equal "
+     "prompt prefixes shared by reference count; 0.16.1 has none (megatron-rl's SharedPromptPrefill copies them)",
+     "megatron.rl.inference.engine.shared_prefill"),
     ("megatron.training", "0.19 wheels ship megatron/training, whose --perform-rl-step imports megatron.rl",
      "megatron.rl.rl_profiling"),
     ("version string", "0.19's package_info appends the git hash of any repository it is installed inside "

@@ -16,6 +16,12 @@ admission (a chunk, a hybrid model's request) first writes what is queued, then 
 
 :mod:`~megatron.rl.inference.engine.shared_prefill` marks a queued request as a follower (:meth:`follow`): it enters
 with its last prompt token only.
+
+megatron-core 0.19's ``add_request`` matches the prompt's whole blocks against its prefix cache first, allocates, then
+checks the request and token limits, and writes one more array (``request_in_prefill_status_tensor``). There a request
+that matches cached blocks is admitted by megatron-core's code (it pins the shared blocks and computes the rest); the
+others are queued as above, their whole blocks' hashes registered at once as megatron-core registers them, so a later
+request of the step finds them.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from typing import Any
 
 import torch
 
+from megatron.rl.runtime import versions
 from megatron.rl.runtime.ranges import concat_ranges
 
 __all__ = ["BatchedAdmission"]
@@ -47,12 +54,15 @@ class BatchedAdmission:
         # Kept in __dict__: megatron-core's constructor runs before any of our methods.
         return self.__dict__.setdefault("_rl_admission_queue", [])
 
-    def add_request(self, req: Any, chunk_length: int | None = None) -> None:
+    def add_request(self, req: Any, chunk_length: int | None = None, **kwargs: Any) -> None:
+        chunk_length = kwargs.pop("prefill_chunk_length", chunk_length)  # its name on 0.19
         length = req.remaining_prompt_length
         whole = req.finished_chunk_token_count == 0 and chunk_length in (None, length)
         if not whole or self.is_hybrid_model or not self.is_tensor_state_allocated:
             self.write_admissions()
             return super().add_request(req, chunk_length)
+        if versions.is_0_19():
+            return self._queue_0_19(req, length)
         from megatron.core.inference.contexts.dynamic_context import (BlockOverflowError, RequestOverflowError,
                                                                       TokenOverflowError)
 
@@ -76,6 +86,40 @@ class BatchedAdmission:
         self.total_request_count += 1
         self.num_prefill_requests += 1
 
+    def _queue_0_19(self, req: Any, length: int) -> None:
+        """megatron-core 0.19's ``add_request`` of a whole prompt without a prefix-cache hit, its writes queued."""
+        from megatron.core.inference.contexts.dynamic_context import (BlockOverflowError, RequestOverflowError,
+                                                                      TokenOverflowError)
+
+        assert length > 0, "Chunk length is 0"
+        matched, from_pool = self._compute_prefix_match(req, length, record_mamba_match=True)[:2]
+        if matched:  # megatron-core pins and counts the shared blocks: its own code, after what is queued
+            self.write_admissions()
+            return super().add_request(req)
+        blocks = self.kv_block_allocator.allocate_memory_blocks(from_pool)
+        if blocks is None or len(blocks) != from_pool:
+            raise BlockOverflowError(req.request_id)
+        index = self.total_request_count
+        if index >= self.max_requests:
+            raise RequestOverflowError(req.request_id)
+        if self.active_token_count + length > self.max_tokens:
+            raise TokenOverflowError(req.request_id)
+        assert req.get_metadata_types() == self.request_metadata_types, \
+            "Request added to context with invalid metadata types"
+        self._queued().append(_Queued(index, req.request_id, req.remaining_prompt_tokens[:length],
+                                      length + req.sampling_params.num_tokens_to_generate, req.tracked_metadata,
+                                      blocks))
+        hashes = req.precomputed_block_hashes[:length // self.block_size_tokens] if self.enable_prefix_caching else []
+        if hashes:  # the prompt's whole blocks, as megatron-core registers them on admission
+            self.kv_block_allocator.register_kv_block_hashes(blocks[:len(hashes)].tolist(), list(hashes),
+                                                             [0, *hashes[:-1]])
+        self.active_token_count += length
+        self.lifetime_prefill_token_count += length
+        if self.enable_prefix_caching:
+            self.prefix_cache_prefill_computed_tokens += length
+        self.total_request_count += 1
+        self.num_prefill_requests += 1
+
     def follow(self, index: int) -> bool:
         """Make the queued request in slot ``index`` enter with its last prompt token only (a shared-prefill
         follower; its earlier positions' keys and values come from elsewhere). False if it is not queued."""
@@ -91,9 +135,9 @@ class BatchedAdmission:
         self.write_admissions()
         return super().initialize_attention_state(*args, **kwargs)
 
-    def reset(self) -> None:
+    def reset(self, *args: Any, **kwargs: Any) -> None:
         self._queued().clear()
-        return super().reset()
+        return super().reset(*args, **kwargs)
 
     def deallocate_all_tensors(self, *args: Any, **kwargs: Any) -> Any:
         self._queued().clear()
@@ -116,7 +160,7 @@ class BatchedAdmission:
         lengths = [len(q.tokens) for q in queued]
         kept = [n - q.kept_from for n, q in zip(lengths, queued)]
         self.request_ids[index] = column([q.request_id for q in queued], self.request_ids)
-        for i, (label, dtype, _) in enumerate(self.request_metadata_types):
+        for i, (label, *_) in enumerate(self.request_metadata_types):  # 0.19: (label, dtype) pairs
             target = self.request_metadata[label]
             values = [q.metadata[i] for q in queued]
             if any(isinstance(v, torch.Tensor) for v in values):
@@ -126,6 +170,8 @@ class BatchedAdmission:
             else:
                 target[index] = column(values, target)
         self.request_query_lengths[index] = column(kept, self.request_query_lengths)
+        if versions.is_0_19():
+            self.request_in_prefill_status_tensor[index] = 1
         self.request_output_lengths[index] = column([q.output_length for q in queued], self.request_output_lengths)
         self.request_kv_length_offsets[index] = column([q.kept_from for q in queued], self.request_kv_length_offsets)
         counts = [len(q.blocks) for q in queued]

@@ -35,7 +35,7 @@ from megatron.rl.inference.engine.graphs import DecodeGraphs
 from megatron.rl.inference.engine.kv_reuse import ReusedCpuKvBuffer
 from megatron.rl.inference.engine.rollout_engine import RolloutEngine
 from megatron.rl.inference.engine.route_recorder import RouteRecorder
-from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill
+from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill, megatron_core_shares_prompts
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
 from megatron.rl.runtime import decode_mirror, kv_append, patches, rope_cache, torch_attention, versions
 from megatron.rl.runtime.decode_lengths import set_decode_lengths
@@ -65,7 +65,8 @@ class EngineSettings:
         (construction and request admission stay inside it); ~1.5x faster decode steps on small models.
         Set False if a step ever fails with a CUDA device error (then everything runs inside the mode).
     share_prompt_prefill: requests admitted in one step with the same prompt (a GRPO group) prefill it once
-        (:mod:`megatron.rl.inference.engine.shared_prefill`); False = every request prefills its own prompt.
+        (:mod:`megatron.rl.inference.engine.shared_prefill`; on megatron-core 0.19 its own prefix caching, which
+        shares whole KV blocks of equal prompt prefixes); False = every request prefills its own prompt.
     batched_admission: the requests admitted in one step are written into the context's arrays in one batch of
         tensor writes before the forward (:mod:`megatron.rl.inference.engine.batched_admission`; the same values);
         False = megatron-core's ``add_request`` writes each request's entries as it admits it.
@@ -119,8 +120,9 @@ class EngineSettings:
     def for_release(self) -> "EngineSettings":
         """These settings with the features whose megatron-core entries (:mod:`megatron.rl.runtime.subclasses`)
         were not written for the installed release turned off: there the stock path runs."""
-        off = {field: False for field, entry in _FEATURE_ENTRIES.items()
-               if getattr(self, field) and not patches.covers_installed(entry)}
+        off = {field: False for field, names in _FEATURE_ENTRIES.items()
+               if getattr(self, field) and not any(patches.covers_installed(name) for name in names)
+               and not versions.written_for(_MEGATRON_CORE_OWN.get(field, ()))}
         if self.decode_buckets is not None and not patches.covers_installed(_DECODE_BUCKETS_ENTRY):
             off["decode_buckets"] = None
         if off:
@@ -137,11 +139,16 @@ class EngineSettings:
         return apply_engine_flags(settings, flags, torch.device(device).type, tp_size)
 
 
-# EngineSettings features -> the registry entry of the megatron-core internals each is built on
-_FEATURE_ENTRIES = {"share_prompt_prefill": "dynamic context: shared prompt prefill",
-                    "batched_admission": "dynamic context: batched admission",
-                    "keep_cpu_kv_buffer": "dynamic context: reused CPU KV buffer",
-                    "decode_cuda_graphs": "dynamic context: decode buckets"}
+# EngineSettings features -> the registry entries of the megatron-core internals each is built on (one per release
+# where the releases' internals differ); a feature is on where one of its entries was written for the installed one
+_FEATURE_ENTRIES = {"share_prompt_prefill": ("dynamic context: shared prompt prefill",),
+                    "batched_admission": ("dynamic context: batched admission",
+                                          "dynamic context: batched admission (0.19)"),
+                    "keep_cpu_kv_buffer": ("dynamic context: reused CPU KV buffer",
+                                           "dynamic context: reused CPU KV buffer (0.19)"),
+                    "decode_cuda_graphs": ("dynamic context: decode buckets",)}
+# EngineSettings features megatron-core provides through its public API on some releases (nothing is changed there)
+_MEGATRON_CORE_OWN = {"share_prompt_prefill": versions.MCORE_0_19}  # InferenceConfig.enable_prefix_caching
 _DECODE_BUCKETS_ENTRY = "dynamic context: decode buckets"
 _FAST_ADMISSION_ENTRY = "engine admission of token-id prompts"
 
@@ -425,13 +432,15 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     buckets = settings.decode_buckets
     if buckets is None and settings.decode_cuda_graphs:
         buckets = power_of_two_buckets(settings.token_rounder or 8, settings.max_requests)
-    context_cls = _context_class(settings.token_rounder, settings.share_prompt_prefill, settings.keep_cpu_kv_buffer,
+    prefix_caching = settings.share_prompt_prefill and megatron_core_shares_prompts()
+    context_cls = _context_class(settings.token_rounder, settings.share_prompt_prefill and not prefix_caching,
+                                 settings.keep_cpu_kv_buffer,
                                  tuple(buckets) if buckets else None, settings.decode_cuda_graphs,
                                  settings.batched_admission)
     sizes = ContextSizes(num_layers=num_local_layers, max_sequence_length=max_sequence_length,
                          buffer_size_gb=settings.buffer_size_gb, block_size_tokens=settings.block_size_tokens,
                          max_tokens=settings.max_tokens, max_requests=settings.max_requests)
-    context = make_context(context_cls, config, sizes, pg_collection)
+    context = make_context(context_cls, config, sizes, pg_collection, prefix_caching=prefix_caching)
     wrapped = make_wrapper(model, config, context, padded_vocab_size, max_sequence_length, pg_collection)
     controller = make_controller(SamplingController, wrapped, tokenizer, pg_collection, seed=settings.seed)
     if settings.record_routes:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megatron.rl.base.errors import RLError
 from megatron.rl.runtime import versions
 
 __all__ = ["ContextSizes", "make_context", "make_wrapper", "make_controller", "make_engine", "free_context",
@@ -30,10 +31,16 @@ class ContextSizes:
     max_requests: int
 
 
-def make_context(cls: type, model_config: Any, sizes: ContextSizes, pg_collection: Any = None) -> Any:
+def make_context(cls: type, model_config: Any, sizes: ContextSizes, pg_collection: Any = None,
+                 prefix_caching: bool = False) -> Any:
     """A ``cls`` (``DynamicInferenceContext`` or a subclass) for a model of ``model_config``, one logits row per
-    request (``materialize_only_last_token_logits``), no CUDA graphs, no unified memory."""
+    request (``materialize_only_last_token_logits``), no CUDA graphs, no unified memory. ``prefix_caching``:
+    megatron-core's own sharing of whole prompt KV blocks between requests (0.19's ``enable_prefix_caching``;
+    0.16.1 has none)."""
     if not versions.is_0_19():
+        if prefix_caching:
+            raise RLError(f"megatron-core {versions.installed_version()} has no prefix caching; "
+                          f"prompt sharing there is SharedPromptPrefill's")
         return cls(params_dtype=model_config.params_dtype, num_layers=sizes.num_layers,
                    kv_channels=model_config.kv_channels,
                    num_attention_heads=model_config.num_query_groups or model_config.num_attention_heads,
@@ -47,7 +54,7 @@ def make_context(cls: type, model_config: Any, sizes: ContextSizes, pg_collectio
                              max_requests=sizes.max_requests, max_tokens=sizes.max_tokens,
                              max_sequence_length=sizes.max_sequence_length, num_cuda_graphs=None,
                              unified_memory_level=0, materialize_only_last_token_logits=True,
-                             pg_collection=pg_collection)
+                             enable_prefix_caching=prefix_caching, pg_collection=pg_collection)
     # 0.19 works out this rank's layers (pipeline stage) from the model's config and the groups itself.
     return cls(model_config, config)
 
@@ -93,6 +100,9 @@ def free_context(context: Any) -> None:
     if not versions.is_0_19():
         context.deallocate_all_tensors()
         return
+    keep = getattr(context, "keep_memory_buffer", None)  # EngineSettings.keep_cpu_kv_buffer (engine/kv_reuse.py)
+    if keep is not None:
+        keep()
     context.memory_buffer = None
     context.is_tensor_state_allocated = False
 

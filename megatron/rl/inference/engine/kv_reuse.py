@@ -13,6 +13,12 @@ buffer to a small pool, and ``allocate_all_tensors`` takes a buffer of the same 
 instead of its own fresh one. A buffer is in at most one live context or in the pool, never both. Only the
 pages a phase touched stay resident (the rest of the buffer is never written). GPU buffers are not kept:
 there, the memory goes back to training.
+
+megatron-core 0.19 allocates the buffer in ``_allocate_memory_buffer`` (called once, by the constructor's
+``initialize_all_tensors``) and its suspend keeps it, so there the mixin takes a kept buffer after that allocation
+and :func:`~megatron.rl.inference.engine.construct.free_context` hands the buffer over (:meth:`keep_memory_buffer`)
+before it drops it. A buffer whose allocation megatron-core made in a memory pool or a memory saver's region
+(unified memory, a non-PERSIST KV-cache mode) is never swapped or kept.
 """
 from __future__ import annotations
 
@@ -40,8 +46,21 @@ def is_kept(buffer: torch.Tensor) -> bool:
 class ReusedCpuKvBuffer:
     """Mixin over ``DynamicInferenceContext`` (before it in the bases); see the module docstring."""
 
-    def allocate_all_tensors(self, *, is_init: bool) -> None:
+    def allocate_all_tensors(self, *, is_init: bool) -> None:  # megatron-core 0.16.1
         super().allocate_all_tensors(is_init=is_init)
+        self._take_kept_buffer()
+
+    def _allocate_memory_buffer(self) -> None:  # megatron-core 0.19
+        super()._allocate_memory_buffer()
+        if self._plain_buffer():
+            self._take_kept_buffer()
+
+    def _plain_buffer(self) -> bool:
+        # A plain torch.empty of megatron-core's: no unified-memory pool, no memory saver, no offload backup of it.
+        mode = getattr(self, "kv_cache_management_mode", None)
+        return self.unified_memory_level == 0 and (mode is None or mode.name == "PERSIST")
+
+    def _take_kept_buffer(self) -> None:
         buffer = getattr(self, "memory_buffer", None)
         if not isinstance(buffer, torch.Tensor) or buffer.device.type != "cpu":
             return
@@ -50,12 +69,18 @@ class ReusedCpuKvBuffer:
         if kept is not None:
             self.memory_buffer = kept  # the fresh one is dropped untouched: it costs nothing
 
-    def deallocate_all_tensors(self) -> None:
+    def keep_memory_buffer(self) -> None:
+        """Hand this context's CPU KV buffer to the pool; the context must not use it afterwards (0.16.1's
+        ``deallocate_all_tensors`` and 0.19's :func:`~megatron.rl.inference.engine.construct.free_context` call
+        this before they drop it)."""
         buffer: Any = self.__dict__.get("memory_buffer")
         if (isinstance(buffer, torch.Tensor) and buffer.device.type == "cpu" and self.is_tensor_state_allocated
-                and self.unified_memory_level == 0):  # otherwise megatron-core keeps its tensors: not ours to pool
+                and self._plain_buffer()):  # otherwise megatron-core keeps its tensors: not ours to pool
             with _LOCK:
                 _POOL[(tuple(buffer.shape), buffer.dtype)] = buffer
                 while len(_POOL) > _POOL_SIZE:
                     _POOL.popitem(last=False)
+
+    def deallocate_all_tensors(self) -> None:  # megatron-core 0.16.1
+        self.keep_memory_buffer()
         super().deallocate_all_tensors()

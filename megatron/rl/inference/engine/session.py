@@ -26,6 +26,7 @@ from megatron.rl.inference.api import CANCELLED, InferenceError, InferenceRespon
 from megatron.rl.inference.engine.construct import free_context
 from megatron.rl.inference.engine.build import EngineSettings, EngineTokenizer, SampleSpec, build_engine
 from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler
+from megatron.rl.inference.engine.shared_prefill import forget_shared_prompts
 from megatron.rl.inference.stopping import completes_stop, finish_response
 from megatron.rl.runtime.cpu_threads import follow as follow_thread_budget
 from megatron.rl.runtime import setup_runtime
@@ -126,7 +127,9 @@ class EngineStepper:
             engine.stop_word_finished_request_ids.add(seq)
 
     def resumed(self) -> None:
-        """Record, for every request in flight, that its tokens from here on are the current version's."""
+        """Record, for every request in flight, that its tokens from here on are the current version's; requests
+        admitted from here on share no prompt KV cached before the pause (the old weights')."""
+        forget_shared_prompts(self.engine.context)
         for rid in self._jobs:
             entry = self.engine.requests.get(rid)
             if entry is not None:

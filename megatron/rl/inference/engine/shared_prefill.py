@@ -21,6 +21,13 @@ train-inference log-prob bound (tests/unit_tests/rl/inference/engine/test_shared
 
 Not used for hybrid (Mamba) models, whose per-request states would need the whole prompt, nor for MLA
 latent caches (another cache layout).
+
+megatron-core 0.19 shares prompts itself: its prefix caching (``InferenceConfig.enable_prefix_caching``) hashes each
+request's whole prompt blocks, and a request whose first blocks are another live request's points its block table
+at those blocks (reference-counted, not copied) and computes only the rest of its prompt (at least two tokens, from
+a block boundary). A request whose blocks another request of the same step is still to compute waits one step. There
+the engine turns that on instead of this mixin (:func:`megatron_core_shares_prompts`); a prompt shorter than a block
+shares nothing.
 """
 from __future__ import annotations
 
@@ -29,9 +36,40 @@ from typing import Any
 import torch
 
 from megatron.rl.inference.engine.batched_admission import BatchedAdmission
+from megatron.rl.runtime import versions
 from megatron.rl.runtime.ranges import concat_ranges
 
-__all__ = ["SharedPromptPrefill"]
+__all__ = ["SharedPromptPrefill", "megatron_core_shares_prompts", "forget_shared_prompts", "shared_prefill_tokens"]
+
+
+def megatron_core_shares_prompts() -> bool:
+    """Whether the installed megatron-core shares prompt KV blocks itself (0.19's prefix caching), so that
+    ``EngineSettings.share_prompt_prefill`` turns that on rather than :class:`SharedPromptPrefill`."""
+    return versions.is_0_19()
+
+
+def forget_shared_prompts(context: Any) -> None:
+    """Let no request admitted from now on share the KV blocks cached so far (megatron-core 0.19's prefix cache):
+    after a pause in which the weights may have changed, those blocks hold the old weights' keys and values. The
+    requests holding them keep them; each block returns to the pool when its last holder releases it (megatron-core's
+    default eviction frees a block at reference count zero, registered or not). No-op without prefix caching
+    (0.16.1's :class:`SharedPromptPrefill` shares within one step only, never across a pause)."""
+    allocator = getattr(context, "kv_block_allocator", None)
+    if allocator is None or not getattr(context, "enable_prefix_caching", False):
+        return
+    allocator.kv_hash_to_block_id.clear()
+    allocator.block_hashes.fill_(-1)
+
+
+def shared_prefill_tokens(engine: Any) -> int:
+    """Prompt tokens ``engine``'s context did not compute because another request's keys and values served them,
+    since the engine was built (a diagnostic): :class:`SharedPromptPrefill`'s count, or megatron-core 0.19's
+    prefix-cache count (the engine drains the context's count into its own total after every step)."""
+    context = engine.context
+    if isinstance(context, SharedPromptPrefill):
+        return context.shared_prefill_tokens
+    return int(getattr(engine, "_prefill_tokens_skipped", 0)) + int(
+        getattr(context, "prefix_cache_prefill_skipped_tokens", 0))
 
 # The per-token arrays megatron-core 0.16.1's ``add_request`` fills for each prompt token of the step.
 _TOKEN_ARRAYS = ("token_to_pos_ids", "token_to_input_ids", "token_to_request_idx", "token_to_position_in_request",

@@ -322,7 +322,7 @@ def test_enter_exit_twice_frees_kv_cache_and_training_still_works(setup, monkeyp
     model.zero_grad(set_to_none=True)
 
 
-@needs_entry("dynamic context: reused CPU KV buffer")
+@needs_entry("dynamic context: reused CPU KV buffer", "dynamic context: reused CPU KV buffer (0.19)")
 def test_the_next_phase_reuses_the_kv_buffer_and_gather_buffers_and_concurrent_engines_never_share(setup):
     """On CPU a phase's KV buffer and attention gather buffers serve the next phase's engine (fresh ones page-fault
     on every first write); two engines alive at once each get their own KV buffer."""
