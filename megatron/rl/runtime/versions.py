@@ -25,6 +25,8 @@ DIFFERENCES = (
     ("controller step hooks", "0.19: _dynamic_step_sample_logits() and _dynamic_step_calculate_log_probs() take "
      "no logits (they read the controller's logits buffer); the latter returns (log-probs, tensor)",
      "megatron.rl.inference.engine.build:SamplingController"),
+    ("chunked prefill", "0.16.1's engine prefills a prompt longer than a step in chunks by default; 0.19 refuses "
+     "it unless InferenceConfig.enable_chunked_prefill", "megatron.rl.inference.engine.construct:make_context"),
     ("megatron.training", "0.19 wheels ship megatron/training, whose --perform-rl-step imports megatron.rl",
      "megatron.rl.rl_profiling"),
     ("version string", "0.19's package_info appends the git hash of any repository it is installed inside "

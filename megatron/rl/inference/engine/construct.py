@@ -32,7 +32,9 @@ class ContextSizes:
 
 def make_context(cls: type, model_config: Any, sizes: ContextSizes, pg_collection: Any = None) -> Any:
     """A ``cls`` (``DynamicInferenceContext`` or a subclass) for a model of ``model_config``, one logits row per
-    request (``materialize_only_last_token_logits``), no CUDA graphs, no unified memory."""
+    request (``materialize_only_last_token_logits``), no CUDA graphs, no unified memory. A prompt longer than a step
+    (``max_tokens``) is prefilled in chunks on both releases (0.16.1's engine does so by default, 0.19's only when
+    its config enables chunked prefill)."""
     if not versions.is_0_19():
         return cls(params_dtype=model_config.params_dtype, num_layers=sizes.num_layers,
                    kv_channels=model_config.kv_channels,
@@ -47,7 +49,7 @@ def make_context(cls: type, model_config: Any, sizes: ContextSizes, pg_collectio
                              max_requests=sizes.max_requests, max_tokens=sizes.max_tokens,
                              max_sequence_length=sizes.max_sequence_length, num_cuda_graphs=None,
                              unified_memory_level=0, materialize_only_last_token_logits=True,
-                             pg_collection=pg_collection)
+                             enable_chunked_prefill=True, pg_collection=pg_collection)
     # 0.19 works out this rank's layers (pipeline stage) from the model's config and the groups itself.
     return cls(model_config, config)
 
