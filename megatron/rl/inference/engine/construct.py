@@ -7,6 +7,7 @@ between 0.16.1 and 0.19 (:data:`megatron.rl.runtime.versions.DIFFERENCES`); call
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -51,7 +52,22 @@ def make_context(cls: type, model_config: Any, sizes: ContextSizes, pg_collectio
                              unified_memory_level=0, materialize_only_last_token_logits=True,
                              enable_chunked_prefill=True, pg_collection=pg_collection)
     # 0.19 works out this rank's layers (pipeline stage) from the model's config and the groups itself.
-    return cls(model_config, config)
+    return cls(_without_inference_dispatcher(model_config), config)
+
+
+def _without_inference_dispatcher(model_config: Any) -> Any:
+    """``model_config`` as 0.19's context should read it for a model megatron-rl built.
+
+    With expert parallelism 0.19's context allocates the buffers of the inference-only MoE token dispatcher named by
+    ``inference_moe_token_dispatcher_type`` (NVLS symmetric memory by default, which fails on a CPU) whatever the
+    model. Only ``transformer_impl="inference_optimized"`` layers use that dispatcher; megatron-rl builds local or
+    Transformer Engine layers, which dispatch with their training dispatcher. The context gets a shallow copy that
+    names no inference dispatcher; the model's own config is unchanged."""
+    if model_config.transformer_impl == "inference_optimized" or not model_config.num_moe_experts:
+        return model_config
+    context_view = copy.copy(model_config)
+    context_view.inference_moe_token_dispatcher_type = None
+    return context_view
 
 
 def make_wrapper(model: torch.nn.Module, model_config: Any, context: Any, padded_vocab_size: int,
