@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from megatron.rl.runtime.versions import is_0_19 as _is_0_19
 from tests.conftest import REPO_ROOT, needs_entry, run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "replay_run.py"
@@ -29,15 +28,6 @@ SHORT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 
 
 pytestmark = needs_entry("engine route recording")
-
-# The in-process engine with expert parallelism does not run on megatron-core 0.19 on a CPU, replay or not: 0.19's
-# controller runs the forward under torch.inference_mode, and the MoE token dispatcher's gloo all-gather then fails
-# with "Inplace update to inference tensor outside InferenceMode".
-_EP_ENGINE_ON_CPU = pytest.mark.skipif(
-    _is_0_19(), reason="the in-process engine with --expert-model-parallel-size 2 fails on megatron-core 0.19 on a "
-                       "CPU, with or without replay (the MoE dispatcher's gloo all-gather of a tensor made under "
-                       "torch.inference_mode)")
-
 
 def _run(tmp_path, flags, env_yaml: str) -> tuple[list[dict], list[int]]:
     env = tmp_path / "env.yaml"
@@ -62,7 +52,6 @@ HASH_ENV = 'environments: [{type: "tests.unit_tests.rl.rl_test_agents:HashReward
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # ~40 s on the loaded 2-core machine
-@_EP_ENGINE_ON_CPU
 def test_ep2_replay_keeps_the_gap_at_the_dense_level_and_reward_rises(tmp_path):
     """The quick reward test's recipe (digits agent) on a MoE policy with EP = 2 over the two ranks."""
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -82,7 +71,6 @@ def test_ep2_replay_keeps_the_gap_at_the_dense_level_and_reward_rises(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # ~60 s
-@_EP_ENGINE_ON_CPU
 def test_routes_recorded_by_an_ep2_inference_copy_replay_in_a_tp2_ep1_trainer(tmp_path):
     """Separate inference layout: the TP=1 EP=2 copy records, the TP=2 (sequence-parallel) EP=1 trainer replays."""
     flags = [*SHORT, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear",
