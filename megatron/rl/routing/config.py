@@ -41,9 +41,10 @@ def validate_router_replay(mode: str, *, num_experts: int | None, inference_back
                    f"after the replayed routes are cleared. Use --recompute-granularity selective or none.")
     elif load_balancing == "sinkhorn":
         problem = f"{flag} cannot replay --moe-router-load-balancing-type sinkhorn (not a top-k routing)."
-    elif not patches.covers_installed(ENGINE_ROUTE_RECORDING):
+    elif not patches.covers_installed(ENGINE_ROUTE_RECORDING):  # a release the recording was not written for
+        written = ", ".join(patches.REGISTRY[ENGINE_ROUTE_RECORDING].versions)
         problem = (f"{flag} needs the in-process engine to record routes, which megatron-rl does on megatron-core "
-                   f"0.16.1 only so far (installed: {versions.installed_version()}; 0.19 routes inference through its "
-                   f"own router): use megatron-core 0.16.1 (Python 3.11) or drop {flag}.")
+                   f"{written} (installed: {versions.installed_version()}): install one of those releases or drop "
+                   f"{flag}.")
     if problem:
         raise RouterReplayConfigError(problem)

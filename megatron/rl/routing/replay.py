@@ -8,14 +8,18 @@ train-inference gap, and so do the log-probs of every later token that attends t
 choice for every token it processes (:mod:`megatron.rl.inference.engine.route_recorder`), carries it with the
 rollout (:class:`~megatron.rl.base.routes.Routes`) and makes the trainer's routers use it.
 
-Built on megatron-core 0.16.1's router replay hook: ``TopKRouter`` hands its top-k to its ``router_replay`` object
-(``RouterReplay.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)``) whenever one is
-set; ``TransformerConfig.moe_enable_routing_replay`` makes the router create one. We set our own
+Built on megatron-core's router replay hook, the same on 0.16.1 and 0.19: ``TopKRouter`` hands its top-k to its
+``router_replay`` object (``RouterReplay.get_replay_topk(scores, topk, num_groups, group_topk,
+default_compute_topk)``) whenever one is set; ``TransformerConfig.moe_enable_routing_replay`` makes the router
+create one. The engine's forward runs these same routers (megatron-rl builds no inference-only router), so the
+engine records through the hook too. We set our own
 :class:`~megatron.rl.routing.replay_slot.RolloutRouterReplay` (a ``RouterReplay`` subclass) on each router of the models that need it instead,
 because megatron-core's instances register in one process-wide list (every model built in the process: trainer,
 reference, inference copy), so its class-level ``set_replay_data`` cannot address one model, and its replay takes
 every row from the target (we need rows without a recorded route, padding and each sequence's last token, to keep
-the router's own choice) and cannot say how often the router would have chosen otherwise.
+the router's own choice) and cannot say how often the router would have chosen otherwise. For the same reason the engine does not use 0.19's
+own recording (``moe_enable_routing_replay`` with the context's ``moe_routing_metadata``), which stacks the records
+of that process-wide list.
 
 Token order. A router sees its layer's tokens flattened from ``[s, b, h]``: for the trainer's ``[rows, S]``
 micro-batch, row-major over ``(s, row)``; for THD, ``(row, s)``; with sequence parallelism each tensor-parallel

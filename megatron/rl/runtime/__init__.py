@@ -34,8 +34,9 @@ def setup_runtime() -> RuntimeInfo:
             cpu_patches.install()
         else:
             cuda_fallbacks.install_paged_attention_fallback()
-            if patches.covers_installed(inference_mode.INFERENCE_MODE_PER_THREAD):
-                patches.apply(inference_mode.INFERENCE_MODE_PER_THREAD)
+            for name in (inference_mode.INFERENCE_MODE_PER_THREAD, inference_mode.GLOBAL_BUFFER_OUTSIDE_INFERENCE_MODE):
+                if patches.covers_installed(name):
+                    patches.apply(name)
         _INFO = RuntimeInfo(device=choose_device(), backend=choose_backend(), cpu_layer_active=cpu)
     elif _INFO.cpu_layer_active:
         cpu_patches.enter_cpu_mode()  # a new thread needs the (thread-local) device mode too

@@ -1,4 +1,5 @@
-"""megatron-core's inference-mode flag per thread instead of per process (a registered patch, 0.19).
+"""megatron-core 0.19 and inference mode: its flag per thread instead of per process, and its global buffer
+allocated outside torch.inference_mode (two registered patches, 0.19).
 
 megatron-core 0.19 marks "an inference engine is using the model" with one process-wide flag
 (``megatron.core.inference.utils.InferenceMode``), set when an engine is built and cleared when it is
@@ -44,3 +45,32 @@ def install() -> None:
     InferenceMode.is_active = classmethod(_is_active)
     InferenceMode.set_active = classmethod(_set_active)
     InferenceMode.unset_active = classmethod(_unset_active)
+
+
+GLOBAL_BUFFER_OUTSIDE_INFERENCE_MODE = "global memory buffer outside torch.inference_mode"
+
+
+@patches.register(
+    GLOBAL_BUFFER_OUTSIDE_INFERENCE_MODE, when=("cpu", "cuda"),
+    changes="megatron.core.utils:GlobalMemoryBuffer.get_tensor",
+    why="0.19's controller runs the engine's forward under torch.inference_mode, and megatron-core's process-wide "
+        "buffer (the MoE token dispatcher's all-gather output with expert or sequence parallelism) is allocated on "
+        "first use: allocated there it is an inference tensor, and the trainer's next forward that writes into it "
+        "fails ('Inplace update to inference tensor outside InferenceMode'). Allocated with inference mode off it "
+        "is an ordinary tensor, which both the engine and the trainer may write",
+    versions=versions.MCORE_0_19)
+def allocate_global_buffer_outside_inference_mode() -> None:
+    """Wrap ``GlobalMemoryBuffer.get_tensor`` so that its buffers and views are never inference tensors."""
+    import torch
+    from megatron.core.utils import GlobalMemoryBuffer  # heavy: megatron-core
+
+    original = GlobalMemoryBuffer.get_tensor
+    if getattr(original, "_rl_outside_inference_mode", False):
+        return
+
+    def get_tensor(self, *args, **kwargs):
+        with torch.inference_mode(False):
+            return original(self, *args, **kwargs)
+
+    get_tensor._rl_outside_inference_mode = True
+    GlobalMemoryBuffer.get_tensor = get_tensor

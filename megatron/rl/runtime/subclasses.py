@@ -84,9 +84,12 @@ _ENTRIES = (
     ("engine route recording", "megatron.rl.inference.engine.route_recorder:RouteRecorder",
      "megatron.core.transformer.moe.router:TopKRouter.routing (its router_replay records the engine forward's "
      "top-k)",
-     "--rl-router-replay rollout needs each generated token's experts; on 0.16.1 the engine's forward runs the "
-     "training router, whose replay slot records them (0.19 routes inference through InferenceTopKRouter, which "
-     "does not call the slot: there the flag is refused)", MCORE_0_16),
+     "--rl-router-replay rollout needs each generated token's experts. The engine's forward runs the model as "
+     "built for training, whose TopKRouter (local and Transformer Engine specs, on 0.16.1 and 0.19) hands its top-k "
+     "to the router's replay slot; 0.19's InferenceTopKRouter comes only with transformer_impl="
+     "'inference_optimized', which megatron-rl does not build. 0.19's own recording (moe_enable_routing_replay, "
+     "the context's RoutingMetadata) is not used: it reads megatron-core's process-wide list of replay instances "
+     "(every model of the process) and allocates its buffer on the current CUDA device", BOTH),
     ("pretraining dataset sources", "megatron.rl.training.data:PretrainingGPTDataset",
      "megatron.core.datasets.gpt_dataset:GPTDataset.build_low_level_dataset, ._key_config_attributes, "
      "._get_num_epochs",

@@ -28,6 +28,11 @@ DIFFERENCES = (
     ("prompt sharing", "0.19 has prefix caching (InferenceConfig.enable_prefix_caching): whole KV blocks of equal "
      "prompt prefixes shared by reference count; 0.16.1 has none (megatron-rl's SharedPromptPrefill copies them)",
      "megatron.rl.inference.engine.shared_prefill"),
+    ("chunked prefill", "0.16.1's engine prefills a prompt longer than a step in chunks by default; 0.19 refuses "
+     "it unless InferenceConfig.enable_chunked_prefill", "megatron.rl.inference.engine.construct:make_context"),
+    ("inference MoE dispatcher", "0.19's context allocates the buffers of an inference-only MoE token dispatcher "
+     "(NVLS by default) with expert parallelism, whatever the model's layers; megatron-rl's layers use their "
+     "training dispatcher", "megatron.rl.inference.engine.construct:make_context"),
     ("megatron.training", "0.19 wheels ship megatron/training, whose --perform-rl-step imports megatron.rl",
      "megatron.rl.rl_profiling"),
     ("version string", "0.19's package_info appends the git hash of any repository it is installed inside "

@@ -7,6 +7,7 @@ between 0.16.1 and 0.19 (:data:`megatron.rl.runtime.versions.DIFFERENCES`); call
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -36,7 +37,8 @@ def make_context(cls: type, model_config: Any, sizes: ContextSizes, pg_collectio
     """A ``cls`` (``DynamicInferenceContext`` or a subclass) for a model of ``model_config``, one logits row per
     request (``materialize_only_last_token_logits``), no CUDA graphs, no unified memory. ``prefix_caching``:
     megatron-core's own sharing of whole prompt KV blocks between requests (0.19's ``enable_prefix_caching``;
-    0.16.1 has none)."""
+    0.16.1 has none). A prompt longer than a step (``max_tokens``) is prefilled in chunks on both releases (0.16.1's
+    engine does so by default, 0.19's only when its config enables chunked prefill)."""
     if not versions.is_0_19():
         if prefix_caching:
             raise RLError(f"megatron-core {versions.installed_version()} has no prefix caching; "
@@ -54,9 +56,25 @@ def make_context(cls: type, model_config: Any, sizes: ContextSizes, pg_collectio
                              max_requests=sizes.max_requests, max_tokens=sizes.max_tokens,
                              max_sequence_length=sizes.max_sequence_length, num_cuda_graphs=None,
                              unified_memory_level=0, materialize_only_last_token_logits=True,
-                             enable_prefix_caching=prefix_caching, pg_collection=pg_collection)
+                             enable_prefix_caching=prefix_caching, enable_chunked_prefill=True,
+                             pg_collection=pg_collection)
     # 0.19 works out this rank's layers (pipeline stage) from the model's config and the groups itself.
-    return cls(model_config, config)
+    return cls(_without_inference_dispatcher(model_config), config)
+
+
+def _without_inference_dispatcher(model_config: Any) -> Any:
+    """``model_config`` as 0.19's context should read it for a model megatron-rl built.
+
+    With expert parallelism 0.19's context allocates the buffers of the inference-only MoE token dispatcher named by
+    ``inference_moe_token_dispatcher_type`` (NVLS symmetric memory by default, which fails on a CPU) whatever the
+    model. Only ``transformer_impl="inference_optimized"`` layers use that dispatcher; megatron-rl builds local or
+    Transformer Engine layers, which dispatch with their training dispatcher. The context gets a shallow copy that
+    names no inference dispatcher; the model's own config is unchanged."""
+    if model_config.transformer_impl == "inference_optimized" or not model_config.num_moe_experts:
+        return model_config
+    context_view = copy.copy(model_config)
+    context_view.inference_moe_token_dispatcher_type = None
+    return context_view
 
 
 def make_wrapper(model: torch.nn.Module, model_config: Any, context: Any, padded_vocab_size: int,

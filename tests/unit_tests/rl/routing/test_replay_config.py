@@ -82,14 +82,15 @@ def test_replayed_rows_keep_targets_and_count_where_the_router_differed():
 
 
 def test_rollout_replay_is_refused_where_the_engine_does_not_record_routes(monkeypatch):
-    """On a megatron-core release where the engine's route recording is not written (0.19: its inference router
-    does not call the replay slot) the flag is refused before any model is built, naming the release."""
+    """On a megatron-core release the engine's route recording was not written for the flag is refused before any
+    model is built, naming the releases it was written for and the installed one."""
     from megatron.rl.routing import config
     from megatron.rl.runtime import patches
 
     kwargs = dict(num_experts=4, inference_backend="megatron", recompute_granularity=None, load_balancing="aux_loss")
     monkeypatch.setattr(patches, "covers_installed", lambda name: name != config.ENGINE_ROUTE_RECORDING)
-    with pytest.raises(RouterReplayConfigError, match=r"--rl-router-replay rollout.*0\.16\.1.*drop"):
+    with pytest.raises(RouterReplayConfigError, match=r"--rl-router-replay rollout.*0\.16\.1, 0\.19\.0, 0\.19\.2 "
+                       r"\(installed: .*drop --rl-router-replay rollout"):
         config.validate_router_replay("rollout", **kwargs)
     monkeypatch.setattr(patches, "covers_installed", lambda name: True)
     config.validate_router_replay("rollout", **kwargs)

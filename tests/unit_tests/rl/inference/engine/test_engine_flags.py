@@ -14,7 +14,8 @@ from megatron.rl.runtime import patches
 from megatron.rl.training.config import ConfigError
 from tests.unit_tests.rl.test_rl_config import _rl, env_yaml  # noqa: F401 - env_yaml is a fixture
 
-# where the engine cannot record routes (megatron-core 0.19) --rl-router-replay rollout is refused first
+# where the engine cannot record routes (a release its entry was not written for) --rl-router-replay rollout is
+# refused first
 _RECORDS_ROUTES = patches.covers_installed(ENGINE_ROUTE_RECORDING)
 
 # a GPU's defaults (EngineSettings.for_device("cuda") would see "cpu" where the CPU layer's device mode is active)

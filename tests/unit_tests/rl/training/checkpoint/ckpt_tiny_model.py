@@ -181,3 +181,17 @@ def full_params(chunks) -> dict[str, torch.Tensor]:
 
 def env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
+
+
+def adam_state_by_name(chunks, opt) -> dict[str, dict[str, torch.Tensor]]:
+    """Adam's state of a 1-process model (plain megatron optimizer, chained or not) by parameter name, cloned:
+    names rather than positions, so two megatron-core releases that group the parameters differently compare."""
+    from megatron.core.utils import unwrap_model
+
+    names = {id(p): k for c in unwrap_model(chunks) for k, p in c.named_parameters()}
+    out = {}
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        for group in o.optimizer.param_groups:
+            for p in group["params"]:
+                out[names[id(p)]] = {k: torch.as_tensor(v).detach().clone() for k, v in o.optimizer.state[p].items()}
+    return out
