@@ -26,7 +26,8 @@ DIFFERENCES = (
      "no logits (they read the controller's logits buffer); the latter returns (log-probs, tensor)",
      "megatron.rl.inference.engine.build:SamplingController"),
     ("prompt sharing", "0.19 has prefix caching (InferenceConfig.enable_prefix_caching): whole KV blocks of equal "
-     "prompt prefixes shared by reference count; 0.16.1 has none (megatron-rl's SharedPromptPrefill copies them)",
+     "prompt prefixes shared by reference count; 0.16.1 has none (megatron-rl's SharedPromptPrefill copies them). "
+     "With --rl-router-replay rollout it stays off on 0.19 (a cached block is not forwarded, so it has no routes)",
      "megatron.rl.inference.engine.shared_prefill"),
     ("chunked prefill", "0.16.1's engine prefills a prompt longer than a step in chunks by default; 0.19 refuses "
      "it unless InferenceConfig.enable_chunked_prefill", "megatron.rl.inference.engine.construct:make_context"),

@@ -432,8 +432,10 @@ def build_engine(model: torch.nn.Module, tokenizer: EngineTokenizer, settings: E
     buckets = settings.decode_buckets
     if buckets is None and settings.decode_cuda_graphs:
         buckets = power_of_two_buckets(settings.token_rounder or 8, settings.max_requests)
-    prefix_caching = settings.share_prompt_prefill and megatron_core_shares_prompts()
-    context_cls = _context_class(settings.token_rounder, settings.share_prompt_prefill and not prefix_caching,
+    # a prompt block taken from megatron-core's prefix cache is never forwarded, so its tokens would get no routes
+    own_sharing = megatron_core_shares_prompts()
+    prefix_caching = settings.share_prompt_prefill and own_sharing and not settings.record_routes
+    context_cls = _context_class(settings.token_rounder, settings.share_prompt_prefill and not own_sharing,
                                  settings.keep_cpu_kv_buffer,
                                  tuple(buckets) if buckets else None, settings.decode_cuda_graphs,
                                  settings.batched_admission)
