@@ -143,6 +143,19 @@ def group_row_length(shape: Shape, prompt_tokens: int = 16) -> int:
     return -(-(prompt_tokens + shape.group_size * (shape.new_tokens + 2)) // 32) * 32
 
 
+def engine_buffer_flags(shape: Shape, prompt_tokens: int) -> list[str]:
+    """A KV buffer that holds every rollout of a step at once, where the engine's CPU default (0.5 GB) does not.
+
+    The engine's shared prefill copies a group's prompt into each rollout's own KV blocks, and shares it only
+    among requests admitted in one step: rollouts that find no free blocks wait, and prefill their prompt again
+    once admitted (the long shape at 16 rollouts: 64 x 9 one-MiB blocks of prompt against 512). TRL's
+    ``generate`` has no such limit, so the benchmark sizes ours to the work (fp32 K and V, 64-token blocks)."""
+    head_dim = shape.hidden // shape.heads
+    blocks = -(-(prompt_tokens + shape.new_tokens) // 64) * shape.prompts * shape.group_size
+    need_gb = blocks * 64 * shape.layers * 2 * shape.kv_groups * head_dim * 4 / 2 ** 30
+    return [] if need_gb <= 0.4 else ["--inference-dynamic-batching-buffer-size-gb", str(-(-need_gb * 1.25 // 0.5) * 0.5)]
+
+
 def equal_work_env_config(directory: str | Path) -> Path:
     """The arithmetic environment (as ``examples/rl/environment_configs/arithmetic.yaml``) with its own token
     budget and stop string off, so every rollout runs to ``--rl-max-new-tokens`` as TRL's do."""
@@ -169,6 +182,7 @@ def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False, env_co
                str(shape.prompts), "--grpo-group-size", str(shape.group_size), "--rl-max-new-tokens",
                str(shape.new_tokens), "--rl-default-temperature", "1.0", "--rl-prompts-per-eval", "0",
                "--inference-backend", "megatron"])
+    argv += engine_buffer_flags(shape, 16 + shape.preamble_chars)
     if fixed:
         argv += ["--rl-fixed-microbatch-shapes", "--rl-recompute-old-logprobs"]
     if packed:
