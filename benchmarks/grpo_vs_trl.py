@@ -48,8 +48,13 @@ CPU s/step is the process's CPU time (all threads) per step: steadier than wall 
 TRL is optional (``pip install -e ".[bench]"``); without it the ``trl`` side prints "TRL not installed"
 and is skipped.
 
+The ``long`` shape puts a fixed 512-character block before every problem (:func:`long_prompt_block`): long
+packed rows whose groups share ~525 prompt tokens. Every side's peak RSS (``ru_maxrss`` of its own process) is
+printed too.
+
     python benchmarks/grpo_vs_trl.py [--shapes small large] [--rounds 2] [--steps 4] [--threads 2]
     python benchmarks/grpo_vs_trl.py --shapes small --threads auto --co-runners 1   # a shared machine
+    python benchmarks/grpo_vs_trl.py --shapes long --sides ours-packed trl [--group-size 16]
 """
 from __future__ import annotations
 
@@ -84,11 +89,13 @@ class Shape:
     group_size: int
     new_tokens: int
     seq_length: int
+    preamble_chars: int = 0  # a fixed block of this many characters before every problem (long_prompt_block)
 
     def describe(self) -> str:
+        preamble = f"; a {self.preamble_chars}-character block before each problem" if self.preamble_chars else ""
         return (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads / {self.kv_groups} KV groups, "
                 f"FFN {self.ffn}; {self.prompts} prompts x {self.group_size} rollouts, <= {self.new_tokens} "
-                f"new tokens")
+                f"new tokens{preamble}")
 
 
 SHAPES = {
@@ -96,9 +103,36 @@ SHAPES = {
                    seq_length=64),
     "large": Shape(hidden=512, layers=8, heads=8, kv_groups=4, ffn=1376, prompts=8, group_size=8, new_tokens=64,
                    seq_length=128),
+    # the large model on ~525-token prompts (a 512-character block, then the problem): long packed rows
+    "long": Shape(hidden=512, layers=8, heads=8, kv_groups=4, ffn=1376, prompts=4, group_size=8, new_tokens=64,
+                  seq_length=640, preamble_chars=512),
     "tiny": Shape(hidden=64, layers=2, heads=4, kv_groups=2, ffn=128, prompts=2, group_size=4, new_tokens=8,
                   seq_length=32),  # smoke tests
 }
+
+
+def shape_of(name: str, group_size: int | None = None) -> Shape:
+    """The named shape, with ``group_size`` rollouts per prompt where given."""
+    return dataclasses.replace(SHAPES[name], group_size=group_size) if group_size else SHAPES[name]
+
+
+def long_prompt_block(chars: int) -> str:
+    """A fixed few-shot block of exactly ``chars`` characters (bytes: one token each) put before every problem of
+    a shape with ``preamble_chars``: the same text on both sides, so each group shares a ~``chars``-token prefix."""
+    examples = "".join(f"Q: {a}+{b}=? A: {a + b}\n" for a in range(10, 99, 7) for b in range(3, 60, 11))
+    text = "Solve the sum after the examples; answer with the number only.\n" + examples * 4
+    block = text[:text.rindex("\n", 0, chars) + 1]  # whole examples, then spaces up to ``chars``
+    return block + " " * (chars - len(block)) if chars else ""
+
+
+def add_prompt_block(chars: int) -> None:
+    """Every arithmetic prompt, ours and TRL's (both ask ``make_prompt``), starts with :func:`long_prompt_block`."""
+    if not chars:
+        return
+    from megatron.rl.environments.arithmetic import ArithmeticAgent
+
+    block, make_prompt = long_prompt_block(chars), ArithmeticAgent.make_prompt
+    ArithmeticAgent.make_prompt = lambda self, problem: block + make_prompt(self, problem)
 
 
 # --------------------------------------------------------------------------- ours
@@ -108,6 +142,19 @@ def group_row_length(shape: Shape, prompt_tokens: int = 16) -> int:
     """A packed row that holds a whole group with its prompt shared: the prompt once, then every rollout's
     completion and the prompt's last token (megatron.rl.packing.prefix_sharing), rounded up to a multiple of 32."""
     return -(-(prompt_tokens + shape.group_size * (shape.new_tokens + 2)) // 32) * 32
+
+
+def engine_buffer_flags(shape: Shape, prompt_tokens: int) -> list[str]:
+    """A KV buffer that holds every rollout of a step at once, where the engine's CPU default (0.5 GB) does not.
+
+    The engine's shared prefill copies a group's prompt into each rollout's own KV blocks, and shares it only
+    among requests admitted in one step: rollouts that find no free blocks wait, and prefill their prompt again
+    once admitted (the long shape at 16 rollouts: 64 x 9 one-MiB blocks of prompt against 512). TRL's
+    ``generate`` has no such limit, so the benchmark sizes ours to the work (fp32 K and V, 64-token blocks)."""
+    head_dim = shape.hidden // shape.heads
+    blocks = -(-(prompt_tokens + shape.new_tokens) // 64) * shape.prompts * shape.group_size
+    need_gb = blocks * 64 * shape.layers * 2 * shape.kv_groups * head_dim * 4 / 2 ** 30
+    return [] if need_gb <= 0.4 else ["--inference-dynamic-batching-buffer-size-gb", str(-(-need_gb * 1.25 // 0.5) * 0.5)]
 
 
 def equal_work_env_config(directory: str | Path) -> Path:
@@ -126,7 +173,7 @@ def equal_work_env_config(directory: str | Path) -> Path:
 def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False, env_config: Path | None = None
              ) -> list[str]:
     rollouts = shape.prompts * shape.group_size
-    seq_length = group_row_length(shape) if packed else shape.seq_length
+    seq_length = group_row_length(shape, 16 + shape.preamble_chars) if packed else shape.seq_length
     micro_batch = shape.prompts if packed else rollouts  # packed: one row per group, every row in one micro-batch
     argv = (C.model_flags(shape.hidden, shape.layers, shape.heads, seq_length)
             + C.optim_flags(micro_batch, rollouts, train_iters=steps)
@@ -136,6 +183,7 @@ def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False, env_co
                str(shape.prompts), "--grpo-group-size", str(shape.group_size), "--rl-max-new-tokens",
                str(shape.new_tokens), "--rl-default-temperature", "1.0", "--rl-prompts-per-eval", "0",
                "--inference-backend", "megatron"])
+    argv += engine_buffer_flags(shape, 16 + shape.preamble_chars)
     if fixed:
         argv += ["--rl-fixed-microbatch-shapes", "--rl-recompute-old-logprobs"]
     if packed:
@@ -157,6 +205,7 @@ def run_ours(shape: Shape, steps: int, fixed: bool, packed: bool, workdir: str) 
 
     C.quiet()
     ignore_end_of_document()
+    add_prompt_block(shape.preamble_chars)
     argv = our_argv(shape, steps, fixed, packed, env_config=equal_work_env_config(workdir))
     cfg = parse_args(argv, extra_args_providers=[add_rl_args], world_size=1)
     try:
@@ -219,6 +268,7 @@ def run_trl(shape: Shape, steps: int, workdir: str) -> list[dict]:
     from trl import GRPOConfig, GRPOTrainer
 
     C.quiet()
+    add_prompt_block(shape.preamble_chars)
     problems, agent = agent_problems(shape.prompts * (steps + 1))
     dataset = Dataset.from_list([{"prompt": p["prompt"], "problem": json.dumps(p)} for p in problems])
 
@@ -299,20 +349,23 @@ def equal_work(side: dict, reference: dict, tolerance: float = EQUAL_WORK_TOLERA
 
 
 def child(a) -> int:
-    """One side, one run, in this process: per-step phase times as JSON to ``--out``."""
+    """One side, one run, in this process: per-step phase times, and the process's peak RSS, as JSON to ``--out``."""
+    import resource
+
     import torch
 
     if a.threads != "auto":
         torch.set_num_threads(int(a.threads))
-    shape = SHAPES[a.shape]
-    if a.side == "trl":
-        with tempfile.TemporaryDirectory() as work:
+    shape = shape_of(a.shape, a.group_size)
+    with tempfile.TemporaryDirectory() as work:
+        if a.side == "trl":
             records = run_trl(shape, a.steps, work)
-    else:
-        with tempfile.TemporaryDirectory() as work:
+        else:
             records = run_ours(shape, a.steps, fixed=a.side == "ours-fixed", packed=a.side == "ours-packed",
                                workdir=work)
-    Path(a.out).write_text(json.dumps(records))
+    # ru_maxrss: the process's resident high-water mark in KiB (Linux), read the same way on every side
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(a.out).write_text(json.dumps([{**r, "peak_rss_mb": peak_mb} for r in records]))
     return 0
 
 
@@ -322,12 +375,13 @@ def trl_available() -> bool:
     return importlib.util.find_spec("trl") is not None and importlib.util.find_spec("datasets") is not None
 
 
-def run_side(side: str, shape: str, steps: int, threads: str) -> list[dict]:
+def run_side(side: str, shape: str, steps: int, threads: str, group_size: int | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "records.json"
         env = C.child_env(threads)
         cmd = [sys.executable, __file__, "--child", "--side", side, "--shape", shape, "--steps", str(steps),
                "--threads", str(threads), "--out", str(out)]
+        cmd += ["--group-size", str(group_size)] if group_size else []
         proc = subprocess.run(cmd, cwd=C.REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{side} on {shape} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -336,7 +390,7 @@ def run_side(side: str, shape: str, steps: int, threads: str) -> list[dict]:
 
 def summarize(name: str, records: list[dict]) -> dict:
     out = {k: C.median([r[k] for r in records]) for k in ("total", "cpu", "generate", "logprobs", "train")}
-    for key in ("packing_efficiency", "shared", "generated_tokens", "trained_tokens"):
+    for key in ("packing_efficiency", "shared", "generated_tokens", "trained_tokens", "peak_rss_mb"):
         if records and key in records[0]:
             out[key] = C.median([r[key] for r in records])
     out["steps"] = len(records)
@@ -366,12 +420,12 @@ def run_shape(a, shape: str, sides: list[str]) -> dict:
     records: dict[str, list[dict]] = {s: [] for s in sides}
     for r in range(a.rounds):
         for side in (sides if r % 2 == 0 else sides[::-1]):
-            records[side] += run_side(side, shape, a.steps, a.threads)
+            records[side] += run_side(side, shape, a.steps, a.threads, a.group_size)
             print(f"[{shape}] round {r + 1}/{a.rounds} {side}: "
                   f"{C.median([x['total'] for x in records[side]]):.3f} s/step so far", file=sys.stderr, flush=True)
     summary = {s: summarize(s, records[s]) for s in sides}
     busy = f", {a.co_runners} CPU-bound co-running process(es)" if a.co_runners else ""
-    print(f"\nshape {shape}: {SHAPES[shape].describe()}; {a.threads} threads{busy}; median of {a.rounds} "
+    print(f"\nshape {shape}: {shape_of(shape, a.group_size).describe()}; {a.threads} threads{busy}; median of {a.rounds} "
           f"rounds x {a.steps - 1} measured steps")
     print(C.machine_line())
     rows, unequal = [], []
@@ -390,11 +444,12 @@ def run_shape(a, shape: str, sides: list[str]) -> dict:
         tokens = [f"{m[k]:.0f}" if k in m else "-" for k in ("generated_tokens", "trained_tokens")]
         train_rate = f"{m['trained_tokens'] / m['train']:.0f}" if "trained_tokens" in m and m["train"] > 0 else "-"
         rows.append([s, f"{m['total']:.3f}", f"{m['generate']:.3f}", f"{m['logprobs']:.3f}", f"{m['train']:.3f}",
-                     *tokens, train_rate, eff, shared, ratio, f"{m['cpu']:.3f}", cpu_ratio])
+                     *tokens, train_rate, eff, shared, ratio, f"{m['cpu']:.3f}", cpu_ratio,
+                     f"{m['peak_rss_mb']:.0f}" if "peak_rss_mb" in m else "-"])
     print(C.format_table(["side", "s/step (median)", "generate", "log-probs / score", "train (fwd+bwd+opt)",
                           "generated tokens", "trained tokens", "train tokens/s", "packing eff.",
-                          "prompt tokens shared", "TRL s/step / this", "CPU s/step", "TRL CPU s / this"], rows,
-                         title=f"GRPO step, {shape} shape"))
+                          "prompt tokens shared", "TRL s/step / this", "CPU s/step", "TRL CPU s / this",
+                          "peak RSS MB"], rows, title=f"GRPO step, {shape} shape"))
     for line in unequal:
         print(f"no ratio to TRL for {line} per step (more than {EQUAL_WORK_TOLERANCE:.0%} apart)")
     return summary
@@ -411,6 +466,7 @@ def parse(argv=None):
                         "chooses (ours: the CPU thread budget; TRL: torch's default)")
     p.add_argument("--co-runners", type=int, default=0,
                    help="CPU-bound processes ('while True: pass') running beside every side: a shared machine")
+    p.add_argument("--group-size", type=int, default=None, help="rollouts per prompt (default: the shape's)")
     p.add_argument("--json", type=str, default=None, help="also write the summary here")
     # child mode (one side in a fresh process)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

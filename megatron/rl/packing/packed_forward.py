@@ -50,7 +50,10 @@ Grouped calls whose longest keys are fewer than 16, and every call of a sequence
 (:mod:`megatron.rl.packing.prefix_sharing`: keys = the prefix's, then its own), pad their keys to
 :data:`~megatron.rl.runtime.torch_attention.MIN_KEY_SLOTS` as the inference engine does: the softmax and the
 product with V round otherwise below 16 keys. ``auto`` takes grouped for rows holding shared prefixes: in the
-masked product a member's prefix keys lie apart from its own and the sums round like neither side's.
+masked product a member's prefix keys lie apart from its own and the sums round like neither side's. Grouped
+calls never mix sequences after a prefix with whole ones: a call pads queries to its longest sequence, and a
+member's few completion queries padded to its holder's prompt-long ones made long-prompt rows compute ~4x the
+score elements they need.
 
 Where the second hook is not used, and why: with activation recomputation (``--recompute-granularity``) the
 backward pass re-runs the attention after this context has exited, so the recomputed forward would differ
@@ -175,7 +178,17 @@ def attention_groups(lengths: Sequence[int], grouping: str, overhead: int = 0,
         return list(by_shape.values())
     if grouping != "grouped":
         raise ValueError(f"grouping must be 'exact' or 'grouped', got {grouping!r}")
-    return length_class_groups([n + prefix for n, prefix in zip(lengths, prefixes)], overhead, power=2)
+    keys = [n + prefix for n, prefix in zip(lengths, prefixes)]
+    if not any(prefixes):
+        return length_class_groups(keys, overhead, power=2)
+    # A call pads every sequence's queries to its longest own length. A sequence after a shared prefix has few
+    # queries (its completion) against many keys (the prompt): next to a whole sequence of the same key length it
+    # would be padded to that sequence's queries (a 65-token completion after a 511-token prompt: 576 query rows
+    # instead of 65). Sequences with and without a prefix therefore never share a call.
+    split = [[i for i, p in enumerate(prefixes) if not p], [i for i, p in enumerate(prefixes) if p]]
+    groups = [[part[j] for j in group] for part in split if part
+              for group in length_class_groups([keys[i] for i in part], overhead, power=2)]
+    return sorted(groups, key=lambda g: (max(keys[i] for i in g), g[0]))
 
 
 def grouped_attention_cost(lengths: Sequence[int], overhead: int) -> int:

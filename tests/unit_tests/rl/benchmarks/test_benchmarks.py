@@ -169,6 +169,26 @@ def test_grpo_vs_trl_forces_the_token_budget_of_both_sides():
     assert agent.max_tokens is None and agent.stop == []  # the budget follows --rl-max-new-tokens, no stop string
 
 
+def test_grpo_vs_trl_long_shape_puts_one_fixed_block_before_every_prompt_of_both_sides(monkeypatch):
+    import grpo_vs_trl
+
+    from megatron.rl.environments.arithmetic import ArithmeticAgent
+
+    monkeypatch.setattr(ArithmeticAgent, "make_prompt", ArithmeticAgent.make_prompt)  # restored afterwards
+    shape = grpo_vs_trl.shape_of("long", 16)
+    assert shape.group_size == 16 and shape.preamble_chars == 512 and grpo_vs_trl.shape_of("long").group_size == 8
+    block = grpo_vs_trl.long_prompt_block(shape.preamble_chars)
+    assert len(block) == len(block.encode()) == 512  # bytes: 512 tokens of the byte tokenizer
+    plain, _ = grpo_vs_trl.agent_problems(2)
+    grpo_vs_trl.add_prompt_block(shape.preamble_chars)
+    problems, _ = grpo_vs_trl.agent_problems(2)  # TRL's dataset; our agent asks the same make_prompt
+    assert [p["prompt"] for p in problems] == [block + p["prompt"] for p in plain]
+    # a packed row holds the whole group: the prompt once, then every rollout's completion and one more token
+    row = grpo_vs_trl.group_row_length(shape, 16 + shape.preamble_chars)
+    assert row % 32 == 0 and row >= len(problems[0]["prompt"]) + 16 * (shape.new_tokens + 1)
+    assert shape.seq_length >= len(problems[0]["prompt"]) + shape.new_tokens  # unpacked rows fit too
+
+
 @pytest.mark.slow
 def test_grpo_vs_trl_table():
     import grpo_vs_trl

@@ -93,14 +93,29 @@ def _per_rollout(values, batch, masks):
     return out
 
 
+def _long_prompt_rollouts(seed: int = 1):
+    """(token ids, loss masks, advantages): 2 prompts of ~40 tokens x 5 rollouts of 4-9 tokens, the long-prompt
+    shape in small (members' completions far shorter than their keys)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens, masks = [], []
+    for p in range(2):
+        prompt = torch.randint(0, 259, (38 + p,), generator=g).tolist()
+        for _ in range(5):
+            n = int(torch.randint(4, 10, (1,), generator=g))
+            tokens.append(prompt + torch.randint(0, 259, (n,), generator=g).tolist())
+            masks.append([0] * len(prompt) + [1] * n)
+    return tokens, masks, torch.randn(len(tokens), generator=g)
+
+
+@pytest.mark.parametrize("rollouts", [_rollouts, _long_prompt_rollouts])
 @pytest.mark.parametrize("attention", ["masked", "exact", "grouped"])
-def test_shared_prefix_gives_the_log_probs_loss_and_gradients_of_rollouts_stored_whole(attention):
+def test_shared_prefix_gives_the_log_probs_loss_and_gradients_of_rollouts_stored_whole(attention, rollouts):
     from megatron.rl.algorithms.policy_loss import PolicyLossConfig
     from megatron.rl.algorithms.aggregation import LossNormalizers
     from megatron.rl.rl_loss import vocab_parallel_logprobs as token_logprobs
     from megatron.rl.rl_loss import compute_rl_loss, model_forward
 
-    tokens, masks, advantages = _rollouts()
+    tokens, masks, advantages = rollouts()
     model = _model()
     results = {}
     for shared in (True, False):
@@ -129,6 +144,27 @@ def test_shared_prefix_gives_the_log_probs_loss_and_gradients_of_rollouts_stored
     assert magnitude > 1.0, "not peaked: the test would not bite"
     assert abs(loss_s - loss) < 1e-5 * max(1.0, abs(loss))
     assert float((grad_s - grad).norm()) < 1e-4 * float(grad.norm()), float((grad_s - grad).norm() / grad.norm())
+
+
+def test_grouped_calls_pad_members_queries_to_their_own_completions_not_the_holders():
+    """A member (few queries after a long shared prompt) never shares a call with whole sequences, whose
+    queries would pad it: in a long-prompt group every call's query rows are its sequences' own lengths."""
+    from megatron.rl.packing.packed_forward import _Plan, attention_groups
+
+    lengths, prefixes = [576, 65, 65, 60, 30], [0, 511, 511, 511, 0]
+    groups = attention_groups(lengths, "grouped", 0, prefixes)
+    assert sorted(i for g in groups for i in g) == list(range(5))
+    assert all(len({bool(prefixes[i]) for i in g}) == 1 for g in groups), groups
+    assert attention_groups([5, 9, 200], "grouped", 0) == attention_groups([5, 9, 200], "grouped", 0, [0, 0, 0])
+    tokens, masks, _ = _long_prompt_rollouts()
+    info = plan_shared_packing(tokens, masks, S, 16)
+    batch = build_packed_batch(info, list(range(info.num_bins)), tokens, masks, 0)
+    plan = _Plan(batch.sequence_spans(), "grouped", torch.device("cpu"))
+    members = [s for s in range(len(tokens)) if info.prefix_holder[s] >= 0]
+    assert members and max(info.seq_lengths[s] for s in members) < 12
+    # (query rows, sequences) of each call: the members' calls are as long as the longest member, no longer
+    query_rows = sorted(q_shape[0] for q_shape, _, _, _ in plan.calls)
+    assert query_rows[0] == max(info.seq_lengths[s] for s in members), (query_rows, info.seq_lengths)
 
 
 def test_auto_attention_takes_per_sequence_calls_for_rows_with_shared_prefixes():
