@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from megatron.rl.runtime import patches, versions
 
 INFERENCE_MODE_PER_THREAD = "inference-mode flag per thread"
@@ -61,7 +63,6 @@ GLOBAL_BUFFER_OUTSIDE_INFERENCE_MODE = "global memory buffer outside torch.infer
     versions=versions.MCORE_0_19)
 def allocate_global_buffer_outside_inference_mode() -> None:
     """Wrap ``GlobalMemoryBuffer.get_tensor`` so that its buffers and views are never inference tensors."""
-    import torch
     from megatron.core.utils import GlobalMemoryBuffer  # heavy: megatron-core
 
     original = GlobalMemoryBuffer.get_tensor
