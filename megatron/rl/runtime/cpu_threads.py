@@ -45,7 +45,7 @@ def threads_for(usable: int, others_busy: float) -> int:
 
     A process using under half a core leaves that core to us (noise, daemons); at least one thread.
     """
-    return max(1, min(usable, usable - int(others_busy + 0.5)))
+    return max(1, usable - int(others_busy + 0.5))  # others_busy >= 0: never above usable
 
 
 def follow() -> None:
