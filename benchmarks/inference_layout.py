@@ -83,9 +83,10 @@ def worker(a, env: Path, out: Path) -> None:
         for name, inference, rl in (("a", same_layout, rl_a), ("b", copy, rl_b)):
             agent.set_data_parallel(*generation_split(inference)[1:])
             agent.bind_inference(inference)
-            ctx.inference = inference
-            ctx.rollouts = SynchronousRollouts(agent, inference, rl, t.seed)  # (b): one refit after each update
-            m = rl_iteration(ctx, rl, iteration).metrics
+            # (b): one refit after each update, which its rollout source asks for
+            step_ctx = dataclasses.replace(ctx, inference=inference,
+                                           rollouts=SynchronousRollouts(agent, inference, rl, t.seed))
+            m = rl_iteration(step_ctx, rl, iteration).metrics
             refit_s = m.get("time_refit_s", 0.0)
             if name == "a":  # (a) updated the trainer too: bring the copy up to date for (b), untimed
                 copy.mark_trainer_updated()

@@ -21,6 +21,7 @@ passed through; defaults are a small GPT (see ``DEFAULTS``).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -79,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron.rl import parallel_utils
-    from megatron.rl.layout.refit import build_layout_inference, model_bytes, verify_weights_swap
+    from megatron.rl.layout.parity import verify_weights_swap
+    from megatron.rl.layout.refit import build_layout_inference, model_bytes
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
-    from megatron.rl.rl_utils import StepContext
+    from megatron.rl.rl_utils import StepContext, probe_logprob_gap
     from megatron.rl.training.config import ConfigError, parse_args
     from megatron.rl.training.initialize import destroy_megatron, initialize_megatron
     from megatron.rl.training.model_provider import build_model
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                       micro_batch_size=cfg.train.micro_batch_size, global_batch_size=cfg.train.global_batch_size,
                       seed=cfg.train.seed, device=runtime.device)
     try:
-        gap = verify_weights_swap(ctx, rl, inference)
+        gap = verify_weights_swap(inference, functools.partial(probe_logprob_gap, ctx, rl), rl.max_new_tokens,
+                                  rl.temperature)
         if rank0:
             print(f"max |log-prob(copy engine) - log-prob(trainer, teacher-forced)|: {gap:.3e}")
     except RuntimeError as e:

@@ -22,7 +22,7 @@ from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent, EvaluationRequest
 from megatron.rl.agent.env_config import build_agent_from_config
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, run_sync
-from megatron.rl.layout.refit import build_run_inference
+from megatron.rl.layout.backend import build_run_inference
 from megatron.rl.observe.run_summary import checkpoint_args_line
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rollout.collection import data_parallel, derive_seed, generation_split

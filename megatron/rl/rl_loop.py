@@ -7,6 +7,7 @@ DP rank), so a resumed run collects the same rollouts the uninterrupted run woul
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -15,7 +16,8 @@ from megatron.rl import parallel_utils
 from megatron.rl.agent.endpoint_check import check_reward_endpoints
 from megatron.rl.agent.env_config import build_agent_from_config
 from megatron.rl.base.errors import ConfigError, RLError
-from megatron.rl.layout.refit import build_run_inference, start_inference_copy
+from megatron.rl.layout.backend import build_run_inference
+from megatron.rl.layout.parity import start_inference_copy
 from megatron.rl.observe.iteration_line import format_rl_line
 from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.observe.run_summary import run_summary
@@ -25,7 +27,7 @@ from megatron.rl.observe.guard import CollapseGuard, apply_guard_actions, check_
 from megatron.rl.observe.warnings import RunWarnings, warning_metrics
 from megatron.rl.rl_config import RLConfig, checkpointed_run_flags
 from megatron.rl.rl_eval import evaluate, format_eval_line
-from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, rl_iteration
+from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, probe_logprob_gap, rl_iteration
 from megatron.rl.rollout.collection import generation_split
 from megatron.rl.rollout.async_source import check_bank_left_unused
 from megatron.rl.rollout.source import build_rollout_source
@@ -64,7 +66,6 @@ def run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
 
 def _run_rl(cfg: TrainingConfig, rl: RLConfig) -> RLRunResult:
     t = cfg.train
-    check_run_flags(cfg, rl)
     run, ctx, iteration = build_run(cfg, rl)
     loop = _Loop(cfg, rl, run, ctx, iteration)
     if loop.evaluates and iteration == 0:
@@ -101,9 +102,10 @@ def check_run_flags(cfg: TrainingConfig, rl: RLConfig) -> None:
 
 
 def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepContext, int]:
-    """Agents, model, optimizer and resumed state, the generating backend and the rollout source (all ranks);
-    returns them with the iteration to start at."""
+    """The run's flags checked, then agents, model, optimizer and resumed state, the generating backend and the
+    rollout source (all ranks); returns them with the iteration to start at."""
     t, c = cfg.train, cfg.checkpoint
+    check_run_flags(cfg, rl)
     agent = build_agent_from_config(rl.env_config, allow_imports=rl.allow_import_paths)
     check_guard_target(rl.observe.env_collapse_action, agent)  # before any model is built
     check_reward_endpoints(agent)  # a judge that does not answer is named before the model is built
@@ -123,17 +125,18 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     if rl.serve_inference:  # remote environments (and any OpenAI client) generate with the trained policy
         inference = serve_policy(backend, rl.serve_inference, rl.serve_inference_wait_s)
     agent.bind_inference(inference)
+    # A durable rollout bank restores what a resumed run lost.
+    rollouts = build_rollout_source(agent, inference, rl, t.seed, start.iteration, save=c.save,
+                                    resuming=start.from_checkpoint or bool(c.load),
+                                    recorded=start.run_state.get("rollout_bank_groups"))
     ctx = StepContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, agent=agent,
                       inference=inference, pad_token_id=run.tokenizer.pad, seq_length=cfg.model.seq_length,
                       micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
                       device=run.runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
-                      ref_model=run.ref_model, packed_attention=rl.packed_attention)
-    # A durable rollout bank restores what a resumed run lost.
-    ctx.rollouts = build_rollout_source(agent, inference, rl, t.seed, start.iteration, save=c.save,
-                                        resuming=start.from_checkpoint or bool(c.load),
-                                        recorded=start.run_state.get("rollout_bank_groups"))
+                      ref_model=run.ref_model, rollouts=rollouts, packed_attention=rl.packed_attention)
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
-        start_inference_copy(ctx, rl, backend)
+        start_inference_copy(backend, rl.inference_layout.verify_model_weights_swap,
+                             functools.partial(probe_logprob_gap, ctx, rl), rl.max_new_tokens, rl.temperature)
     if run.threads is not None:  # other processes' load while the run was built decides the first count
         run.threads.update()
     log.info(run_summary(cfg, rl, start, ctx.rollouts.describe(),

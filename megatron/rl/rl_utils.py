@@ -35,7 +35,7 @@ import torch
 from megatron.rl import parallel_utils
 from megatron.rl.agent.api import Agent
 from megatron.rl.algorithms import LossNormalizers, mismatch_sums
-from megatron.rl.inference.api import InferenceInterface
+from megatron.rl.inference.api import InferenceInterface, InferenceResponse
 from megatron.rl.inference.control import control_of
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
@@ -63,9 +63,12 @@ class RLDataError(RLError, RuntimeError):
     """The agents produced nothing trainable (no prompts, every rollout failed, ...)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepContext:
-    """What an RL iteration needs besides the configs: model, optimizer, agents, backend, groups."""
+    """What an RL iteration needs besides the configs: model, optimizer, agents, backend, groups.
+
+    Built once, whole, when the run is built (:func:`megatron.rl.rl_loop.build_run`); nothing changes it after.
+    """
 
     model: list  # DDP-wrapped model chunks (the policy)
     optimizer: Any
@@ -299,6 +302,20 @@ def logprob_gap(steps: list[StepBatch], iteration: int | None = None) -> dict[st
         if split and total[2, 2] > 0:
             stats.update(logprob_gap_stale_mean=float(mean[2]), mismatch_kl_k3_stale=float(k3[2]))
     return parallel_utils.broadcast_object_from_last_pipeline_stage(stats)
+
+
+def probe_logprob_gap(ctx: StepContext, rl: RLConfig, responses: list[InferenceResponse]) -> dict[str, float]:
+    """The trainer's teacher-forced log-probs of generated ``responses`` against the backend's own
+    (:func:`logprob_gap`, one step through the usual layout and scoring): an inference copy's parity check
+    (:func:`megatron.rl.layout.parity.verify_weights_swap`). Collective over the world."""
+    seqs = [TrainingSequence(token_ids=list(r.token_ids),
+                             loss_mask=[0] * r.prompt_length + [1] * (len(r.token_ids) - r.prompt_length),
+                             inference_logprobs=[0.0] * r.prompt_length + list(r.logprobs),
+                             advantage=0.0, reward=0.0, group_index=0, env_id="refit-probe") for r in responses]
+    steps = build_step_batches(seqs, rl, ctx, 1, need_ref=False)
+    for step in steps:
+        score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
+    return logprob_gap(steps)
 
 
 @dataclasses.dataclass

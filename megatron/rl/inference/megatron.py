@@ -143,7 +143,7 @@ class MegatronInference(InferenceInterface, TrainerControl):
     @classmethod
     def build_for_training(cls, cfg: Any, rl: Any, model: list, tokenizer: Any) -> InferenceInterface:
         """The RL run's backend over the trainer's model (an inference copy at its own layout is the trainer's
-        :func:`megatron.rl.layout.refit.build_run_inference`)."""
+        :func:`megatron.rl.layout.backend.build_run_inference`)."""
         record_routes = rl.router_replay == "rollout"  # MoE routing replay: the engine records every token's routes
         if len(model) != 1:
             raise ConfigError("--inference-backend megatron needs a single model chunk per rank "

@@ -9,7 +9,8 @@ that the agents use like any backend. Weights move with megatron-core's ``swap_m
 Refit points: once after the trainer's weights are loaded (before the first generation, so a resumed run
 serves the checkpoint's weights) and after every optimizer update (:meth:`LayoutInference.refit_for_update`,
 which the rollout source calls). Only the trainer's weights are checkpointed; the copy is rebuilt and refit on
-start-up.
+start-up. Whether a run builds a copy: :mod:`megatron.rl.layout.backend`; the check of its first refit:
+:mod:`megatron.rl.layout.parity`.
 """
 from __future__ import annotations
 
@@ -22,24 +23,16 @@ from typing import Any, Iterator
 import torch
 
 from megatron.rl import parallel_utils
-from megatron.rl.base.errors import RLError
-from megatron.rl.inference.api import GenerationArgs, InferenceInterface, InferenceRequest, InferenceResponse
-from megatron.rl.inference.control import build_training_inference
+from megatron.rl.inference.api import InferenceRequest, InferenceResponse
 from megatron.rl.inference.engine.engine_flags import EngineFlags
 from megatron.rl.inference.forwarding import ForwardingInference
 from megatron.rl.layout.groups import InferenceGroups, InferenceLayoutConfig, build_inference_groups
-from megatron.rl.rl_utils import build_step_batches, logprob_gap, score
-from megatron.rl.rollout.sequences import TrainingSequence
 from megatron.rl.runtime import patches, setup_runtime
 from megatron.rl.runtime.reshard_planner import PLANNER_PATCH
 from megatron.rl.training.config import TrainingConfig
 from megatron.rl.training.model_provider import build_gpt_chunk, padded_vocab_size, transformer_config_from_args
 
 log = logging.getLogger(__name__)
-
-
-class RefitVerificationError(RLError, RuntimeError):
-    """--rl-verify-model-weights-swap found the inference copy disagreeing with the trainer."""
 
 
 def _inference_parallel_config(cfg: TrainingConfig, groups: InferenceGroups):
@@ -193,76 +186,3 @@ def build_layout_inference(cfg: TrainingConfig, layout: InferenceLayoutConfig, t
     settings = EngineSettings.from_flags(runtime.device, engine or EngineFlags(), s.tp, record_routes=record_routes)
     backend = MegatronInference(copy_model[0], tokenizer, settings=settings, process_groups=groups)
     return LayoutInference(backend, copy, groups)
-
-
-def build_run_inference(cfg: TrainingConfig, rl: Any, model: list, tokenizer) -> InferenceInterface:
-    """The backend an RL run generates with: the inference copy at its own layout when ``--rl-inference-*``
-    flags ask for one (not refit yet), else ``--inference-backend``'s ``build_for_training``."""
-    if rl.inference_layout.enabled:
-        return build_layout_inference(cfg, rl.inference_layout, model, tokenizer,
-                                      record_routes=rl.router_replay == "rollout",  # MoE routing replay
-                                      engine=rl.engine)
-    return build_training_inference(cfg, rl, model, tokenizer)
-
-
-def start_inference_copy(ctx, rl, inference: LayoutInference) -> None:
-    """RL loop start: refit the copy from the trainer's (loaded) weights; --rl-verify-model-weights-swap checks it."""
-    log.info("refit of the inference copy from the trainer's weights took %.3fs", inference.refit_if_stale())
-    if rl.inference_layout.verify_model_weights_swap:
-        verify_weights_swap(ctx, rl, inference)
-
-
-# ------------------------------------------------------------------------------------ verification
-
-
-def probe_requests(tokenizer, max_new_tokens: int, temperature: float) -> list[InferenceRequest]:
-    """A small fixed probe batch (the same on every rank)."""
-
-    prompts = ["The weights were refit; ", "1 2 3 4 5 6", "probe: abcdefghij"]
-    return [InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=temperature,
-                                                                      max_tokens=max_new_tokens, seed=17 + i))
-            for i, p in enumerate(prompts)]
-
-
-def verify_weights_swap(ctx, rl, inference: LayoutInference, tolerance: float | None = None) -> float:
-    """--rl-verify-model-weights-swap: the copy's log-probs on a probe batch equal the trainer's.
-
-    The copy generates the probe batch (its log-probs come from its logits at the sampling temperature);
-    the trainer scores the same tokens teacher-forced through the usual scoring path. Collective over
-    the world. Returns the largest |difference|; raises :class:`RefitVerificationError` above ``tolerance``
-    (default 1e-3 in fp32, 5e-2 in bf16/fp16).
-    """
-
-    if tolerance is None:
-        half = any(p.dtype in (torch.bfloat16, torch.float16) for p in inference.copy.model[0].parameters())
-        tolerance = 5e-2 if half else 1e-3
-    requests = probe_requests(inference.inner.tokenizer, min(16, rl.max_new_tokens), rl.temperature)
-    with inference.rollout_phase():
-        responses = inference.generate(requests)
-    bad = [r.error for r in responses if r.finish_reason == "error"]
-    if bad:
-        raise RefitVerificationError(f"--rl-verify-model-weights-swap: the inference copy failed to generate the "
-                                     f"probe batch: {bad[0]}")
-    seqs = []
-    for r in inference.rollout_shard.gather(responses):
-        for resp in r:
-            n = len(resp.token_ids) - resp.prompt_length
-            seqs.append(TrainingSequence(token_ids=list(resp.token_ids),
-                                         loss_mask=[0] * resp.prompt_length + [1] * n,
-                                         inference_logprobs=[0.0] * resp.prompt_length + list(resp.logprobs),
-                                         advantage=0.0, reward=0.0, group_index=0, env_id="refit-probe"))
-    steps = build_step_batches(seqs, rl, ctx, 1, need_ref=False)
-    for step in steps:
-        score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
-    gap = logprob_gap(steps)
-    worst = float(gap.get("logprob_gap_max", float("nan")))
-    if not worst <= tolerance:
-        raise RefitVerificationError(
-            f"--rl-verify-model-weights-swap: after the refit the inference copy's log-probs differ from the "
-            f"trainer's by up to {worst:.3g} (mean {gap.get('logprob_gap_mean', float('nan')):.3g}) on the probe "
-            f"batch, above the tolerance {tolerance:g}: the refit (--refit-method {inference.copy.refit_method}) "
-            f"or the inference layout is broken; drop --rl-inference-*-model-parallel-size to generate with the "
-            f"training model itself.")
-    log.info("--rl-verify-model-weights-swap: inference copy equals the trainer on the probe batch "
-             "(max |log-prob difference| %.2e <= %g)", worst, tolerance)
-    return worst

@@ -5,6 +5,7 @@ the copy (as a broken refit would leave it) it raises RefitVerificationError on 
 """
 from __future__ import annotations
 
+import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -16,9 +17,10 @@ import torch.distributed as dist  # noqa: E402
 
 
 def main() -> None:
-    from megatron.rl.layout.refit import RefitVerificationError, build_layout_inference, verify_weights_swap
+    from megatron.rl.layout.parity import RefitVerificationError, verify_weights_swap
+    from megatron.rl.layout.refit import build_layout_inference
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
-    from megatron.rl.rl_utils import StepContext
+    from megatron.rl.rl_utils import StepContext, probe_logprob_gap
     from megatron.rl.training.config import parse_args
     from megatron.rl.training.initialize import destroy_megatron, initialize_megatron
     from megatron.rl.training.model_provider import build_model
@@ -43,14 +45,15 @@ def main() -> None:
                       micro_batch_size=cfg.train.micro_batch_size, global_batch_size=cfg.train.global_batch_size,
                       seed=cfg.train.seed, device=runtime.device)
     inference.refit_if_stale()
-    gap = verify_weights_swap(ctx, rl, inference)
+    trainer_gap = functools.partial(probe_logprob_gap, ctx, rl)
+    gap = verify_weights_swap(inference, trainer_gap, rl.max_new_tokens, rl.temperature)
     assert gap < 1e-5, gap
     with torch.no_grad():  # what a refit that skipped one tensor on one rank would leave behind
         if dist.get_rank() == 1:
             weight = dict(inference.copy.model[0].named_parameters())["decoder.layers.1.mlp.linear_fc2.weight"]
             weight.add_(0.05 * torch.randn_like(weight))
     try:
-        verify_weights_swap(ctx, rl, inference)
+        verify_weights_swap(inference, trainer_gap, rl.max_new_tokens, rl.temperature)
     except RefitVerificationError as e:
         assert "--rl-verify-model-weights-swap" in str(e), e
         print(f"rank {dist.get_rank()}: VERIFY OK (passed at {gap:.1e}, then caught the bad copy)", flush=True)
