@@ -90,12 +90,6 @@ class StepContext:
 # --------------------------------------------------------------------------- 1-2. rollouts
 
 
-def collect_local_groups(ctx: StepContext, rl: RLConfig, iteration: int):
-    """This DP rank's ``P / DP`` rollout groups for ``iteration``, from the run's rollout source (deterministic
-    given the seed)."""
-    return ctx.rollouts.collect(iteration)
-
-
 def gather_sequences(groups, rl: RLConfig) -> tuple[list[TrainingSequence], CollectionStats]:
     """Local groups -> global training sequences (same list, same order, on every rank) and global stats."""
     dp_group, _, _ = data_parallel()
@@ -330,7 +324,7 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
     t0 = time.perf_counter()
     # CPU seconds of this process (every thread) in the iteration: steadier than wall time on a shared machine
     cpu0 = time.process_time()
-    groups = collect_local_groups(ctx, rl, iteration)
+    groups = ctx.rollouts.collect(iteration)  # this DP rank's P / DP groups (deterministic given the seed)
     t_gen = time.perf_counter() - t0
     observed = observe_rollouts(groups, rl.max_new_tokens, rl.observe.log_samples, data_parallel()[0])
     sequences, stats = gather_sequences(groups, rl)

@@ -23,15 +23,16 @@ def main(argv: list[str]) -> None:
     from megatron.rl import rl_utils
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_loop import run_rl
+    from megatron.rl.rollout.source import SynchronousRollouts
     from megatron.rl.training.config import parse_args
     from megatron.rl.training.initialize import destroy_megatron
 
     collected: list[dict] = []
     trained: list[dict] = []
-    original_collect, original_gather = rl_utils.collect_local_groups, rl_utils.gather_sequences
+    original_collect, original_gather = SynchronousRollouts.collect, rl_utils.gather_sequences
 
-    def recording_collect(ctx, rl, iteration):
-        groups = original_collect(ctx, rl, iteration)
+    def recording_collect(source, iteration):
+        groups = original_collect(source, iteration)
         collected.append({"iteration": iteration,
                           "problems": [g.problem_id for g in groups],
                           "rollouts": [len(g.rollouts) for g in groups],
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> None:
                         "groups": stats.groups, "digest": hashlib.sha256(tokens).hexdigest()[:16]})
         return sequences, stats
 
-    rl_utils.collect_local_groups, rl_utils.gather_sequences = recording_collect, recording_gather
+    SynchronousRollouts.collect, rl_utils.gather_sequences = recording_collect, recording_gather
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])
     result = run_rl(cfg, rl_config_from_args(cfg))
     out = {"rank": dist.get_rank(), "history": result.history, "evals": result.evals, "collected": collected,
