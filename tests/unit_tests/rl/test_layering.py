@@ -172,6 +172,8 @@ def test_the_layers_keep_their_seams():
     trainer = (f"{rl}.rl_utils", f"{rl}.rl_loop", f"{rl}.rl_loss", f"{rl}.rl_config", f"{rl}.rl_eval",
                f"{rl}.train_rl", f"{rl}.rollout", f"{rl}.layout")
     bad += _reaches(f"{rl}.inference", trainer)
+    # layout/ (the inference copy, its refit and parity check) is below the trainer: the trainer hands it its scoring
+    bad += _reaches(f"{rl}.layout", tuple(m for m in trainer if m != f"{rl}.layout"))
     # training/ (Megatron's training loop) knows nothing of agents, rollouts or the RL trainer
     bad += _reaches(f"{rl}.training", (f"{rl}.agent", f"{rl}.environments", *trainer))
     # runtime/ (device choice and megatron-core patches) is the ground floor beside base/
