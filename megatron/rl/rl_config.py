@@ -161,7 +161,7 @@ class RLConfig:
              "the fixed shape).")
     deterministic_forward: bool = derived(True)  # no dropout: a training forward scores what a scoring pass would
     # the rows a step is laid out in, from --rl-layout / --rl-packing-row-length / --rl-use-sequence-packing and the
-    # run's shape (rl_config_from_args); None in an RLConfig built by hand: padded rows of the StepContext's shape
+    # run's shape (rl_config_from_args); None in an RLConfig built by hand (step_layout then reads use_sequence_packing)
     training_layout: TrainingLayout | None = derived(None)
     router_replay: str = flag(
         "off", name="--rl-router-replay", choices=REPLAY_MODES,

@@ -122,3 +122,15 @@ def test_the_flags_resolve_into_the_run_config():
     # an RLConfig built by hand keeps what its use_sequence_packing says, in rows of --seq-length
     assert not step_layout(RLConfig(), cfg).packed
     assert step_layout(RLConfig(use_sequence_packing=True), cfg).row_length == 64
+
+
+def test_a_rollout_longer_than_seq_length_is_refused_even_in_longer_rows():
+    from types import SimpleNamespace
+
+    from megatron.rl.rl_utils import RLDataError, check_sequence_lengths
+
+    rollouts = [SimpleNamespace(token_ids=[1] * n) for n in (10, 64)]
+    check_sequence_lengths(rollouts, 64)
+    check_sequence_lengths(rollouts + [SimpleNamespace(token_ids=[1] * 65)], None)
+    with pytest.raises(RLDataError, match="65 tokens, more than --seq-length=64"):
+        check_sequence_lengths(rollouts + [SimpleNamespace(token_ids=[1] * 65)], 64)
