@@ -31,16 +31,20 @@ Sides:
   generate (``model.generate``), score (the rest of TRL's ``_generate_and_score_completions``: rewards,
   advantages, old log-probs when it needs them), train (forward + backward + optimizer).
 - ``ours``: ``train_rl.py``'s driver (:func:`megatron.rl.rl_loop.run_rl`) with the in-process megatron-core
-  engine, at its defaults: old-policy log-probs from the training forward, one micro-batch of all rollouts
-  cropped to its rows. Phases: generate (rollouts + rewards), log-probs (the scoring pass; ~0 when skipped),
-  train.
-- ``ours-packed``: the same with ``--rl-use-sequence-packing`` and rows long enough for a whole group
-  (:func:`group_row_length`; one micro-batch of one row per prompt), so each group's prompt is computed once
-  for all its rollouts (``--rl-share-prompt-prefix auto``, :mod:`megatron.rl.packing.prefix_sharing`; the column
-  "prompt tokens shared" is the share of rollout tokens not computed). The recommended GRPO layout.
-- ``ours-fixed`` (only when named in ``--sides``): the same as ``ours`` with ``--rl-fixed-microbatch-shapes
+  engine, at its defaults: old-policy log-probs from the training forward, ``--micro-batch-size`` = all rollouts,
+  and the default layout (``--rl-layout auto``, :mod:`megatron.rl.packing.layout_choice`): packed rows of one
+  group each, so each group's prompt is computed once for all its rollouts (:mod:`megatron.rl.packing.prefix_sharing`;
+  the column "prompt tokens shared" is the share of rollout tokens not computed), all rows in one micro-batch
+  cropped to its rows. Phases: generate (rollouts + rewards), log-probs (the scoring pass; ~0 when skipped), train.
+- ``ours-padded``: the same with ``--rl-layout padded``: one rollout per row, the default layout before
+  ``--rl-layout``.
+- ``ours-packed`` (only when named in ``--sides``): the hand-set recipe the default layout was chosen from:
+  ``--rl-use-sequence-packing`` with ``--seq-length`` = :func:`group_row_length` (rows for a whole group, sized
+  for this shape's prompts) and one micro-batch of one row per prompt. Figures under this name in
+  docs/benchmarks.md before ``--rl-layout`` measured it.
+- ``ours-fixed`` (only when named in ``--sides``): ``ours-padded`` with ``--rl-fixed-microbatch-shapes
   --rl-recompute-old-logprobs`` (every micro-batch at ``[micro-batch, seq-length]`` and a separate scoring pass:
-  how the step ran before), for the packing efficiency and the cost of those two choices.
+  how the step ran before either), for the packing efficiency and the cost of those two choices.
 
 CPU s/step is the process's CPU time (all threads) per step: steadier than wall time on a shared machine
 (time spent descheduled is not counted), so its ratio is the fairer one under load.
@@ -54,7 +58,7 @@ printed too.
 
     python benchmarks/grpo_vs_trl.py [--shapes small large] [--rounds 2] [--steps 4] [--threads 2]
     python benchmarks/grpo_vs_trl.py --shapes small --threads auto --co-runners 1   # a shared machine
-    python benchmarks/grpo_vs_trl.py --shapes long --sides ours-packed trl [--group-size 16]
+    python benchmarks/grpo_vs_trl.py --shapes long --sides ours trl [--group-size 16]
 """
 from __future__ import annotations
 
@@ -71,8 +75,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-SIDES = ("ours", "ours-packed", "trl", "ours-fixed")
-DEFAULT_SIDES = ("ours", "ours-packed", "trl")
+SIDES = ("ours", "ours-padded", "ours-packed", "trl", "ours-fixed")
+DEFAULT_SIDES = ("ours", "ours-padded", "trl")
 EQUAL_WORK_TOLERANCE = 0.02  # generated / trained tokens per step may differ by this share, no more
 BOS, EOD, PAD = 258, 256, 257  # megatron's ByteLevelTokenizer: bytes are ids 0..255
 VOCAB = 384  # its 259 ids padded to a multiple of 128 (--make-vocab-size-divisible-by), on both sides
@@ -170,8 +174,9 @@ def equal_work_env_config(directory: str | Path) -> Path:
     return path
 
 
-def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False, env_config: Path | None = None
-             ) -> list[str]:
+def our_argv(shape: Shape, steps: int, side: str = "ours", env_config: Path | None = None) -> list[str]:
+    """``train_rl.py``'s flags for one of our sides (see the module docstring)."""
+    packed = side == "ours-packed"
     rollouts = shape.prompts * shape.group_size
     seq_length = group_row_length(shape, 16 + shape.preamble_chars) if packed else shape.seq_length
     micro_batch = shape.prompts if packed else rollouts  # packed: one row per group, every row in one micro-batch
@@ -184,7 +189,9 @@ def our_argv(shape: Shape, steps: int, fixed: bool, packed: bool = False, env_co
                str(shape.new_tokens), "--rl-default-temperature", "1.0", "--rl-prompts-per-eval", "0",
                "--inference-backend", "megatron"])
     argv += engine_buffer_flags(shape, 16 + shape.preamble_chars)
-    if fixed:
+    if side in ("ours-padded", "ours-fixed"):
+        argv += ["--rl-layout", "padded"]
+    if side == "ours-fixed":
         argv += ["--rl-fixed-microbatch-shapes", "--rl-recompute-old-logprobs"]
     if packed:
         argv += ["--rl-use-sequence-packing"]
@@ -198,7 +205,7 @@ def ignore_end_of_document() -> None:
     EosIds.of = classmethod(lambda cls, tokenizer: cls(-1, frozenset(), frozenset()))
 
 
-def run_ours(shape: Shape, steps: int, fixed: bool, packed: bool, workdir: str) -> list[dict]:
+def run_ours(shape: Shape, steps: int, side: str, workdir: str) -> list[dict]:
     from megatron.rl.rl_config import add_rl_args, rl_config_from_args
     from megatron.rl.rl_loop import run_rl
     from megatron.rl.training.config import parse_args
@@ -206,7 +213,7 @@ def run_ours(shape: Shape, steps: int, fixed: bool, packed: bool, workdir: str) 
     C.quiet()
     ignore_end_of_document()
     add_prompt_block(shape.preamble_chars)
-    argv = our_argv(shape, steps, fixed, packed, env_config=equal_work_env_config(workdir))
+    argv = our_argv(shape, steps, side, env_config=equal_work_env_config(workdir))
     cfg = parse_args(argv, extra_args_providers=[add_rl_args], world_size=1)
     try:
         result = run_rl(cfg, rl_config_from_args(cfg))
@@ -361,8 +368,7 @@ def child(a) -> int:
         if a.side == "trl":
             records = run_trl(shape, a.steps, work)
         else:
-            records = run_ours(shape, a.steps, fixed=a.side == "ours-fixed", packed=a.side == "ours-packed",
-                               workdir=work)
+            records = run_ours(shape, a.steps, a.side, workdir=work)
     # ru_maxrss: the process's resident high-water mark in KiB (Linux), read the same way on every side
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     Path(a.out).write_text(json.dumps([{**r, "peak_rss_mb": peak_mb} for r in records]))

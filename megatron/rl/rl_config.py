@@ -34,6 +34,7 @@ from megatron.rl.inference.engine.engine_flags import EngineFlags, validate_engi
 from megatron.rl.inference.validation import MAX_TEMPERATURE, MIN_TEMPERATURE
 from megatron.rl.layout.groups import InferenceLayoutConfig, validate_inference_layout
 from megatron.rl.observe.config import ObserveConfig, resolve_observe
+from megatron.rl.packing.layout_choice import LAYOUTS, LayoutInputs, TrainingLayout, choose_layout
 from megatron.rl.packing.plan import PACKING_ALGOS
 from megatron.rl.rollout.async_config import AsyncRolloutConfig, async_loss_config, validate_async_rollouts
 from megatron.rl.routing.config import REPLAY_MODES, validate_router_replay
@@ -68,9 +69,23 @@ class RLConfig:
                                       "sequences (GRPO); drgrpo: sum / (sequences * --rl-max-new-tokens).")
     filter_same_reward: bool = flag(False, name="--grpo-filter-groups-with-same-reward",
                                     help="Drop groups whose rollouts all got the same reward (no learning signal).")
+    # the layout of a step's rows (megatron.rl.packing.layout_choice), resolved into training_layout
+    layout: str = flag(
+        "auto", name="--rl-layout", choices=LAYOUTS,
+        help="How a step's rollouts fill the trainer's rows. auto (default) = packed: rows of one group where a "
+             "group's prompt can be computed once (--rl-share-prompt-prefix auto, no pipeline parallelism or "
+             "THD), else rows of --seq-length; padded = one rollout per --seq-length row; packed = as auto. The "
+             "loss and gradients are the same in every layout; the start-up summary says which one ran and why.")
+    packing_row_length: str = flag(
+        "auto", name="--rl-packing-row-length", metavar="auto|N",
+        help="Tokens per packed row (>= --seq-length). auto (default) = one group's row where prompts are shared "
+             "(--seq-length + (group size - 1) x (--rl-max-new-tokens + 1), rounded up to 32, at most "
+             "--micro-batch-size x --seq-length), else --seq-length. A packed micro-batch holds "
+             "--micro-batch-size x --seq-length // row length rows (at least 1).")
     use_sequence_packing: bool = flag(False, name="--rl-use-sequence-packing",
                                       help="Pack several rollouts into each --seq-length row (attention never crosses "
-                                           "sequences).")
+                                           "sequences): the packed layout with rows of --seq-length unless "
+                                           "--rl-packing-row-length says otherwise.")
     max_sequences_per_bin: int = flag(16, name="--rl-sequence-packing-max-sequences-per-bin")
     packing_algo: str = flag("fifo", name="--rl-sequence-packing-algo", choices=registry_choices(PACKING_ALGOS))
     # packed rows computed as if each sequence ran alone (megatron.rl.packing.packed_forward)
@@ -84,9 +99,9 @@ class RLConfig:
              "always uses each sequence's own positions.")
     share_prompt_prefix: str = flag(
         "auto", name="--rl-share-prompt-prefix", choices=("auto", "off"),
-        help="With --rl-use-sequence-packing: rollouts of a group packed into one row compute their common prompt "
-             "once (the others attend to it) instead of once per rollout: the same log-probs and gradients, fewer "
-             "tokens. auto (default) = where the layout allows it (not with TransformerEngine's THD packing or "
+        help="Packed rows (--rl-layout auto/packed): rollouts of a group packed into one row compute their common "
+             "prompt once (the others attend to it) instead of once per rollout: the same log-probs and gradients, "
+             "fewer tokens. auto (default) = where the layout allows it (not with TransformerEngine's THD packing or "
              "pipeline parallelism); off = every rollout stored whole.")
     temperature: float = flag(1.0, name="--rl-default-temperature")
     top_p: float = flag(1.0, name="--rl-default-top-p")
@@ -145,6 +160,9 @@ class RLConfig:
              "default each micro-batch drops its padding-only rows and positions (pipeline parallelism always keeps "
              "the fixed shape).")
     deterministic_forward: bool = derived(True)  # no dropout: a training forward scores what a scoring pass would
+    # the rows a step is laid out in, from --rl-layout / --rl-packing-row-length / --rl-use-sequence-packing and the
+    # run's shape (rl_config_from_args); None in an RLConfig built by hand (step_layout then reads use_sequence_packing)
+    training_layout: TrainingLayout | None = derived(None)
     router_replay: str = flag(
         "off", name="--rl-router-replay", choices=REPLAY_MODES,
         help="MoE only. rollout = the in-process engine records the experts each token was routed to at every MoE "
@@ -168,10 +186,10 @@ CHECKPOINTED_FLAGS = (
     "--langrl-env-config", "--langrl-allow-imports", "--grpo-prompts-per-step", "--grpo-group-size",
     "--micro-batch-size", "--global-batch-size", "--rl-max-new-tokens", "--rl-default-temperature",
     "--rl-default-top-p", "--rl-default-top-k", "--rl-eval-temperature", "--rl-prompts-per-eval",
-    "--rl-eval-samples", "--rl-eval-pass-at-k", "--rl-use-sequence-packing",
-    "--rl-sequence-packing-max-sequences-per-bin", "--rl-sequence-packing-algo", "--rl-packed-attention",
-    "--rl-share-prompt-prefix", "--rl-generation-lag", "--rl-partial-rollouts", "--rl-submission-granularity",
-    "--rl-consumption-granularity", "--rl-max-inflight-requests")
+    "--rl-eval-samples", "--rl-eval-pass-at-k", "--rl-layout", "--rl-packing-row-length",
+    "--rl-use-sequence-packing", "--rl-sequence-packing-max-sequences-per-bin", "--rl-sequence-packing-algo",
+    "--rl-packed-attention", "--rl-share-prompt-prefix", "--rl-generation-lag", "--rl-partial-rollouts",
+    "--rl-submission-granularity", "--rl-consumption-granularity", "--rl-max-inflight-requests")
 _FILE_FLAGS = ("langrl_env_config",)
 
 
@@ -223,7 +241,30 @@ def rl_config_from_args(cfg: TrainingConfig) -> RLConfig:
     # (with --langrl-allow-imports) before --inference-backend is looked up in the registry.
     import_env_config_modules(rl.env_config, allow_imports=rl.allow_import_paths)
     validate_rl_config(rl, cfg)
-    return rl
+    layout = training_layout(rl, cfg)
+    return dataclasses.replace(rl, training_layout=layout, use_sequence_packing=layout.packed)
+
+
+def step_layout(rl: RLConfig, cfg: TrainingConfig) -> TrainingLayout:
+    """The rows a run lays its steps out in: ``rl.training_layout`` (resolved by :func:`rl_config_from_args`), or
+    for an :class:`RLConfig` built by hand, what its ``use_sequence_packing`` says (rows of ``--seq-length``)."""
+    if rl.training_layout is not None:
+        return rl.training_layout
+    return training_layout(dataclasses.replace(rl, layout="auto" if rl.use_sequence_packing else "padded",
+                                               packing_row_length="auto"), cfg)
+
+
+def training_layout(rl: RLConfig, cfg: TrainingConfig) -> TrainingLayout:
+    """The rows this run's steps are laid out in (:func:`~megatron.rl.packing.layout_choice.choose_layout` on the
+    layout flags as typed and the run's shape); a :class:`ConfigError` for contradicting layout flags."""
+    p = cfg.parallel
+    return choose_layout(LayoutInputs(
+        layout=rl.layout, use_sequence_packing=rl.use_sequence_packing, row_length=rl.packing_row_length,
+        seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size, group_size=rl.group_size,
+        max_new_tokens=rl.max_new_tokens, max_sequences_per_bin=rl.max_sequences_per_bin,
+        share_prompt_prefix=rl.share_prompt_prefix, use_thd=cfg.model.transformer_impl == "transformer_engine",
+        pipeline_parallel=p.pipeline_model_parallel_size,
+        length_multiple=p.tensor_model_parallel_size if p.sequence_parallel else 1))
 
 
 def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:

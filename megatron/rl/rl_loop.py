@@ -25,7 +25,7 @@ from megatron.rl.observe.samples import samples_markdown
 from megatron.rl.observe.config import warning_thresholds
 from megatron.rl.observe.guard import CollapseGuard, apply_guard_actions, check_guard_target
 from megatron.rl.observe.warnings import RunWarnings, warning_metrics
-from megatron.rl.rl_config import RLConfig, checkpointed_run_flags
+from megatron.rl.rl_config import RLConfig, checkpointed_run_flags, step_layout
 from megatron.rl.rl_eval import evaluate, format_eval_line
 from megatron.rl.rl_utils import IterationResult, StepContext, finite_or_raise, probe_logprob_gap, rl_iteration
 from megatron.rl.rollout.collection import generation_split
@@ -129,11 +129,14 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     rollouts = build_rollout_source(agent, inference, rl, t.seed, start.iteration, save=c.save,
                                     resuming=start.from_checkpoint or bool(c.load),
                                     recorded=start.run_state.get("rollout_bank_groups"))
+    # --rl-layout: the rows' length and count per micro-batch (megatron/rl/packing/layout_choice.py)
+    rows = step_layout(rl, cfg)
     ctx = StepContext(model=run.model, optimizer=run.optimizer, scheduler=run.scheduler, agent=agent,
-                      inference=inference, pad_token_id=run.tokenizer.pad, seq_length=cfg.model.seq_length,
-                      micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size, seed=t.seed,
+                      inference=inference, pad_token_id=run.tokenizer.pad, seq_length=rows.row_length,
+                      micro_batch_size=rows.microbatch_rows, global_batch_size=t.global_batch_size, seed=t.seed,
                       device=run.runtime.device, use_thd=cfg.model.transformer_impl == "transformer_engine",
-                      ref_model=run.ref_model, rollouts=rollouts, packed_attention=rl.packed_attention)
+                      ref_model=run.ref_model, rollouts=rollouts, packed_attention=rl.packed_attention,
+                      max_sequence_length=cfg.model.seq_length)
     if rl.inference_layout.enabled:  # first refit (from the loaded weights), then the optional parity check
         start_inference_copy(backend, rl.inference_layout.verify_model_weights_swap,
                              functools.partial(probe_logprob_gap, ctx, rl), rl.max_new_tokens, rl.temperature)

@@ -85,6 +85,8 @@ class StepContext:
     ref_model: list | None = None  # only when --grpo-kl-beta > 0
     rollouts: RolloutSource | None = None  # where rl_iteration's groups come from (megatron.rl.rollout.source)
     packed_attention: str = "auto"  # --rl-packed-attention (megatron.rl.packing.packed_forward.choose_attention)
+    # --seq-length: packed rows may be longer (--rl-packing-row-length), a rollout may not (None: the row length)
+    max_sequence_length: int | None = None
 
 
 # --------------------------------------------------------------------------- 1-2. rollouts
@@ -164,6 +166,7 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
         raise RLDataError("--rl-inference-logprobs-is-correction / --rl-importance-sampling-mode / --rl-reject-"
                           "sequence-*-log-ratio need log-probs from the inference backend, but some rollouts have none "
                           "(does the server return logprobs?)")
+    check_sequence_lengths(sequences, ctx.max_sequence_length)
     max_per_bin = rl.max_sequences_per_bin if rl.use_sequence_packing else 1
     routes = replay_routes(sequences, rl)
     dynamic, multiple, shared = microbatch_shapes(ctx, rl)
@@ -203,6 +206,15 @@ def build_step_batches(sequences: list[TrainingSequence], rl: RLConfig, ctx: Ste
                                shapes=shared_microbatch_shapes(info, dist_plan, multiple) if dynamic and shared
                                else None))
     return steps
+
+
+def check_sequence_lengths(sequences: list[TrainingSequence], limit: int | None) -> None:
+    """Refuse a rollout longer than ``limit`` (``--seq-length``; None: no limit): the engine never generates one,
+    another backend may, and a packed row longer than ``--seq-length`` would otherwise take it."""
+    longest = max((len(s.token_ids) for s in sequences), default=0)
+    if limit is not None and longest > limit:
+        raise RLDataError(f"a rollout has {longest} tokens, more than --seq-length={limit}: raise --seq-length or "
+                          f"lower the backend's generation limit (max_tokens, --rl-max-new-tokens)")
 
 
 def replay_routes(sequences: list[TrainingSequence], rl: RLConfig) -> list[torch.Tensor] | None:

@@ -7,15 +7,18 @@ One log record, logged once before the first iteration, so a glance at the top o
       backend:  megatron (the in-process engine on the training weights)
       layout:   TP=1 PP=1 EP=1 DP=1 (world 1); generation at the training layout
       rollouts: synchronous (every iteration generates its own groups)
-      packing:  sequence packing into --seq-length 64 rows (prompt sharing auto, attention auto, at most 16
-                sequences per row)
+      packing:  packed, rows of 128 tokens, 4 per micro-batch, a group's prompt computed once per row: --rl-layout
+                auto (the loss of padded rows in fewer positions; --rl-layout padded: one rollout per row); a row fits
+                one group, --seq-length 64 + 7 x (--rl-max-new-tokens 8 + 1) rounded up to 128 (attention auto, at
+                most 16 sequences per row)
       threads:  2 intra-op threads on 2 usable cores, fewer while other processes keep cores busy (--cpu-threads N
                 fixes the count)
       from checkpoint (--use-checkpoint-args): --num-layers 4, --hidden-size 128, ..., --rl-max-new-tokens 8
 
 The last line lists the flags ``--use-checkpoint-args`` took from the checkpoint (none: no line).
 
-The rollout line is the rollout source's own description (:meth:`RolloutSource.describe`).
+The rollout line is the rollout source's own description (:meth:`RolloutSource.describe`); the packing line
+says which rows ``--rl-layout`` chose and why (:meth:`~megatron.rl.packing.layout_choice.TrainingLayout.describe`).
 """
 from __future__ import annotations
 
@@ -70,11 +73,18 @@ def _layout(cfg, rl) -> str:
 
 
 def _packing(cfg, rl) -> str:
-    if not rl.use_sequence_packing:
-        return "off (one sequence per row)"
-    return (f"sequence packing into --seq-length {cfg.model.seq_length} rows (prompt sharing "
-            f"{rl.share_prompt_prefix}, attention {rl.packed_attention}, at most {rl.max_sequences_per_bin} "
-            f"sequences per row)")
+    """The rows a step is laid out in and why (``rl.training_layout``, resolved from ``--rl-layout``), wrapped."""
+    layout = rl.training_layout
+    if layout is None:  # an RLConfig built by hand: its use_sequence_packing decides, rows of --seq-length
+        text = (f"sequence packing into --seq-length {cfg.model.seq_length} rows" if rl.use_sequence_packing
+                else "off (one sequence per row)")
+    else:
+        text = layout.describe()
+    if rl.use_sequence_packing:
+        text += f" (attention {rl.packed_attention}, at most {rl.max_sequences_per_bin} sequences per row)"
+    indent = " " * 12  # under the text after "  packing:  "
+    return textwrap.fill(text, width=120, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
+                         break_long_words=False).lstrip()
 
 
 def checkpoint_args_line(cfg: Any) -> str | None:

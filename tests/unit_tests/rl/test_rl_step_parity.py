@@ -52,6 +52,9 @@ def one_process_runs(tmp_path_factory):
     runs = _launch(tmp, "one", {
         "ref": _variant(ctx, "dense", save=True),
         "packed": _variant(ctx, "dense", "--rl-use-sequence-packing"),
+        # the default layout: rows of one group with its prompt shared, capped at 2 x 64 positions / at 8 x 64
+        "auto": _variant(ctx, "dense", "--rl-layout", "auto"),
+        "auto_mbs8": _variant(ctx, "dense", "--rl-layout", "auto", "--micro-batch-size", "8"),
         # attention per group of similar lengths (auto keeps these 64-token rows masked: forced here)
         "packed_grouped": _variant(ctx, "dense", "--rl-use-sequence-packing", "--rl-packed-attention", "grouped"),
         "mbs1x8": _variant(ctx, "dense", "--micro-batch-size", "1"),
@@ -71,6 +74,8 @@ def two_process_runs(one_process_runs):
         "pp2": _variant(ctx, "dense", "--pipeline-model-parallel-size", "2"),
         "dp2": _variant(ctx, "dense"),
         "dp2_packed": _variant(ctx, "dense", "--rl-use-sequence-packing", "--micro-batch-size", "1"),
+        "dp2_auto": _variant(ctx, "dense", "--rl-layout", "auto"),
+        "pp2_auto": _variant(ctx, "dense", "--rl-layout", "auto", "--pipeline-model-parallel-size", "2"),
         "moe_ep2": _variant(ctx, "moe", "--expert-model-parallel-size", "2"),
         "alt_tp2": _variant(ctx, "dense", *ALT, "--tensor-model-parallel-size", "2"),
         "alt_pp2_packed": _variant(ctx, "dense", *ALT, "--pipeline-model-parallel-size", "2",
@@ -84,7 +89,10 @@ def two_process_runs(one_process_runs):
 
 
 def _variant(ctx, kind, *flags, save=False):
-    return {"argv": [*ctx["base"], *(MOE if kind == "moe" else []), *flags], "ckpt": ctx[kind], "save_ckpt": save}
+    # a variant that names no layout is the padded reference (the default layout, auto, packs)
+    layout = [] if {"--rl-layout", "--rl-use-sequence-packing"} & set(flags) else ["--rl-layout", "padded"]
+    return {"argv": [*ctx["base"], *(MOE if kind == "moe" else []), *layout, *flags], "ckpt": ctx[kind],
+            "save_ckpt": save}
 
 
 def _diffs(a, b):
@@ -116,7 +124,8 @@ def test_reference_is_nontrivial(one_process_runs):
 
 
 @pytest.mark.parametrize("name,ref", [("packed", "ref"), ("packed_grouped", "ref"), ("mbs1x8", "mbs8x1"), ("mbs1x8", "ref"),
-                                      ("mbs8x1", "ref"), ("alt_packed_mbs1", "alt")])
+                                      ("mbs8x1", "ref"), ("alt_packed_mbs1", "alt"), ("auto", "ref"),
+                                      ("auto_mbs8", "ref")])
 def test_packing_and_micro_batching_do_not_change_the_step(one_process_runs, name, ref):
     runs = one_process_runs[1]
     d = _diffs(runs[name], runs[ref])
@@ -130,6 +139,11 @@ def test_micro_batch_layouts_really_differ(one_process_runs):
     assert runs["mbs8x1"]["num_microbatches"] == [1, 1]
     # packing puts several rollouts in one row: fewer micro-batches than one rollout per row
     assert sum(runs["packed"]["num_microbatches"]) < sum(runs["ref"]["num_microbatches"])
+    # the default packs rows of one group (64 + 3 x (24 + 1) = 139 -> 160 tokens), capped at --micro-batch-size x
+    # --seq-length, and computes each group's prompt once
+    assert not runs["ref"]["packed"] and runs["auto"]["packed"] and runs["auto_mbs8"]["packed"]
+    assert (runs["auto"]["row_length"], runs["auto_mbs8"]["row_length"]) == (128, 160)
+    assert runs["auto"]["shared_tokens"] > 0 and runs["auto_mbs8"]["shared_tokens"] > runs["packed"]["shared_tokens"]
     assert runs["moe_ep1"]["losses"] != runs["ref"]["losses"]  # the MoE reference is a different model
     alt = runs["alt"]
     assert alt["losses"] != runs["ref"]["losses"] and "kl_mean" in alt["reports"][1]
@@ -140,7 +154,8 @@ def test_micro_batch_layouts_really_differ(one_process_runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,ref", [("tp2", "ref"), ("pp2", "ref"), ("dp2", "ref"), ("dp2_packed", "ref"),
                                       ("moe_ep2", "moe_ep1"), ("alt_tp2", "alt"), ("alt_pp2_packed", "alt"),
-                                      ("tp2_packed_grouped", "ref"), ("pp2_packed_grouped", "ref")])
+                                      ("tp2_packed_grouped", "ref"), ("pp2_packed_grouped", "ref"),
+                                      ("dp2_auto", "ref"), ("pp2_auto", "ref")])
 def test_layouts_give_the_one_process_rl_step(two_process_runs, name, ref):
     d = _diffs(two_process_runs[name], two_process_runs[ref])
     assert max(d.values()) <= 1e-5, d

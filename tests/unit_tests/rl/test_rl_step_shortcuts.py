@@ -38,12 +38,15 @@ def runs(tmp_path_factory):
     env = tmp / "env.yaml"
     env.write_text("environments: [{type: arithmetic, weight: 1}]\n")
     base = [*BASE, "--langrl-env-config", str(env)]
+    padded = [*base, "--rl-layout", "padded"]  # the fixed-shape comparisons below count padded rows
     variants = {
-        "shortcut": base, "recompute": [*base, *RECOMPUTE],
+        "shortcut": padded, "recompute": [*padded, *RECOMPUTE],
         "alt_shortcut": [*base, *ALT], "alt_recompute": [*base, *ALT, *RECOMPUTE],
-        "fixed": [*base, *FIXED, *RECOMPUTE],
-        "two_passes": [*base, "--grpo-iterations", "2"],
-        "two_steps": [*base, "--global-batch-size", "8"],
+        "fixed": [*padded, *FIXED, *RECOMPUTE],
+        "two_passes": [*padded, "--grpo-iterations", "2"],
+        "two_steps": [*padded, "--global-batch-size", "8"],
+        # the default layout (rows of one group): the shortcut is exact there too
+        "auto_shortcut": base, "auto_recompute": [*base, *RECOMPUTE],
     }
     vfile, out = tmp / "variants.json", tmp / "out.json"
     vfile.write_text(json.dumps(variants))
@@ -51,7 +54,8 @@ def runs(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("fast,slow", [("shortcut", "recompute"), ("alt_shortcut", "alt_recompute")])
+@pytest.mark.parametrize("fast,slow", [("shortcut", "recompute"), ("alt_shortcut", "alt_recompute"),
+                                       ("auto_shortcut", "auto_recompute")])
 def test_old_logprobs_from_the_training_forward_are_exact(runs, fast, slow):
     a, b = runs[fast], runs[slow]
     assert a["scoring_passes"].count("old_logprobs") == 0

@@ -123,7 +123,7 @@ def test_grpo_vs_trl_without_trl_skips_its_column(monkeypatch, capsys):
     results = grpo_vs_trl.run(grpo_vs_trl.parse(["--shapes", "tiny", "--rounds", "1", "--steps", "2"]))
     out = capsys.readouterr().out
     assert "TRL not installed" in out
-    assert set(ran) == {"ours", "ours-packed"} and set(results["tiny"]) == set(ran)
+    assert set(ran) == {"ours", "ours-padded"} and set(results["tiny"]) == set(ran)
     assert "| trl" not in out
 
 
@@ -142,7 +142,7 @@ def test_grpo_vs_trl_prints_no_ratio_for_unequal_work(monkeypatch, capsys):
     import grpo_vs_trl
 
     monkeypatch.setattr(grpo_vs_trl, "trl_available", lambda: True)
-    tokens = {"ours": 2048.0, "ours-packed": 512.0, "trl": 2048.0}  # ours-packed: a 16-token budget vs 64
+    tokens = {"ours": 2048.0, "ours-padded": 512.0, "trl": 2048.0}  # ours-padded: a 16-token budget vs 64
     monkeypatch.setattr(grpo_vs_trl, "run_side", lambda side, *a: [
         {"total": 1.0, "cpu": 1.5, "generate": 0.5, "logprobs": 0.0, "train": 0.5,
          "generated_tokens": tokens[side], "trained_tokens": tokens[side]}])
@@ -150,8 +150,30 @@ def test_grpo_vs_trl_prints_no_ratio_for_unequal_work(monkeypatch, capsys):
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert rows["ours"][9] == "1.00x" and rows["ours"][4] == "2048", rows
-    assert rows["ours-packed"][9] == "unequal work" and rows["ours-packed"][11] == "unequal work", rows
-    assert "no ratio to TRL for ours-packed: generated_tokens 512 vs 2048" in out
+    assert rows["ours-padded"][9] == "unequal work" and rows["ours-padded"][11] == "unequal work", rows
+    assert "no ratio to TRL for ours-padded: generated_tokens 512 vs 2048" in out
+
+
+@pytest.mark.parametrize("shape", ["small", "large", "long"])
+def test_grpo_vs_trl_ours_runs_the_default_layout_and_ours_padded_the_old_one(shape, tmp_path):
+    """``ours`` passes no layout flag, so it measures the default: rows of one group, all in one micro-batch, as
+    the hand-set ``ours-packed`` recipe it was chosen from; ``ours-padded`` pins one rollout per row."""
+    import grpo_vs_trl
+
+    from megatron.rl.rl_config import add_rl_args, rl_config_from_args
+    from megatron.rl.training.config import parse_args
+
+    s = grpo_vs_trl.shape_of(shape)
+    layouts = {}
+    for side in ("ours", "ours-padded", "ours-packed"):
+        argv = grpo_vs_trl.our_argv(s, 2, side, env_config=grpo_vs_trl.equal_work_env_config(tmp_path))
+        assert ("--rl-layout" in argv) == (side == "ours-padded")
+        layouts[side] = rl_config_from_args(parse_args(argv, extra_args_providers=[add_rl_args],
+                                                       world_size=1)).training_layout
+    ours, padded, recipe = layouts["ours"], layouts["ours-padded"], layouts["ours-packed"]
+    assert ours.packed and ours.shares_prompts and ours.microbatch_rows >= s.prompts  # one micro-batch of groups
+    assert ours.row_length >= recipe.row_length  # at least the recipe's row: a whole group fits
+    assert not padded.packed and padded.microbatch_rows == s.prompts * s.group_size
 
 
 def test_grpo_vs_trl_forces_the_token_budget_of_both_sides():

@@ -38,7 +38,13 @@ def test_summary_names_start_backend_layout_rollout_mode_and_packing():
     assert "start:    the pretrained checkpoint pre (weights only)" in text
     assert "backend:  megatron (the in-process engine on the training weights)" in text
     assert "layout:   TP=1 PP=1 EP=1 DP=1 (world 1); generation at the training layout" in text
-    assert "rollouts: synchronous" in text and "packing:  off" in text
+    assert "rollouts: synchronous" in text
+    # the default layout and why: rows of one group (64 + 3 x (8 + 1) = 91 -> 96 tokens), its prompt computed once
+    assert "packing:  packed, rows of 96 tokens, 2 per micro-batch, a group's prompt computed once per row: " \
+           "--rl-layout auto" in text
+    assert "--seq-length 64 + 3 x (--rl-max-new-tokens 8 + 1) rounded up to 96" in " ".join(text.split())
+    text = run_summary(*_configs("--rl-layout", "padded"), Resumed(0, {}, False), "synchronous")
+    assert "packing:  padded, one rollout per row of 64 tokens, 4 per micro-batch: --rl-layout padded" in text
 
     cfg, rl = _configs("--rl-generation-lag", "1", "--rl-partial-rollouts", "--rl-submission-granularity", "G",
                        "--rl-consumption-granularity", "G", "--rl-use-sequence-packing",
@@ -54,7 +60,8 @@ def test_summary_names_start_backend_layout_rollout_mode_and_packing():
         in text
     assert "TP=2 PP=1 EP=1 DP=1 (world 2); generation on an inference copy at TP=1 PP=1 EP=1" in text
     assert "rollouts: asynchronous: lag 1, partial rollouts, submission G, consumption G" in text
-    assert "packing:  sequence packing into --seq-length 64 rows (prompt sharing auto" in text
+    assert "packing: packed, rows of 64 tokens, 4 per micro-batch, a group's prompt computed once per row: " \
+           "--rl-use-sequence-packing; rows of --seq-length" in " ".join(text.split())
     assert "random" in run_summary(*_configs(), Resumed(0, {}, False), "synchronous")
     assert "from checkpoint" not in text
     cfg, rl = _configs()

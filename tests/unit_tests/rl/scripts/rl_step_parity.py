@@ -74,6 +74,7 @@ def build_from_weights(argv, ckpt, save_ckpt):
 
 def run_variant(argv, ckpt, save_ckpt):
     from megatron.rl import rl_utils
+    from megatron.rl.rl_config import step_layout
     from megatron.rl.rl_loss import training_forward_step
     from megatron.rl.rollout.sequences import groups_to_sequences
     from megatron.rl.training.loop import train_step
@@ -83,8 +84,9 @@ def run_variant(argv, ckpt, save_ckpt):
     sequences, stats = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
     assert len(sequences) == rl.rollouts_per_step, (len(sequences), rl.rollouts_per_step)
     t = cfg.train
+    rows = step_layout(rl, cfg)  # --rl-layout: row length and rows per micro-batch, as train_rl.py runs them
     ctx = rl_utils.StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=None, inference=None,
-                               pad_token_id=257, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
+                               pad_token_id=257, seq_length=rows.row_length, micro_batch_size=rows.microbatch_rows,
                                global_batch_size=t.global_batch_size, seed=t.seed, device=runtime.device,
                                packed_attention=rl.packed_attention)
     num_steps = rl.rollouts_per_step // t.global_batch_size
@@ -96,16 +98,17 @@ def run_variant(argv, ckpt, save_ckpt):
     gap = rl_utils.logprob_gap(steps)
     dp = cfg.parallel.data_parallel_size
     out = {"logprob_gap_mean": gap["logprob_gap_mean"], "losses": [], "grad_norms": [], "reports": [],
-           "num_microbatches": [s.num_microbatches for s in steps], "num_steps": len(steps)}
+           "num_microbatches": [s.num_microbatches for s in steps], "num_steps": len(steps),
+           "packed": rows.packed, "row_length": rows.row_length,
+           "shared_tokens": sum(s.num_shared_tokens for s in steps)}
     for _ in range(rl.grpo_iterations):
         for step in steps:
             fwd = training_forward_step(rl.loss, rl.loss_aggregation, step.normalizers, rl.temperature,
                                         grad_scale=float(step.num_microbatches * dp), device=runtime.device,
                                         use_thd=False, packed_attention=ctx.packed_attention)
-            loader = step.microbatches(t.micro_batch_size)
+            loader = step.microbatches(ctx.micro_batch_size)
             report, grad_norm, skipped = train_step(fwd, iter(loader), model, optimizer, scheduler,
-                                                    step.num_microbatches, seq_length=cfg.model.seq_length,
-                                                    micro_batch_size=t.micro_batch_size)
+                                                    step.num_microbatches, **rl_utils.schedule_shape(ctx))
             assert not skipped
             out["losses"].append(report["rl loss"])
             out["grad_norms"].append(grad_norm)

@@ -21,6 +21,7 @@ def run_variant(argv, ckpt, save_ckpt):
     import torch
 
     from megatron.rl import rl_utils
+    from megatron.rl.rl_config import step_layout
     from megatron.rl.rollout.sequences import groups_to_sequences
     from megatron.rl.training.model_provider import unwrap_model
     from rl_step_parity import build_from_weights, fixed_groups
@@ -29,8 +30,9 @@ def run_variant(argv, ckpt, save_ckpt):
 
     sequences, _ = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
     t = cfg.train
+    rows = step_layout(rl, cfg)  # --rl-layout: row length and rows per micro-batch, as train_rl.py runs them
     ctx = rl_utils.StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=None, inference=None,
-                               pad_token_id=257, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
+                               pad_token_id=257, seq_length=rows.row_length, micro_batch_size=rows.microbatch_rows,
                                global_batch_size=t.global_batch_size, seed=t.seed, device=runtime.device,
                                ref_model=ref_model)
     steps = rl_utils.build_step_batches(sequences, rl, ctx, rl.rollouts_per_step // t.global_batch_size,
