@@ -1,6 +1,6 @@
 """Packed rows computed as if each sequence ran alone: RoPE at its own positions, attention over its own keys.
 
-A packed row (:class:`~megatron.rl.sequence_packing_utils.PackedBatch`) holds several sequences, each with
+A packed row (:class:`~megatron.rl.packing.batch.PackedBatch`) holds several sequences, each with
 ``position_ids`` restarting at 0, and a block-diagonal causal ``attention_mask`` keeps them apart. Two things
 would still make a packed sequence's log-probs differ from the same sequence run alone (and from the inference
 engine, which runs each request on its own) in fp32 (the gaps measured: docs/benchmarks.md, "Train-inference
@@ -142,7 +142,7 @@ def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Ite
 
 def _sequences(spans: Spans) -> list[tuple[int, int, int, int, int]]:
     """(row, start, length, prefix start, prefix length) of every real sequence (prefix length 0: none; see
-    :meth:`~megatron.rl.sequence_packing_utils.PackedBatch.sequence_spans`), checking that each row's spans are
+    :meth:`~megatron.rl.packing.batch.PackedBatch.sequence_spans`), checking that each row's spans are
     contiguous from 0 and that a prefix lies before its sequence in the row."""
     out = []
     for r, row in enumerate(spans):
