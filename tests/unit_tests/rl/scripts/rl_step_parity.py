@@ -80,7 +80,7 @@ def run_variant(argv, ckpt, save_ckpt):
 
     cfg, rl, runtime, model, optimizer, scheduler, ref_model = build_from_weights(argv, ckpt, save_ckpt)
 
-    sequences, stats = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
+    sequences = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
     assert len(sequences) == rl.rollouts_per_step, (len(sequences), rl.rollouts_per_step)
     t = cfg.train
     ctx = rl_utils.StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=None, inference=None,

@@ -27,7 +27,7 @@ def run_variant(argv, ckpt, save_ckpt):
 
     cfg, rl, runtime, model, optimizer, scheduler, ref_model = build_from_weights(argv, ckpt, save_ckpt)
 
-    sequences, _ = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
+    sequences = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
     t = cfg.train
     ctx = rl_utils.StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=None, inference=None,
                                pad_token_id=257, seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size,
