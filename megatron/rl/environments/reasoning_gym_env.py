@@ -146,10 +146,9 @@ class ReasoningGymAgent(PassAtEvaluationAgent):
                                  f"{e} (its metadata keys: {sorted(sample.get('metadata') or {})})") from None
 
     def _build(self, seed: int, size: int) -> Any:
-        import reasoning_gym
-
+        rg = import_optional("reasoning_gym", "envs", "type: reasoning_gym")
         try:
-            return reasoning_gym.create_dataset(self.task, seed=seed, size=size, **self.config)
+            return rg.create_dataset(self.task, seed=seed, size=size, **self.config)
         except (TypeError, ValueError, AssertionError, KeyError) as e:
             raise ValueError(f"reasoning-gym task {self.task!r} rejected config {self.config}: "
                              f"{type(e).__name__}: {e}") from None
