@@ -1,6 +1,6 @@
 """megatron-core forward steps for RL: scoring (old / reference log-probs) and the GRPO/PPO training loss.
 
-Both consume micro-batches of :class:`~megatron.rl.sequence_packing_utils.PackedBatch` rows. Attention
+Both consume micro-batches of :class:`~megatron.rl.packing.batch.PackedBatch` rows. Attention
 never crosses sequences: with the local layer spec a block-diagonal causal ``attention_mask`` is passed
 (RoPE at each sequence's own positions, optionally attention per sequence: :mod:`megatron.rl.packing.packed_forward`); with
 TransformerEngine the rows are flattened to THD with ``PackedSeqParams``.
@@ -24,7 +24,7 @@ from megatron.rl.algorithms.logprobs import logprob_temperature
 from megatron.rl.algorithms.policy_loss import PolicyLossConfig
 from megatron.rl.packing.packed_forward import isolate_sequences
 from megatron.rl.routing.replay import replaying
-from megatron.rl.sequence_packing_utils import PackedBatch
+from megatron.rl.packing.batch import PackedBatch
 
 # The per-token values of a micro-batch the loss reads.
 _LOSS_VALUES = ("old_logprobs", "advantages", "ref_logprobs", "inference_logprobs")

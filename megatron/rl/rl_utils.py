@@ -40,10 +40,10 @@ from megatron.rl.inference.control import control_of
 from megatron.rl.rl_config import RLConfig
 from megatron.rl.rl_loss import scoring_forward_step, training_forward_step
 from megatron.rl.routing.replay import RouterReplayError, disagreement_share, router_replay_of
-from megatron.rl.observe.metrics import RolloutObservations, observe_rollouts
+from megatron.rl.observe.metrics import RolloutObservations
 from megatron.rl.rollout.collection import data_parallel
-from megatron.rl.rollout.sequences import (CollectionStats, TrainingSequence, groups_to_sequences, split_evenly,
-                                           staleness_metrics)
+from megatron.rl.rollout.gather import gather_sequences
+from megatron.rl.rollout.sequences import CollectionStats, TrainingSequence, split_evenly, staleness_metrics
 from megatron.rl.rollout.source import RolloutSource
 from megatron.rl.packing.microbatches import (
     MicrobatchDataLoader,
@@ -87,26 +87,6 @@ class StepContext:
     packed_attention: str = "auto"  # --rl-packed-attention (megatron.rl.packing.packed_forward.choose_attention)
     # --seq-length: packed rows may be longer (--rl-packing-row-length), a rollout may not (None: the row length)
     max_sequence_length: int | None = None
-
-
-# --------------------------------------------------------------------------- 1-2. rollouts
-
-
-def gather_sequences(groups, rl: RLConfig) -> tuple[list[TrainingSequence], CollectionStats]:
-    """Local groups -> global training sequences (same list, same order, on every rank) and global stats."""
-    dp_group, _, _ = data_parallel()
-    local_seqs, local_stats = groups_to_sequences(groups, rl.advantage_estimator, rl.filter_same_reward)
-    gathered = parallel_utils.all_gather_object((local_seqs, local_stats), dp_group)
-    sequences = [s for seqs, _ in gathered for s in seqs]
-    stats = CollectionStats()
-    for _, st in gathered:
-        for f in ("groups", "rollouts", "failed_rollouts", "dropped_groups_too_few_ok", "filtered_same_reward_groups"):
-            setattr(stats, f, getattr(stats, f) + getattr(st, f))
-        stats.rewards.extend(st.rewards)
-        stats.response_lengths.extend(st.response_lengths)
-        for k, v in st.failure_reasons.items():
-            stats.failure_reasons[k] = stats.failure_reasons.get(k, 0) + v
-    return sequences, stats
 
 
 # --------------------------------------------------------------------------- 3. packing
@@ -338,8 +318,7 @@ def rl_iteration(ctx: StepContext, rl: RLConfig, iteration: int) -> IterationRes
     cpu0 = time.process_time()
     groups = ctx.rollouts.collect(iteration)  # this DP rank's P / DP groups (deterministic given the seed)
     t_gen = time.perf_counter() - t0
-    observed = observe_rollouts(groups, rl.max_new_tokens, rl.observe.log_samples, data_parallel()[0])
-    sequences, stats = gather_sequences(groups, rl)
+    sequences, stats, observed = gather_sequences(groups, rl)
     if stats.groups == 0:
         raise RLDataError(f"the agents produced no prompt groups at iteration {iteration}: check "
                           f"--langrl-env-config={rl.env_config} (datasets, weights)")
@@ -457,15 +436,14 @@ def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch], iterat
 
 def _collection_metrics(stats: CollectionStats, t_gen: float) -> dict[str, float]:
     rewards = stats.rewards
-    lengths = stats.response_lengths
     return {
         "reward_mean": statistics.fmean(rewards) if rewards else float("nan"),
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-        "response_length_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "response_length_mean": stats.generated_tokens / stats.ok_rollouts if stats.ok_rollouts else 0.0,
         "failed_rollouts": float(stats.failed_rollouts),
         "filtered_groups": float(stats.filtered_same_reward_groups + stats.dropped_groups_too_few_ok),
-        "generated_tokens": float(sum(lengths)),
-        "generation_tokens_per_s": sum(lengths) / max(t_gen, 1e-9),
+        "generated_tokens": float(stats.generated_tokens),
+        "generation_tokens_per_s": stats.generated_tokens / max(t_gen, 1e-9),
     }
 
 

@@ -14,13 +14,16 @@ Requests and responses are :class:`TypeLookupable` too (registries rooted at :cl
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
+import re
+from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SerializeAsAny, model_validator
 
 from megatron.rl.agent.prompt_stream import PromptStream
-from megatron.rl.base.registry import Registry
+from megatron.rl.base.registry import DuplicateNameError, Registry
 from megatron.rl.base.type_lookupable import TypeLookupable, TypeLookupError
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface, build_inference_interface
 from megatron.rl.base.types import Rollout, RolloutGroup
@@ -153,18 +156,34 @@ class EvaluationResponse(AgentResponse):
 
 
 # -- agents --------------------------------------------------------------------------------------------------
-# Built-in agent types, imported on first use of their name (so sympy, datasets, ... load only when needed).
+ENVIRONMENTS_PACKAGE = "megatron.rl.environments"
+# A module's own registration line, at the start of a line: the name the YAML ``type:`` selects.
+_REGISTERS_AGENT = re.compile(r"""^@Agent\.register_subclass\(\s*["']([^"']+)["']""", re.MULTILINE)
+
+
+def discover_agent_modules(package: str) -> dict[str, str]:
+    """``{type name: module}`` for every top-level module of ``package`` with an ``@Agent.register_subclass("name")``
+    line. The source is read as text, so neither ``package`` nor its modules (and their heavy or optional
+    dependencies) are imported; it works the same from a checkout and from an installed wheel."""
+    spec = importlib.util.find_spec(package)
+    out: dict[str, str] = {}
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(Path(folder).glob("*.py")):
+            for name in _REGISTERS_AGENT.findall(path.read_text(encoding="utf-8")):
+                module = f"{package}.{path.stem}"
+                if out.setdefault(name, module) != module:
+                    raise DuplicateNameError(f"agent type {name!r} is registered by both {out[name]} and {module}")
+    return out
+
+
+# Built-in agent types, imported on first use of their name (so sympy, datasets, ... load only when needed): the
+# framework's own agents, and every environment module in megatron/rl/environments/ (found there, no entry here).
 BUILTIN_AGENT_MODULES = {
     "huggingface_dataset": "megatron.rl.agent.huggingface_dataset_agent",
     "weighted_multi_task": "megatron.rl.agent.weighted_multi_task",
     "remote": "megatron.rl.agent.remote_agent",
     "model_reward": "megatron.rl.agent.model_reward",
-    "arithmetic": "megatron.rl.environments.arithmetic",
-    "countdown": "megatron.rl.environments.countdown",
-    "math": "megatron.rl.environments.math_task",
-    "calculator": "megatron.rl.environments.calculator",
-    "reasoning_gym": "megatron.rl.environments.reasoning_gym_env",
-    "openenv": "megatron.rl.environments.openenv_env",
+    **discover_agent_modules(ENVIRONMENTS_PACKAGE),
 }
 
 

@@ -1,46 +1,11 @@
 """Command-line flags declared once, in dataclass field metadata; argparse parsers are generated from them.
 
-A config dataclass declares each of its flags on the field that holds the value::
-
-    @dataclasses.dataclass(frozen=True)
-    class ModelConfig:
-        _flag_group = "model"                     # the --help section of these flags
-        seq_length: int = flag(1024)              # --seq-length, type int, default 1024
-        normalization: str = flag("LayerNorm", choices=["LayerNorm", "RMSNorm"])
-        ffn_hidden_size: int | None = flag(None, help="default 4*hidden")   # None: resolved from other flags
-
-    @dataclasses.dataclass(frozen=True)
-    class RLConfig:
-        group_size: int = flag(8, name="--grpo-group-size", help="Rollouts sampled per prompt.")
-        loss: PolicyLossConfig = section(PolicyLossConfig)        # the nested dataclass's fields are flags too
-        deterministic_forward: bool = derived(True)               # computed from other flags; no flag of its own
-
-What the parser gets follows from the field: the option is ``--`` + the field name with ``-`` for ``_``
-unless ``name=`` says otherwise (Megatron-LM names stay as they are); the argparse destination is the
-option's (so ``--grpo-group-size`` lands in ``ns.grpo_group_size``); the type is the annotation's (``X | None``
-means X, ``bool`` is a ``store_true`` switch, ``list[X]`` / ``tuple[X, ...]`` take ``nargs`` values of X);
-a field without a default is a required flag. ``choices`` may be a zero-argument callable, called when the
-parser is built: use :func:`registry_choices` so choices come from a registry, never from a literal list.
-
-:func:`add_flags` adds a dataclass's flags to a parser and :func:`from_namespace` builds the dataclass from
-the parsed namespace. Values that depend on other flags are resolved afterwards into a new frozen instance
-(``dataclasses.replace``), by the module that validates them.
-
-How to add a flag: add one field with ``flag(...)`` (default, ``name=`` when the option is not the field name,
-``help=``, ``choices=``) to the dataclass that uses it (``TrainingConfig``'s sections in
-:mod:`megatron.rl.training.config_sections`, ``RLConfig`` in :mod:`megatron.rl.rl_config`, ``ObserveConfig``,
-``PolicyLossConfig``, ``InferenceLayoutConfig``); if its value must be checked, add the check (raising
-``ConfigError`` that names the flag) to that config's validation function. Nothing else: the parser, the
-namespace-to-config mapping and the --help text follow from the field. A feature with several flags may keep
-them in its own frozen dataclass (``_flag_group = "..."`` titles its --help section), added to ``RLConfig``
-as one field ``feature: FeatureConfig = section(FeatureConfig)``. An old-style
-``g.add_argument("--x-y", type=T, default=D, choices=C, help=H)`` becomes the field
-``x_y: T = flag(D, name="--x-y", choices=C, help=H)`` (``name=`` only if the field is named otherwise;
-``action="store_true"`` is ``bool = flag(False)``; ``default=None`` is ``T | None = flag(None)``), and its line
-in a hand-written namespace-to-config mapping goes away.
-
-A flag that no longer exists but that scripts may still pass is listed in the config's ``_removed_flags``
-(``{"--old-flag": "what to pass instead"}``): passing it raises ``ConfigError`` naming the replacement.
+:func:`flag`, :func:`section` and :func:`derived` mark a config dataclass's fields; :func:`add_flags` adds its
+flags to a parser (option, destination, type, choices and --help text all follow from the field) and
+:func:`from_namespace` builds the dataclass from the parsed namespace. ``choices`` may be a callable such as
+:func:`registry_choices`, so choices come from a registry. A config's ``_removed_flags`` names the replacement of
+a flag scripts may still pass. This module validates no values: the module that owns a config does. How to add a
+flag, with an example: docs/architecture.md, "Adding a flag".
 """
 from __future__ import annotations
 

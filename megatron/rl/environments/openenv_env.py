@@ -1,35 +1,12 @@
 """``type: openenv``: an OpenEnv environment (``reset`` / ``step`` with typed actions and observations, rubrics)
 played by the policy over one or more turns, token-in/token-out.
 
-OpenEnv (``pip install 'megatron-rl[openenv]'``, package ``openenv-core``) environments are Python classes
-(``openenv.core.env_server.interfaces.Environment``) that a server usually wraps; this adapter runs them
-in-process, one instance per episode::
-
-    imports: [my_envs.guessing]              # the environment's module (needs --langrl-allow-imports)
-    environments:
-      - type: openenv
-        args:
-          environment: my_envs.guessing:GuessEnv   # an Environment subclass or a factory returning one
-          env_args: {max_number: 20}               # its constructor's arguments
-          action_field: guess                      # the Action field that receives the generated text
-          observation_field: prompt                # the Observation field shown to the policy
-          max_turns: 4
-          stop: ["\\n"]
-
-An episode: ``reset(seed=...)``, then per turn the policy generates from everything so far (turn 0: the
-observation's text; later turns: the episode's exact tokens plus the new observation's text, see
-:mod:`megatron.rl.agent.token_episode`) and ``step(Action(**{action_field: text}))`` answers, until the
-observation says ``done`` or ``max_turns`` turns were played. The reward is the sum of the observations'
-rewards (``reward: last`` takes the final one); the environment's rubric scores (``env.rubric`` and its
-``named_rubrics()``, their ``last_score``) go to ``metadata["reward_components"]`` and from there to the
-per-environment metrics. An environment that raises, an action the Action class rejects, or an inference
-error fails the rollout with the reason. Episode seeds come from a :class:`PromptStream` (problem ``i``
-resets with a seed derived from ``i``), so prompts are sharded by data-parallel rank and resume from a
-checkpoint like every built-in agent.
-
-The environment's module must already be imported (the env config's ``imports:``, which needs
-``--langrl-allow-imports``, or an import in your own code): a config naming a module never imports code by
-itself.
+:class:`OpenEnvAgent` runs the named ``Environment`` in-process, one instance per episode: the policy generates
+from the episode's exact tokens, ``step(Action(**{action_field: text}))`` answers, until ``done`` or
+``max_turns``; the reward is the observations' (summed, or ``reward: last``) and rubric scores go to
+``metadata["reward_components"]``. Failures fail the rollout with their reason. It never imports the
+environment's module itself (the env config's ``imports:`` does); ``openenv-core`` loads through
+``import_optional``. Configuration and episode rules: docs/environments.md.
 """
 from __future__ import annotations
 

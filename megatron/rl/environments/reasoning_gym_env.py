@@ -1,30 +1,11 @@
 """``type: reasoning_gym``: any reasoning-gym task (procedural generators with their own answer scoring).
 
-reasoning-gym (``pip install 'megatron-rl[envs]'``) builds each task's problems locally from a seed, so
-nothing is downloaded. One YAML entry names a task and its config::
-
-    - type: reasoning_gym
-      weight: 2
-      args:
-        task: basic_arithmetic                   # any name of reasoning_gym.factory.DATASETS
-        config: {min_terms: 2, max_terms: 3}     # the task's own config fields
-        size: 10000                              # training problems (an epoch; reshuffled after it)
-        validation_size: 200
-        instruction: "Answer with the number only."
-        answer_format: number                    # the text up to the stop string must be one number
-        stop: ["\n"]
-
-Prompts are ``{question}`` (plus the instruction on its own line), or ``prompt_template`` with fields
-``{question}``, ``{instruction}`` and ``{metadata[KEY]}`` (the task's metadata, e.g. the expression of an
-arithmetic problem, to match the format a model was pretrained on); ``prompt_replacements`` edit the task's
-texts before they fill it. The reward is the task's own ``score_answer(answer, entry)`` on the answer the
-completion committed to (:mod:`megatron.rl.environments.answers`): the text up to the first ``stop`` string,
-whitespace-stripped, in the entry's ``answer_format`` (``text``, the default; ``number``; ``tag``:
-``<answer>...</answer>``), or matching ``answer_regex`` as a whole (``None`` when it does not have that form;
-the task then scores it, usually 0). Problems come from a :class:`PromptStream` like every built-in agent
-(sharded by data-parallel rank, position checkpointed); validation problems come from a second dataset with
-its own seed, so evaluation-only entries work too. Small task spaces (single-digit sums) repeat problems
-across the two seeds, as any generated task of that size does.
+:class:`ReasoningGymAgent` builds a task's problems locally from a seed (nothing is downloaded), renders the
+prompt (``{question}`` and the instruction, or ``prompt_template``) and rewards with the task's own
+``score_answer`` on the answer the completion committed to (:mod:`megatron.rl.environments.answers`). Problems
+come from a :class:`PromptStream` like every built-in agent; validation problems from a second seed.
+``reasoning_gym`` loads through ``import_optional`` (``pip install 'megatron-rl[envs]'``). Configuration and
+answer formats: docs/environments.md.
 """
 from __future__ import annotations
 
@@ -146,10 +127,9 @@ class ReasoningGymAgent(PassAtEvaluationAgent):
                                  f"{e} (its metadata keys: {sorted(sample.get('metadata') or {})})") from None
 
     def _build(self, seed: int, size: int) -> Any:
-        import reasoning_gym
-
+        rg = import_optional("reasoning_gym", "envs", "type: reasoning_gym")
         try:
-            return reasoning_gym.create_dataset(self.task, seed=seed, size=size, **self.config)
+            return rg.create_dataset(self.task, seed=seed, size=size, **self.config)
         except (TypeError, ValueError, AssertionError, KeyError) as e:
             raise ValueError(f"reasoning-gym task {self.task!r} rejected config {self.config}: "
                              f"{type(e).__name__}: {e}") from None

@@ -1,49 +1,12 @@
 """The default inference backend: megatron-core's dynamic engine around the training model itself.
 
-``MegatronInference(model, tokenizer)`` serves :class:`~megatron.rl.inference.api.InferenceRequest` s
-with megatron-core's ``DynamicInferenceEngine`` (paged KV cache, continuous batching) running the
-*training* model's weights in place: no copy, no refit when training and inference are colocated.
-
-Inference mode
-    ``enter_inference_mode()`` puts the model in eval mode, allocates the engine's KV cache and starts
-    an engine thread; ``exit_inference_mode()`` waits for in-flight requests, stops the thread, frees
-    the KV cache (the context and its buffers are dropped) and restores the model's train/eval mode,
-    so training gets its memory back. ``agenerate`` enters inference mode by itself when needed;
-    ``with backend.rollout_phase(): ...`` (or its alias ``inference_mode()``) brackets a rollout phase.
-    Never train while it is active.
-
-Batching
-    Every request submitted (from any coroutine, thread or event loop) goes to one queue; the engine
-    thread adds everything queued before each step, so requests arriving while a batch runs join it at
-    the next step. Many concurrent ``agenerate`` calls therefore share batches.
-
-Model parallelism (TP / PP / EP)
-    All ranks whose forward passes communicate (the union of the tensor-, pipeline- and
-    expert-parallel groups; "the lockstep group") must run the same engine steps on the same requests.
-    Every rank of a lockstep group calls ``agenerate`` with the same requests in the same order (e.g.
-    each runs the same agents on the same data); the group's lowest rank is the *source*: before each
-    step it broadcasts which requests join (tokens and sampling settings) over a dedicated gloo group,
-    and every rank adds exactly those (:mod:`megatron.rl.inference.engine.lockstep`). Sampling happens on every
-    rank from identical gathered logits with identically seeded generators, so every rank returns
-    identical responses. With expert parallelism the lockstep group spans the EP ranks too, so they all
-    serve the source's requests: ``rollout_shard`` then tells the RL loop to split prompts by lockstep group
-    instead of by data-parallel rank. ``exit_inference_mode`` is collective over the lockstep group. Pure
-    data-parallel ranks are independent.
-
-Log-probs and sampling
-    See :mod:`megatron.rl.inference.sampling`: tokens are sampled by us (temperature, top-k,
-    top-p, per-request seeds) and ``logprobs`` are under ``softmax(logits / T)`` before truncation
-    (T = 1 for greedy), which equals a teacher-forced training forward at that temperature. EOS and
-    stop strings end a request as :mod:`megatron.rl.inference.stopping` says.
-
-Modules: this one takes requests (render, tokenize, validate, wait for the response);
-:mod:`~megatron.rl.inference.engine.lockstep` schedules them; :mod:`~megatron.rl.inference.engine.session` owns
-the engine thread and KV cache; :mod:`~megatron.rl.inference.engine.build` builds the engine.
-
-Lengths
-    A prompt that leaves no room for one generated token within ``max_sequence_length`` (or an empty
-    one) is a per-request error; otherwise ``max_tokens`` is clamped to the room left and such a
-    request ends with ``finish_reason="length"``.
+``MegatronInference(model, tokenizer)`` serves :class:`~megatron.rl.inference.api.InferenceRequest` s with
+megatron-core's ``DynamicInferenceEngine`` on the *training* model's weights in place (no copy, no refit when
+colocated). This module takes requests: it renders, tokenizes and validates them, clamps ``max_tokens`` to the
+room left, and waits for the response; :mod:`~megatron.rl.inference.engine.lockstep` schedules them across a
+model-parallel group, :mod:`~megatron.rl.inference.engine.session` owns the engine thread and KV cache, and
+:mod:`~megatron.rl.inference.engine.build` builds the engine. Never train while a rollout phase is active.
+Inference mode, batching, model parallelism and log-probs: docs/inference.md.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 :func:`summarize_groups` (pure) counts what each environment's rollout groups did; summaries of several
 data-parallel ranks add up with :func:`merge_summaries`; :func:`summary_metrics` turns them into flat
 metrics (``env/<name>/reward_mean`` ... plus run-wide shares the failure-point warnings read);
-:func:`format_env_line` is their short form for the iteration log line. :func:`observe_rollouts` is the
-one collective: it gathers the summaries and sample candidates of all DP ranks.
+:func:`format_env_line` is their short form for the iteration log line. :func:`local_observations` is one
+rank's part and :func:`merge_observations` joins all ranks' parts; the gather itself is the trainer's one
+all-gather of an iteration's rollouts (:mod:`megatron.rl.rollout.gather`). Nothing here holds a process group.
 
 Definitions (the same for single- and multi-turn episodes):
 
@@ -28,13 +29,12 @@ import dataclasses
 import math
 from typing import Sequence
 
-from megatron.rl import parallel_utils
 from megatron.rl.observe.samples import sample_candidates, select_samples
 from megatron.rl.base.types import RolloutGroup
 
 __all__ = ["ANSWER_KEY_CHARS", "answer_key", "EnvSummary", "RolloutObservations", "summarize_groups",
            "merge_summaries", "top_answer", "health_metrics", "summary_metrics",
-           "format_env_line", "is_length_capped", "observe_rollouts"]
+           "format_env_line", "is_length_capped", "local_observations", "merge_observations"]
 
 
 ANSWER_KEY_CHARS = 200  # enough to tell short answers apart, small enough to gather every rank's
@@ -68,11 +68,15 @@ class EnvSummary:
     answers: dict[str, int] = dataclasses.field(default_factory=dict)  # answer_key of ok rollouts -> count
     neg_logprob_sum: float = 0.0  # over generated tokens with an inference log-prob
     logprob_tokens: int = 0
+    rewards: list[float] = dataclasses.field(default_factory=list)  # of ok rollouts, for the run-wide spread
+    failure_reasons: dict[str, int] = dataclasses.field(default_factory=dict)  # failed rollouts' reasons (80 chars)
 
     def add(self, other: "EnvSummary") -> None:
         for f in dataclasses.fields(self):
-            if f.name not in ("same_reward_values", "components", "failure_kinds", "answers"):
+            if f.name not in ("same_reward_values", "components", "failure_kinds", "answers", "failure_reasons"):
                 setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for reason, c in other.failure_reasons.items():
+            self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + c
         for v, c in other.same_reward_values.items():
             self.same_reward_values[v] = self.same_reward_values.get(v, 0) + c
         for a, c in other.answers.items():
@@ -106,6 +110,7 @@ def summarize_groups(groups: Sequence[RolloutGroup], max_new_tokens: int) -> dic
         s.failed += len(g.rollouts) - len(ok)
         for r in ok:
             s.reward_sum += r.reward
+            s.rewards.append(r.reward)
             s.length_sum += getattr(r, "num_generated_tokens", 0)
             s.turns_sum += int((r.metadata or {}).get("num_turns", 1))
             s.length_capped += is_length_capped(r, max_new_tokens)
@@ -119,8 +124,10 @@ def summarize_groups(groups: Sequence[RolloutGroup], max_new_tokens: int) -> dic
                 acc = s.components.setdefault(str(name), [0.0, 0])
                 acc[0] += float(value)
                 acc[1] += 1
-        for r in g.rollouts:
-            kind = None if r.ok else (r.metadata or {}).get("failure_kind")
+        for r in (r for r in g.rollouts if not r.ok):
+            reason = (r.failure_reason or "unknown")[:80]
+            s.failure_reasons[reason] = s.failure_reasons.get(reason, 0) + 1
+            kind = (r.metadata or {}).get("failure_kind")
             if kind:
                 s.failure_kinds[str(kind)] = s.failure_kinds.get(str(kind), 0) + 1
         if len(ok) >= 2:
@@ -224,12 +231,14 @@ class RolloutObservations:
     samples: list[dict]
 
 
-def observe_rollouts(groups: Sequence[RolloutGroup], max_new_tokens: int, num_samples: int,
-                     dp_group=None) -> RolloutObservations:
-    """Per-environment metrics and ``num_samples`` samples over all data-parallel ranks' ``groups``.
-    Collective over ``dp_group`` (one ``all_gather_object`` of small summaries and candidate samples)."""
-    local = (summarize_groups(groups, max_new_tokens), sample_candidates(groups, num_samples))
-    gathered = parallel_utils.all_gather_object(local, dp_group)
-    summaries = merge_summaries([s for s, _ in gathered])
-    samples = select_samples([c for _, cands in gathered for c in cands], num_samples)
+def local_observations(groups: Sequence[RolloutGroup], max_new_tokens: int,
+                       num_samples: int) -> tuple[dict[str, EnvSummary], list]:
+    """This rank's part of the observations: its summaries and its sample candidates (small, picklable)."""
+    return summarize_groups(groups, max_new_tokens), sample_candidates(groups, num_samples)
+
+
+def merge_observations(parts: Sequence[tuple[dict[str, EnvSummary], list]], num_samples: int) -> RolloutObservations:
+    """Every rank's :func:`local_observations` (in rank order) -> the metrics, summaries and samples of all ranks."""
+    summaries = merge_summaries([s for s, _ in parts])
+    samples = select_samples([c for _, cands in parts for c in cands], num_samples)
     return RolloutObservations(summary_metrics(summaries), summaries, samples)

@@ -1,6 +1,6 @@
 """Micro-batches of a rank's packed rows, each at the shape it needs.
 
-A :class:`~megatron.rl.sequence_packing_utils.PackedBatch` has ``--seq-length`` positions per row and
+A :class:`~megatron.rl.packing.batch.PackedBatch` has ``--seq-length`` positions per row and
 ``num_microbatches * micro_batch_size`` rows, the last ones possibly empty bins that only complete a
 micro-batch. With pipeline parallelism every micro-batch must keep that fixed shape: megatron's schedule
 allocates the tensors sent between stages from ``(seq_length, micro_batch_size)``. Without it the schedule
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 from megatron.rl.packing.plan import BinDistribution, PackingInfo
-from megatron.rl.sequence_packing_utils import PackedBatch
+from megatron.rl.packing.batch import PackedBatch
 
 
 def microbatch_shape(info: PackingInfo, bin_ids: Sequence[Optional[int]], length_multiple: int = 1) -> tuple[int, int]:

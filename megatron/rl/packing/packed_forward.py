@@ -1,66 +1,11 @@
 """Packed rows computed as if each sequence ran alone: RoPE at its own positions, attention over its own keys.
 
-A packed row (:class:`~megatron.rl.sequence_packing_utils.PackedBatch`) holds several sequences, each with
-``position_ids`` restarting at 0, and a block-diagonal causal ``attention_mask`` keeps them apart. Two things
-would still make a packed sequence's log-probs differ from the same sequence run alone (and from the inference
-engine, which runs each request on its own) in fp32 (the gaps measured: docs/benchmarks.md, "Train-inference
-log-prob gap"):
-
-1. **RoPE at row positions.** megatron-core 0.16.1's ``GPTModel`` ignores ``position_ids`` for rotary
-   embeddings: it asks its ``RotaryEmbedding`` for the table of positions ``0 .. S-1`` ([S, 1, 1, dim], one
-   for every row) and rotates queries and keys at their *row* positions, so a sequence at offset ``o > 0`` is
-   scored as if it started at ``o``. The attention logits are equal in exact arithmetic (RoPE is relative)
-   but not in floats.
-2. **A longer attention product.** Its queries meet all ``S`` keys of the row (the other sequences' masked to
-   -10000, i.e. probability 0); the softmax sums and the probability-value product then run over ``S``
-   entries instead of ``L``, in another order and another kernel blocking.
-
-With the THD format (TransformerEngine, ``PackedSeqParams``) megatron-core already handles both: its RoPE slices
-the table per ``cu_seqlens`` segment from position 0, and the fused attention runs per segment. The local layer
-spec has no THD path (``DotProductAttention`` asserts ``packed_seq_params is None``), so
-:func:`isolate_sequences` gives the [rows, S] forward the same semantics, for one forward call, with two hooks
-on megatron-core's own modules (no copy of their math):
-
-- :func:`rope_at_positions`: a forward hook on each ``RotaryEmbedding`` replaces its table with the table's rows
-  gathered at ``position_ids`` ([S, rows, 1, dim]); megatron-core's unfused bshd RoPE broadcasts it over the
-  heads as it broadcast the shared table over the rows. Table row ``p`` is the same float whatever the table's
-  length, so the rotated queries and keys equal those of the sequence alone, bit for bit.
-- :func:`attention_per_sequence`: each local ``DotProductAttention`` runs its own ``forward`` on each sequence's
-  queries, keys and values with ``attention_mask=None`` (megatron-core's causal mask), the call of the sequence
-  alone; sequences of equal length share one call as its batch. Padding positions get a zero output (nothing
-  real attends to them, and their loss mask is 0). Cost: one attention call per distinct length instead of
-  one per layer (Python and op overhead on small models), but no ``S x S`` masked work for short sequences
-  in long rows.
-
-Together: packed log-probs equal the one-sequence-per-row forward's bit for bit (tested), and those of each
-sequence run alone up to the linear layers' M-dependent rounding.
-
-Defaults. The RoPE hook is always on (one gather per forward). The attention is chosen per forward
-(``--rl-packed-attention``, :func:`choose_attention`): ``exact`` (one call per distinct sequence length, bit for
-bit the products the sequences have alone), ``grouped`` (one call per group of power-of-two length classes,
-each sequence padded to its group's longest and the padding masked: a few calls, at most ~4x the sequences'
-own score elements) and ``masked`` (one product over each whole row: ``rows x S^2`` score elements whatever the
-sequences). ``auto``, the default, takes grouped where a cost model (score elements plus a fixed cost per
-call) says it is cheaper than masked, else masked: rows of one sequence each and the quickstart's 64-token
-rows of three stay masked (bit for bit the masked forward). Every kind keeps the engine-trainer gap under
-1e-5 (tested); ``exact`` makes one call per distinct length, which costs more than masked on small models with
-many distinct lengths. Timings: docs/benchmarks.md, "Packed attention".
-
-Grouped calls whose longest keys are fewer than 16, and every call of a sequence after a shared prompt prefix
-(:mod:`megatron.rl.packing.prefix_sharing`: keys = the prefix's, then its own), pad their keys to
-:data:`~megatron.rl.runtime.torch_attention.MIN_KEY_SLOTS` as the inference engine does: the softmax and the
-product with V round otherwise below 16 keys. ``auto`` takes grouped for rows holding shared prefixes: in the
-masked product a member's prefix keys lie apart from its own and the sums round like neither side's. Grouped
-calls never mix sequences after a prefix with whole ones: a call pads queries to its longest sequence, and a
-member's few completion queries padded to its holder's prompt-long ones made long-prompt rows compute ~4x the
-score elements they need.
-
-Where the second hook is not used, and why: with activation recomputation (``--recompute-granularity``) the
-backward pass re-runs the attention after this context has exited, so the recomputed forward would differ
-from the forward it differentiates; there the masked attention is kept (RoPE positions still apply: the table
-is computed once, outside the recomputed layers). Not supported at all (named errors): context parallelism
-(megatron-core slices the RoPE table per CP rank) and fused RoPE (TransformerEngine's bshd kernel takes one
-table for all rows; with TransformerEngine the trainer uses THD anyway).
+For the local layer spec (no THD), :func:`isolate_sequences` wraps one forward with two hooks on megatron-core's
+own modules (no copy of their math): :func:`rope_at_positions` rotates at each sequence's ``position_ids``, and
+:func:`attention_per_sequence` runs attention per sequence, per group of length classes or masked over the row,
+as :func:`choose_attention` picks (``--rl-packed-attention``); with ``exact`` packed log-probs equal the
+one-sequence-per-row forward's bit for bit. Under activation recomputation only the RoPE hook applies; context
+parallelism and fused RoPE are refused. Why each choice: docs/packing.md; timings: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -142,7 +87,7 @@ def rope_at_positions(model: torch.nn.Module, position_ids: torch.Tensor) -> Ite
 
 def _sequences(spans: Spans) -> list[tuple[int, int, int, int, int]]:
     """(row, start, length, prefix start, prefix length) of every real sequence (prefix length 0: none; see
-    :meth:`~megatron.rl.sequence_packing_utils.PackedBatch.sequence_spans`), checking that each row's spans are
+    :meth:`~megatron.rl.packing.batch.PackedBatch.sequence_spans`), checking that each row's spans are
     contiguous from 0 and that a prefix lies before its sequence in the row."""
     out = []
     for r, row in enumerate(spans):

@@ -8,7 +8,7 @@ gets (pure functions, the same on every rank).
    by a registered algorithm (:data:`PACKING_ALGOS`, ``--rl-sequence-packing-algo``: ``fifo`` or
    ``round-robin``), padded with empty bins so every rank runs the same number of micro-batches.
 
-The packed tensors built from a plan: :mod:`megatron.rl.sequence_packing_utils`.
+The packed tensors built from a plan: :mod:`megatron.rl.packing.batch`.
 """
 from __future__ import annotations
 

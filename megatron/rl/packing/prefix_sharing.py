@@ -10,7 +10,7 @@ position of the first trained token (the prompt's length for a single-turn rollo
 prompt's last token, so the first generated token is still predicted inside the member and every label stays
 "the next token of the same sequence". A member's positions count on from ``k - 1`` and its queries attend to
 the holder's first ``k - 1`` positions as well as to its own tokens
-(:meth:`~megatron.rl.sequence_packing_utils.PackedBatch.sequence_spans`, ``attention_mask`` and
+(:meth:`~megatron.rl.packing.batch.PackedBatch.sequence_spans`, ``attention_mask`` and
 :mod:`megatron.rl.packing.packed_forward`): the keys, values and positions each of its tokens meets are those of the
 rollout stored whole. Gradients through the shared prompt are the sum of its rollouts' gradients, as when each
 recomputed it. Loss masks, advantages and per-token values belong to the rollout as before.
@@ -51,7 +51,7 @@ def plan_shared_packing(token_ids: Sequence[Sequence[int]], loss_masks: Sequence
 
     Rollouts share when their first ``k`` tokens are equal (``k`` = the holder's first trained position, the
     same for both); the member skips ``k - 1`` of them. Without any shareable pair the plan is
-    :func:`~megatron.rl.sequence_packing_utils.plan_packing`'s. Raises its errors for a rollout longer than a bin.
+    :func:`~megatron.rl.packing.plan.plan_packing`'s. Raises its errors for a rollout longer than a bin.
     """
     lengths = [len(t) for t in token_ids]
     check_plan_inputs(lengths, bin_capacity, max_sequences_per_bin)

@@ -1,38 +1,12 @@
 """Asynchronous rollouts: a persistent producer of rollout groups with a bounded generation lag.
 
-Synchronously, an RL iteration generates all of its groups, waits for the slowest rollout, trains and starts
-over. :class:`RolloutPipeline` instead keeps groups in flight across iterations:
-
-* **Lag bound.** Iteration ``v`` trains on the policy of version ``v`` (the weights after ``v`` updates). A group
-  submitted at version ``s`` is trained at some version ``c >= s``; the pipeline guarantees ``c - s <= lag``
-  (``--rl-generation-lag``). It submits the group of submission index ``i`` only once ``i < (v + lag + 1) x P``
-  (``P`` = groups per step on this producer), so at most ``(lag + 1) x P`` groups are outstanding (in flight or
-  finished and not yet trained).
-* **Consumption** (``--rl-consumption-granularity``). ``B`` (default): iteration ``v`` trains on batch ``v``, the
-  groups of submission indices ``[vP, (v+1)P)``, in submission order (waiting for the slowest of them). ``G``:
-  iteration ``v`` trains on ``P`` finished groups as they finish, oldest submission version first; it waits only
-  for groups whose deadline (submission version + lag) would otherwise pass. Taking earliest deadlines first keeps
-  every later deadline feasible, so the lag bound holds for ``G`` too (the tests check it on random schedules).
-* **Submission** (``--rl-submission-granularity``). ``B``: a batch's groups are submitted together as one agent
-  call (its groups finish together); ``G``: one agent call per group; ``R``: like ``G`` but
-  ``--rl-max-inflight-requests`` is applied per request by :class:`RequestGate` (a multi-turn episode frees its
-  slot between turns) instead of per group.
-* **Updates.** Without ``--rl-partial-rollouts`` the pipeline drains before every update: groups in flight finish
-  with the weights that started them, so every token of a group has the group's submission version. With it,
-  requests still in flight are paused at the update and continue with the new weights afterwards (the in-process
-  engine keeps their KV cache, computed by the old weights): a group's tokens then span several versions, and
-  backends that know it report the version per token (``metadata["policy_versions"]``).
-
-Data parallelism: each DP rank runs its own pipeline on its own prompt shard (``P / DP`` groups per step) and the
-trainer all-gathers the groups as in the synchronous path; every rank consumes exactly ``P / DP`` groups per
-iteration, so the collectives stay matched. Model-parallel ranks of one engine run the same pipeline calls in the
-same order: submissions happen only at phase boundaries (except with a request cap, refused with model
-parallelism), and ``B`` consumption depends on submission indices only (``G`` consumption depends on completion
-times, which can differ between those ranks: refused with model parallelism).
-
-The pipeline owns one event loop that runs only inside :meth:`RolloutPipeline.next_batch` and :meth:`close`:
-between two calls (while the trainer updates the weights) no coroutine of the pipeline runs, and a
-:class:`PhaseControl` pauses (partial rollouts) or stops (drained) the backend.
+:class:`RolloutPipeline` keeps groups in flight across iterations: a group submitted at policy version ``s`` is
+trained at a version ``c`` with ``c - s <= --rl-generation-lag``; it consumes by batch or by group
+(``--rl-consumption-granularity``), submits by batch, group or request (``--rl-submission-granularity``), and
+drains or pauses the backend at every update (``--rl-partial-rollouts``). Its event loop runs only inside
+:meth:`RolloutPipeline.next_batch` and :meth:`close`, so nothing of it runs while the trainer updates the
+weights. It does not gather across ranks or train. Why the lag bound holds and how ranks stay matched:
+docs/rollouts.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,20 @@
 """From agents' rollout groups to training sequences: drop failures, compute advantages, filter, split.
 
-Pure functions (no process groups): the orchestration in :mod:`megatron.rl.rl_utils` gathers the groups of
-all data-parallel ranks and then calls these identically on every rank, so every rank derives the same
-global list of sequences and the same packing plan.
+Pure functions (no process groups): each data-parallel rank turns its own groups into sequences, and the
+iteration's one all-gather (:mod:`megatron.rl.rollout.gather`) gives every rank the same global list, the same
+counts (:class:`CollectionStats`, derived from the per-environment summaries) and so the same packing plan.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from megatron.rl.algorithms import compute_advantages
 from megatron.rl.base.types import RolloutGroup, TokenRollout
+from megatron.rl.observe.metrics import EnvSummary
 from megatron.rl.rollout.pipeline import VERSIONS_KEY
 
 log = logging.getLogger(__name__)
@@ -45,16 +46,31 @@ class TrainingSequence:
 
 @dataclasses.dataclass
 class CollectionStats:
-    """What happened to the collected rollouts (all counts over the groups passed in)."""
+    """What happened to the collected rollouts, as the trainer logs it: derived from the per-environment
+    summaries (:meth:`of`), the one count of an iteration's rollouts."""
 
     groups: int = 0
     rollouts: int = 0
+    ok_rollouts: int = 0
     failed_rollouts: int = 0
     dropped_groups_too_few_ok: int = 0
     filtered_same_reward_groups: int = 0
     failure_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
     rewards: list[float] = dataclasses.field(default_factory=list)  # of every ok rollout
-    response_lengths: list[int] = dataclasses.field(default_factory=list)  # generated tokens per ok rollout
+    generated_tokens: int = 0  # over ok rollouts
+
+    @classmethod
+    def of(cls, summaries: Mapping[str, EnvSummary], filter_same_reward: bool) -> "CollectionStats":
+        """The run-wide counts of ``summaries`` (environments in sorted order), for groups turned into sequences
+        with ``min_group_size=2`` (the trainer's): a group is dropped when it has fewer than two ok rollouts,
+        and filtered (``filter_same_reward``) when its ok rollouts' rewards are all equal."""
+        total = EnvSummary()
+        for env in sorted(summaries):
+            total.add(summaries[env])
+        return cls(groups=total.groups, rollouts=total.rollouts, ok_rollouts=total.ok, failed_rollouts=total.failed,
+                   dropped_groups_too_few_ok=total.groups - total.scored_groups,
+                   filtered_same_reward_groups=total.same_reward_groups if filter_same_reward else 0,
+                   failure_reasons=total.failure_reasons, rewards=total.rewards, generated_tokens=total.length_sum)
 
 
 def _as_token_rollout(rollout) -> TokenRollout:
@@ -65,35 +81,21 @@ def _as_token_rollout(rollout) -> TokenRollout:
 
 
 def groups_to_sequences(groups: Sequence[RolloutGroup], estimator: str = "grpo", filter_same_reward: bool = False,
-                        min_group_size: int = 2) -> tuple[list[TrainingSequence], CollectionStats]:
+                        min_group_size: int = 2) -> list[TrainingSequence]:
     """Advantages per group over its successful rollouts; failed rollouts never enter training.
 
     A group keeps its ``ok`` rollouts; with fewer than ``min_group_size`` of them it is dropped (its
     advantages would be meaningless). With ``filter_same_reward`` groups whose ok rewards are all equal are
     dropped too (they have zero advantage everywhere). Advantages are computed per group in float64, so
-    groups of different sizes are fine.
+    groups of different sizes are fine. What was dropped is counted once, by :class:`CollectionStats`.
     """
-    stats = CollectionStats()
     sequences: list[TrainingSequence] = []
     for gi, group in enumerate(groups):
-        stats.groups += 1
-        ok = []
-        for r in group.rollouts:
-            stats.rollouts += 1
-            if r.ok:
-                ok.append(_as_token_rollout(r))
-            else:
-                stats.failed_rollouts += 1
-                reason = (r.failure_reason or "unknown")[:80]
-                stats.failure_reasons[reason] = stats.failure_reasons.get(reason, 0) + 1
-        stats.rewards.extend(r.reward for r in ok)
-        stats.response_lengths.extend(r.num_generated_tokens for r in ok)
+        ok = [_as_token_rollout(r) for r in group.rollouts if r.ok]
         if len(ok) < min_group_size:
-            stats.dropped_groups_too_few_ok += 1
             continue
         rewards = torch.tensor([[r.reward for r in ok]], dtype=torch.float64)
         if filter_same_reward and bool((rewards == rewards[0, 0]).all()):
-            stats.filtered_same_reward_groups += 1
             continue
         advantages = compute_advantages(rewards, estimator)[0].tolist()
         for r, adv in zip(ok, advantages):
@@ -102,7 +104,7 @@ def groups_to_sequences(groups: Sequence[RolloutGroup], estimator: str = "grpo",
                                               advantage=float(adv), reward=float(r.reward), group_index=gi,
                                               env_id=r.env_id, policy_versions=r.metadata.get(VERSIONS_KEY),
                                               routes=None if r.routes is None else r.routes.tensor().permute(1, 0, 2)))
-    return sequences, stats
+    return sequences
 
 
 def split_evenly(n: int, parts: int) -> list[range]:

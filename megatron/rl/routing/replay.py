@@ -1,33 +1,13 @@
 """MoE routing replay (``--rl-router-replay rollout``): the trainer routes each rollout token to the experts the
 inference engine chose for it.
 
-A MoE policy's log-probs depend on which experts each token visits, and that choice is a top-k over router logits:
-a rounding difference between the engine's forward and the trainer's (another batch, another kernel) flips a near
-tie, and the token then runs through other experts. Its log-prob differs by far more than the dense model's
-train-inference gap, and so do the log-probs of every later token that attends to it. Replay records the engine's
-choice for every token it processes (:mod:`megatron.rl.inference.engine.route_recorder`), carries it with the
-rollout (:class:`~megatron.rl.base.routes.Routes`) and makes the trainer's routers use it.
-
-Built on megatron-core's router replay hook, the same on 0.16.1 and 0.19: ``TopKRouter`` hands its top-k to its
-``router_replay`` object (``RouterReplay.get_replay_topk(scores, topk, num_groups, group_topk,
-default_compute_topk)``) whenever one is set; ``TransformerConfig.moe_enable_routing_replay`` makes the router
-create one. The engine's forward runs these same routers (megatron-rl builds no inference-only router), so the
-engine records through the hook too. We set our own
-:class:`~megatron.rl.routing.replay_slot.RolloutRouterReplay` (a ``RouterReplay`` subclass) on each router of the models that need it instead,
-because megatron-core's instances register in one process-wide list (every model built in the process: trainer,
-reference, inference copy), so its class-level ``set_replay_data`` cannot address one model, and its replay takes
-every row from the target (we need rows without a recorded route, padding and each sequence's last token, to keep
-the router's own choice) and cannot say how often the router would have chosen otherwise. For the same reason the engine does not use 0.19's
-own recording (``moe_enable_routing_replay`` with the context's ``moe_routing_metadata``), which stacks the records
-of that process-wide list.
-
-Token order. A router sees its layer's tokens flattened from ``[s, b, h]``: for the trainer's ``[rows, S]``
-micro-batch, row-major over ``(s, row)``; for THD, ``(row, s)``; with sequence parallelism each tensor-parallel
-rank routes its contiguous ``1 / TP`` share of that order (:func:`router_token_order`).
-
-Not supported (refused up front by :func:`~megatron.rl.routing.config.validate_router_replay`): full activation
-recomputation (the backward pass re-runs the routers after the targets are cleared), sinkhorn routing (not a top-k
-the hook sees).
+The engine records each token's top-k (:mod:`megatron.rl.inference.engine.route_recorder`), the rollout carries
+it (:class:`~megatron.rl.base.routes.Routes`), and this module sets a
+:class:`~megatron.rl.routing.replay_slot.RolloutRouterReplay` on each router of the models that need it, through
+megatron-core's ``router_replay`` hook, lays the routes out in the router's token order
+(:func:`router_token_order`) and counts how often the router would have chosen otherwise. It adds no router of
+its own. Full activation recomputation and sinkhorn routing are refused (:mod:`megatron.rl.routing.config`).
+Why replay, and why not megatron-core's own replay objects: docs/routing.md.
 """
 from __future__ import annotations
 

@@ -1,46 +1,11 @@
 """Pretraining data: micro-batches of token sequences for this data-parallel rank.
 
-Sources (chosen by the data config, i.e. ``--mock-data`` / ``--data-path``):
-
-* ``--mock-data``: deterministic random tokens (documents of random length ending in ``eod``; the same
-  ``seed`` always gives the same data). Needs no files.
-* ``--data-path X.jsonl``: a JSONL file, one document per line under the ``"text"`` key (``json_key`` in the
-  config changes it). Tokenized in memory at start-up (every rank does it; fine for small corpora; for large
-  ones run ``tools/preprocess_data.py`` once and train on the ``.bin/.idx`` output).
-* ``--data-path PREFIX``: a Megatron indexed dataset ``PREFIX.bin`` + ``PREFIX.idx`` (written by
-  ``tools/preprocess_data.py`` or Megatron-LM's tool).
-* Blends, Megatron style: ``--data-path 0.3 a.jsonl 0.7 b_text_document`` (weights optional).
-
-All sources go through megatron-core's ``BlendedMegatronDatasetBuilder`` + ``GPTDataset`` (document
-shuffling, packing documents into ``seq_length + 1`` token windows, epochs, blending), so sampling behaves
-exactly as in Megatron-LM. The index caches (``.npy``) go to ``--data-cache-path`` or, by megatron-core's
-default, ``<PREFIX>/cache/`` next to the data (``<file without .jsonl>/cache/`` for JSONL). Their key
-includes the size and modification time of every data file, so re-generated data never hits a stale cache.
-megatron-core's C++ index helpers (``megatron.core.datasets.helpers_cpp``) ship compiled in the wheel;
-nothing is compiled at run time.
-
-Usage::
-
-    it = build_pretraining_data(cfg.data, tokenizer, seq_length=256, micro_batch_size=4,
-                                global_batch_size=32, dp_rank=dp_rank, dp_size=dp_size, seed=1234,
-                                consumed_samples=loaded_run_state.get("consumed_samples", 0),
-                                num_samples=train_iters * 32)
-    batch = next(it)          # {"tokens", "labels", "loss_mask", "position_ids"}, each [micro_batch_size, seq]
-    run_state = {"consumed_samples": it.consumed_samples}   # store in the checkpoint
-
-Batch contents (``b = micro_batch_size``, ``s = seq_length``): ``tokens`` [b, s] int64; ``labels`` [b, s]
-int64 = the next token (``labels[:, i] == tokens[:, i + 1]`` within a window); ``loss_mask`` [b, s] float32
-(1 = train on this label; 0 for padding, and for ``eod`` inputs when ``eod_mask_loss``); ``position_ids``
-[b, s] int64; plus ``attention_mask`` [b, 1, s, s] bool (True = masked) only when ``create_attention_mask``.
-
-Sharding, Megatron's rule: the run reads global samples ``0, 1, 2, ...`` in order; each micro-batch step
-consumes ``micro_batch_size * dp_size`` consecutive samples and DP rank ``r`` takes the ``r``-th block of
-``micro_batch_size``. So ranks are disjoint and together cover every sample, every rank reads only its own
-samples, and resuming at ``consumed_samples = iteration * global_batch_size`` reproduces the uninterrupted
-stream exactly. Reading past ``num_samples`` wraps around to sample 0.
-
-When ``torch.distributed`` is initialized, building is collective (megatron-core builds the index on global
-rank 0 first, then the others load it after a barrier): call :func:`build_pretraining_data` on every rank.
+:func:`build_pretraining_data` reads ``--mock-data``, a JSONL file, a Megatron indexed dataset or a blend of
+them through megatron-core's ``BlendedMegatronDatasetBuilder`` + ``GPTDataset``, so sampling, index caches and
+sharding behave as in Megatron-LM; it yields ``{"tokens", "labels", "loss_mask", "position_ids"}`` micro-batches
+([micro_batch_size, seq_length]) and counts ``consumed_samples`` for the checkpoint. Building is collective when
+``torch.distributed`` is initialized: call it on every rank. It does no RL and compiles nothing at run time.
+Sources, batch contents, sharding and caches: docs/pretraining_data.md.
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ import torch
 
 from megatron.rl.algorithms import compute_advantages
 from megatron.rl.rl_config import add_rl_args, rl_config_from_args
-from megatron.rl.rollout.sequences import groups_to_sequences, split_evenly
+from megatron.rl.observe.metrics import summarize_groups
+from megatron.rl.rollout.sequences import CollectionStats, groups_to_sequences, split_evenly
 from megatron.rl.training.config import ConfigError, parse_args
 from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
@@ -29,10 +30,16 @@ def _failed(reason: str = "boom") -> Rollout:
 # --------------------------------------------------------------------------- groups_to_sequences
 
 
+def _with_stats(groups, estimator="grpo", filter_same_reward=False):
+    """The sequences, and the counts the trainer derives from the same groups' summaries."""
+    stats = CollectionStats.of(summarize_groups(groups, max_new_tokens=1 << 20), filter_same_reward)
+    return groups_to_sequences(groups, estimator, filter_same_reward=filter_same_reward), stats
+
+
 def test_failed_rollouts_dropped_counted_and_advantages_on_ok_subset():
     g0 = RolloutGroup(rollouts=[_tok(1.0, base=1), _failed("timeout"), _tok(0.0, base=2), _tok(0.5, base=3)])
     g1 = RolloutGroup(rollouts=[_tok(2.0, n_gen=4, base=4), _tok(-1.0, base=5)])
-    seqs, stats = groups_to_sequences([g0, g1], "grpo")
+    seqs, stats = _with_stats([g0, g1], "grpo")
     assert stats.groups == 2 and stats.rollouts == 6 and stats.failed_rollouts == 1
     assert stats.failure_reasons == {"timeout": 1}
     assert stats.dropped_groups_too_few_ok == 0
@@ -44,7 +51,7 @@ def test_failed_rollouts_dropped_counted_and_advantages_on_ok_subset():
     # hand check of one group: mean 0.5, unbiased std 0.5 -> (1, -1, 0)
     assert exp0 == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
     assert stats.rewards == [1.0, 0.0, 0.5, 2.0, -1.0]
-    assert stats.response_lengths == [2, 2, 2, 4, 2]
+    assert stats.ok_rollouts == 5 and stats.generated_tokens == 2 + 2 + 2 + 4 + 2
     s = seqs[3]
     assert s.loss_mask == [0, 0, 0, 1, 1, 1, 1] and s.num_generated == 4
     assert s.inference_logprobs == [0.0] * 3 + [-0.5] * 4 and s.reward == 2.0
@@ -55,7 +62,7 @@ def test_advantages_match_estimator_on_ok_subset(estimator):
     rewards = [0.3, 1.0, 0.1, 0.7]
     g = RolloutGroup(rollouts=[_tok(rewards[0]), _failed(), _tok(rewards[1]), _tok(rewards[2]), _failed(),
                                _tok(rewards[3])])
-    seqs, stats = groups_to_sequences([g], estimator)
+    seqs, stats = _with_stats([g], estimator)
     exp = compute_advantages(torch.tensor([rewards], dtype=torch.float64), estimator)[0].tolist()
     assert [s.advantage for s in seqs] == pytest.approx(exp, abs=1e-12)
     assert stats.failed_rollouts == 2 and stats.failure_reasons == {"boom": 2}
@@ -68,7 +75,7 @@ def test_groups_with_fewer_than_two_ok_are_dropped():
     groups = [RolloutGroup(rollouts=[_tok(1.0), _failed(), _failed()]),
               RolloutGroup(rollouts=[_failed(), _failed()]),
               RolloutGroup(rollouts=[_tok(1.0), _tok(0.0)])]
-    seqs, stats = groups_to_sequences(groups, "grpo")
+    seqs, stats = _with_stats(groups, "grpo")
     assert stats.dropped_groups_too_few_ok == 2 and stats.failed_rollouts == 4
     assert [s.group_index for s in seqs] == [2, 2]
     # the lone ok rollout of a dropped group still counts in the reward statistics
@@ -79,10 +86,10 @@ def test_same_reward_filtering():
     groups = [RolloutGroup(rollouts=[_tok(0.5), _tok(0.5), _tok(0.5)]),
               RolloutGroup(rollouts=[_tok(1.0), _tok(0.0)]),
               RolloutGroup(rollouts=[_tok(0.1), _failed(), _tok(0.1)])]  # equal among the ok ones
-    seqs, stats = groups_to_sequences(groups, "grpo", filter_same_reward=True)
+    seqs, stats = _with_stats(groups, "grpo", filter_same_reward=True)
     assert stats.filtered_same_reward_groups == 2
     assert [s.group_index for s in seqs] == [1, 1]
-    seqs_nf, stats_nf = groups_to_sequences(groups, "grpo", filter_same_reward=False)
+    seqs_nf, stats_nf = _with_stats(groups, "grpo", filter_same_reward=False)
     assert stats_nf.filtered_same_reward_groups == 0 and len(seqs_nf) == 7
     # an unfiltered equal-reward group has exactly zero advantage
     assert all(s.advantage == 0.0 for s in seqs_nf if s.group_index in (0, 2))
@@ -95,7 +102,7 @@ def test_non_token_rollout_is_type_error():
 
 
 def test_empty_input():
-    seqs, stats = groups_to_sequences([])
+    seqs, stats = _with_stats([])
     assert seqs == [] and stats.groups == 0
 
 

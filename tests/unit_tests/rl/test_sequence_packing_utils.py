@@ -488,3 +488,14 @@ def test_token_aligned_routes_follow_their_tokens_through_shared_prefixes_and_cr
                 s = int(mb.seq_ids[r, p])
                 want = routes[s][int(mb.position_ids[r, p])] if s >= 0 else torch.full((3, 2), -1, dtype=torch.int16)
                 assert torch.equal(got[r, p], want), (rank, r, p, s)
+
+
+def test_public_name_reexports_the_packing_room():
+    """sequence_packing_utils defines nothing: each public name is the object of megatron.rl.packing."""
+    import megatron.rl.sequence_packing_utils as public
+    from megatron.rl.packing import batch, plan
+
+    for name in public.__all__:
+        home = batch if hasattr(batch, name) else plan
+        assert getattr(public, name) is getattr(home, name), name
+    assert public.PackedBatch.__module__ == "megatron.rl.packing.batch"

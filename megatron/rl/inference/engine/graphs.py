@@ -1,33 +1,11 @@
 """CUDA graphs of the engine's decode forward, one per decode bucket, with an eager fallback.
 
-A decode step of a small model on a GPU is bound by the host: hundreds of kernel launches from megatron-core's
-Python, each a few microseconds of work. Replaying a captured graph launches them all at once. The decode step is
-graph-safe (:mod:`megatron.rl.inference.engine.build`): with ``EngineSettings.decode_buckets`` its shapes come from a
-few row counts, its inputs are views of the context's persistent buffers, and nothing in it reads a tensor's
-value back on the host (tested on CPU: ``test_graph_safe_decode.py``).
-
-:class:`DecodeGraphs` captures the forward the first time a bucket is seen (after warm-up runs on a side stream,
-as ``torch.cuda.graphs`` asks) and replays it afterwards while the inputs are the same buffers. A capture that
-fails (a collective of a model-parallel layout, an op that synchronises) leaves that bucket eager for the rest of
-the engine's life, with one warning. Running the forward more than once in a step is harmless: it appends the same
-keys and values at the same cache slots.
-
-A graph replays the kernels of its captured run on the same memory, and no Python runs. Everything the forward works
-out on the host therefore has to be the same for every step that replays it: the engine keys the graphs by row
-count *and* the decode attention's key slots, plans the attention as one padded batch of all rows, and passes
-``reset``, which drops the per-step memos (RoPE cos/sin, KV-append slots, attention plan) before every run handed to
-the capture, so the captured run computes them inside the graph instead of reading values memoised by a warm-up run.
-The replay holds every tensor the captured run touched (:class:`KeepOperands`), so memory made outside the capture
-(the attention's reused gather buffers, regrown by later eager steps) is not freed under the graph.
-
-Each graph's first replay in a later step than its capture is checked against an eager forward of that step
-(``verify``): a graph that replays anything stale fails the requests in flight with :class:`GraphReplayError`
-(its replay has written the cache where the captured step did) instead of letting them sample from that cache.
-
-Status: the capture itself runs only on a GPU and has not been run there yet. On CPU,
-``test_decode_graph_replay.py`` replays recorded operators the way a GPU replays a graph (the same operators on the
-same tensors, no Python): the engine's tokens and log-probs equal the eager ones bit for bit, and the same replay
-catches each of the three faults above when it is put back.
+:class:`DecodeGraphs` captures the (graph-safe) decode forward the first time a bucket (row count and decode key
+slots) is seen and replays it afterwards while its inputs are the same buffers; ``reset`` drops the per-step memos
+before a capture so the graph computes them itself, and :class:`KeepOperands` keeps every tensor the capture
+touched alive. A failed capture leaves that bucket eager, with one warning; a graph's first replay in a later step
+is checked against an eager forward (``verify``), and a stale replay fails the requests in flight with
+:class:`GraphReplayError`. The capture runs only on a GPU (not yet run there). Why each rule: docs/inference.md.
 """
 from __future__ import annotations
 

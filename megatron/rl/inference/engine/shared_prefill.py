@@ -1,33 +1,11 @@
 """Prefilling a prompt once for all the requests of a step that share it (a GRPO group's rollouts).
 
-A GRPO rollout phase submits every prompt ``--grpo-group-size`` times. megatron-core 0.16.1's dynamic
-context prefills each request on its own, so the prefill step computes every prompt token that many times:
-on the small peer-benchmark shape (16 prompts x 8 rollouts of 13 tokens) the 1,664-token prefill step was
-~90 ms of a ~340 ms rollout phase.
-
-:class:`SharedPromptPrefill` is a mixin for ``DynamicInferenceContext``. When a request is added in full
-(not a chunk) with exactly the prompt of a request already added *in the same step* (its *leader*), the
-request (a *follower*) enters the step with only its last prompt token, as if its first ``L - 1`` tokens
-were already in its KV cache (offset ``L - 1``, one query token: the state of a chunked prefill's last
-chunk, which megatron-core's attention, rotary and bookkeeping already handle). Its KV blocks are allocated
-as usual; after every layer appends the step's keys and values, the leader's first ``L - 1`` cache slots
-(just written by the leader's own prompt tokens, at the same positions, so with the same rotary phases) are
-copied into the follower's. From the next step on the follower is an ordinary request.
-
-The follower's first token is sampled from its own logits row (its own generator), computed from the same
-keys and values the leader's prompt produced; only its last position's attention runs as a one-query row
-instead of the last row of a prompt-length product, which is the decode steps' case and within the
-train-inference log-prob bound (tests/unit_tests/rl/inference/engine/test_shared_prefill.py).
-
-Not used for hybrid (Mamba) models, whose per-request states would need the whole prompt, nor for MLA
-latent caches (another cache layout).
-
-megatron-core 0.19 shares prompts itself: its prefix caching (``InferenceConfig.enable_prefix_caching``) hashes each
-request's whole prompt blocks, and a request whose first blocks are another live request's points its block table
-at those blocks (reference-counted, not copied) and computes only the rest of its prompt (at least two tokens, from
-a block boundary). A request whose blocks another request of the same step is still to compute waits one step. There
-the engine turns that on instead of this mixin (:func:`megatron_core_shares_prompts`); a prompt shorter than a block
-shares nothing.
+:class:`SharedPromptPrefill` is a mixin for megatron-core 0.16.1's ``DynamicInferenceContext``: a request added
+in full with the prompt of a request already added in the same step (its leader) enters with only its last
+prompt token, and after every layer the leader's first ``L - 1`` cache slots are copied into its own. From the
+next step on it is an ordinary request. Not used for hybrid (Mamba) models or MLA caches; on megatron-core 0.19
+the engine uses core's prefix caching instead (:func:`megatron_core_shares_prompts`). Why and what it costs:
+docs/inference.md.
 """
 from __future__ import annotations
 

@@ -9,10 +9,16 @@ import pytest
 from megatron.rl.base.types import RolloutGroup, TokenRollout
 from megatron.rl.observe.env_health import check_env_health, check_env_trends, check_pass_at_1
 from megatron.rl.observe.findings import WarningThresholds
-from megatron.rl.observe.metrics import merge_summaries, observe_rollouts, summarize_groups, summary_metrics
+from megatron.rl.observe.metrics import (local_observations, merge_observations, merge_summaries, summarize_groups,
+                                         summary_metrics)
 from megatron.rl.observe.warnings import RunWarnings, check_failure_points, check_trends
 
 CAP = 8
+
+
+def _observe(groups, cap, num_samples):
+    """One data-parallel rank's observations, merged as the trainer's gather merges them."""
+    return merge_observations([local_observations(groups, cap, num_samples)], num_samples)
 COLLAPSE_AT = 30  # the iteration the short-answer environment starts answering " 7" to everything
 G = 8
 
@@ -51,7 +57,7 @@ def mixture_iteration(rng, iteration):
 
 
 def test_a_collapse_in_one_environment_of_a_mixture_is_warned_within_ten_iterations(caplog):
-    """The acceptance scenario, through the real metrics path (observe_rollouts): one environment of a 1:3 mixture
+    """The acceptance scenario, through the real metrics path (local_observations, merge_observations): one environment of a 1:3 mixture
     answers one constant string from COLLAPSE_AT on, while the mixture's reward and same-reward share stay
     healthy. A warning names that environment, quotes the constant answer's sample, within 10 iterations; the
     run-wide checks alone say nothing (so without the per-environment checks this test fails)."""
@@ -60,7 +66,7 @@ def test_a_collapse_in_one_environment_of_a_mixture_is_warned_within_ten_iterati
     per_env, run_wide, texts = {}, {}, {}
     with caplog.at_level(logging.WARNING):
         for it in range(1, COLLAPSE_AT + 10):
-            obs = observe_rollouts(mixture_iteration(rng, it), CAP, num_samples=4)
+            obs = _observe(mixture_iteration(rng, it), CAP, 4)
             metrics = dict(obs.metrics)
             metrics["reward_mean"] = sum(s.reward_sum for s in obs.summaries.values()) / sum(
                 s.ok for s in obs.summaries.values())

@@ -4,11 +4,16 @@ import pickle
 
 import pytest
 
-from megatron.rl.observe.metrics import (format_env_line, is_length_capped, merge_summaries, observe_rollouts,
-                                    summarize_groups, summary_metrics)
+from megatron.rl.observe.metrics import (format_env_line, is_length_capped, local_observations, merge_observations,
+                                    merge_summaries, summarize_groups, summary_metrics)
 from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
 CAP = 8
+
+
+def _observe(groups, cap, num_samples):
+    """One data-parallel rank's observations, merged as the trainer's gather merges them."""
+    return merge_observations([local_observations(groups, cap, num_samples)], num_samples)
 
 
 def tok(env, reward, generated, turns=1, reasons=None, observation_tokens=0, completion="x"):
@@ -93,8 +98,8 @@ def test_env_line_is_short_and_only_for_mixtures():
     assert format_env_line(single) == ""
 
 
-def test_observe_rollouts_in_one_process_gives_metrics_and_samples():
-    obs = observe_rollouts(scripted_groups(), CAP, num_samples=3)
+def test_observations_of_one_rank_give_metrics_and_samples():
+    obs = _observe(scripted_groups(), CAP, 3)
     assert obs.metrics == summary_metrics(summarize_groups(scripted_groups(), CAP))
     assert [s["env"] for s in obs.samples] == ["math", "math", "tool"]
-    assert observe_rollouts(scripted_groups(), CAP, num_samples=0).samples == []
+    assert _observe(scripted_groups(), CAP, 0).samples == []

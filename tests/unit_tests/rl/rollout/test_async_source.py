@@ -219,7 +219,7 @@ def test_staleness_metrics_are_exact_on_a_scripted_schedule():
     groups = [RolloutGroup(rollouts=[_tok([3, 3, 4, 5], 1.0), _tok([3, 4], 0.0)]),
               RolloutGroup(rollouts=[_tok([4, 4, 4], 0.5), _tok([4], 0.0)]),
               RolloutGroup(rollouts=[_tok([5, 5], 1.0), _tok([5, 5, 5], 0.0)])]
-    sequences, _ = groups_to_sequences(groups)
+    sequences = groups_to_sequences(groups)
     m = staleness_metrics([s.policy_versions for s in sequences], iteration=5)
     # staleness per generated token: A 2,2,1,0 | 2,1 ; B 1,1,1 | 1 ; C 0,0 | 0,0,0  -> 15 tokens, sum 12, 9 stale
     assert m == {"staleness_mean": 12 / 15, "staleness_max": 2.0, "off_policy_token_share": 9 / 15}

@@ -502,7 +502,7 @@ def test_routes_survive_the_bank_and_a_resumed_run_packs_the_same_routes(tmp_pat
     assert [r.routes for r in restored[0].group.rollouts] == [r.routes for r in group.rollouts]
 
     def packed(groups):
-        seqs, _ = groups_to_sequences(groups)
+        seqs = groups_to_sequences(groups)
         info = plan_packing([len(q.token_ids) for q in seqs], 8, 4)
         return build_packed_batch(info, list(range(info.num_bins)), [q.token_ids for q in seqs],
                                   [q.loss_mask for q in seqs], 0,

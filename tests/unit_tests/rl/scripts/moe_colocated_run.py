@@ -40,11 +40,11 @@ def main(argv: list[str]) -> None:
         return groups
 
     def recording_gather(groups, rl):
-        sequences, stats = original_gather(groups, rl)
+        sequences, stats, observed = original_gather(groups, rl)
         tokens = json.dumps([s.token_ids for s in sequences]).encode()
         trained.append({"sequences": len(sequences), "rollouts": stats.rollouts, "failed": stats.failed_rollouts,
                         "groups": stats.groups, "digest": hashlib.sha256(tokens).hexdigest()[:16]})
-        return sequences, stats
+        return sequences, stats, observed
 
     SynchronousRollouts.collect, rl_utils.gather_sequences = recording_collect, recording_gather
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])

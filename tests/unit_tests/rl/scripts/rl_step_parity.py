@@ -81,7 +81,7 @@ def run_variant(argv, ckpt, save_ckpt):
 
     cfg, rl, runtime, model, optimizer, scheduler, ref_model = build_from_weights(argv, ckpt, save_ckpt)
 
-    sequences, stats = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
+    sequences = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
     assert len(sequences) == rl.rollouts_per_step, (len(sequences), rl.rollouts_per_step)
     t = cfg.train
     rows = step_layout(rl, cfg)  # --rl-layout: row length and rows per micro-batch, as train_rl.py runs them

@@ -28,7 +28,7 @@ def run_variant(argv, ckpt, save_ckpt):
 
     cfg, rl, runtime, model, optimizer, scheduler, ref_model = build_from_weights(argv, ckpt, save_ckpt)
 
-    sequences, _ = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
+    sequences = groups_to_sequences(fixed_groups(), rl.advantage_estimator, rl.filter_same_reward)
     t = cfg.train
     rows = step_layout(rl, cfg)  # --rl-layout: row length and rows per micro-batch, as train_rl.py runs them
     ctx = rl_utils.StepContext(model=model, optimizer=optimizer, scheduler=scheduler, agent=None, inference=None,

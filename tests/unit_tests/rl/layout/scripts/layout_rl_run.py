@@ -58,10 +58,10 @@ def main(argv: list[str]) -> None:
         return seconds
 
     def recording_gather(groups, rl):
-        sequences, stats = original_gather(groups, rl)
+        sequences, stats, observed = original_gather(groups, rl)
         tokens = json.dumps([s.token_ids for s in sequences]).encode()
         token_digests.append(hashlib.sha256(tokens).hexdigest()[:16])
-        return sequences, stats
+        return sequences, stats, observed
 
     refit.InferenceCopy.refit = recording_refit
     rl_utils.gather_sequences = recording_gather

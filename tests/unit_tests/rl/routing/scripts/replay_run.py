@@ -27,9 +27,9 @@ def main(argv: list[str]) -> None:
     original_gather = rl_utils.gather_sequences
 
     def checking_gather(groups, rl):
-        sequences, stats = original_gather(groups, rl)
+        sequences, stats, observed = original_gather(groups, rl)
         incomplete.append(sum(1 for s in sequences if s.routes is None or bool((s.routes[:-1] < 0).any())))
-        return sequences, stats
+        return sequences, stats, observed
 
     rl_utils.gather_sequences = checking_gather
     cfg = parse_args(argv, extra_args_providers=[add_rl_args])
