@@ -35,13 +35,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     q: [total_q, heads, dim]; k/v: [total_k, kv_heads, dim], or paged caches
     [num_blocks, block_size, kv_heads, dim] when ``block_table`` [batch, max_blocks] is given.
 
-    A prefill step holds every newly admitted request (128 prompts in an RL rollout phase): the requests
-    are padded into batches of at most ``_PREFILL_BATCH_ELEMENTS`` attention scores and each batch is one
+    A prefill step holds every newly admitted request (128 prompts in an RL rollout phase): the requests, grouped
+    by key length and then by query rows (:func:`_query_length_parts`), are padded into batches of at most
+    ``_PREFILL_BATCH_ELEMENTS`` attention scores and each batch is one
     :func:`dot_product_attention` call (a Python loop of per-request attention cost ~8 small ops per request
     and layer). Paged K and V are gathered as in decode (:func:`_paged_rows`: only the slots in use, heads
-    already repeated); whole blocks and a separate head repeat made the prefill attention 2x slower. With a
-    paged cache the batches, masks and indices are worked out once per step (as for decode, keyed on the
-    step's length and block-table tensors) and reused by every layer.
+    already repeated). With a paged cache the batches, masks and indices are worked out once per step (as for
+    decode, keyed on the step's length and block-table tensors) and reused by every layer.
     """
     scale = softmax_scale or q.shape[-1] ** -0.5
     out = torch.zeros_like(q)
@@ -94,8 +94,7 @@ def _prefill_batches(cu_seqlens_q, cu_seqlens_k, block_table, q_shape, k_shape, 
     heads = q_shape[1]
     overhead = split_overhead_slots(heads * q_shape[-1], device)
     batches = []
-    for part in length_groups([lens_k[b] for b in todo], overhead):
-        group = [todo[i] for i in part]
+    for group in _query_length_parts(todo, lens_q, lens_k, overhead):
         start = 0
         while start < len(group):
             stop, max_q, max_k = start, 0, 0
@@ -110,6 +109,19 @@ def _prefill_batches(cu_seqlens_q, cu_seqlens_k, block_table, q_shape, k_shape, 
                                           k_shape, causal, device))
             start = stop
     return batches
+
+
+def _query_length_parts(todo: list[int], lens_q: list[int], lens_k: list[int], overhead: int) -> list[list[int]]:
+    """Requests of similar key lengths, then of similar query lengths: a group's rollouts after a shared prompt
+    (one query row each) are not padded to the query rows of the request that computes the prompt."""
+    parts = []
+    for part in length_groups([lens_k[b] for b in todo], overhead):
+        group = [todo[i] for i in part]
+        # a padded batch costs every request the longest query's rows x the longest key's slots
+        row_overhead = max(1, overhead // max(max(lens_k[b] for b in group), MIN_KEY_SLOTS))
+        rows = [max(lens_q[b], MIN_QUERY_ROWS) for b in group]
+        parts += [[group[i] for i in sub] for sub in length_groups(rows, row_overhead)]
+    return parts
 
 
 def _prefill_batch(rows, cq, ck, lens_q, lens_k, max_q, max_k, block_table, q_shape, k_shape, causal,

@@ -248,7 +248,8 @@ def test_decode_of_far_apart_lengths_in_groups_matches_sdpa(monkeypatch, kv_head
 
 
 def test_varlen_step_with_new_prompts_and_long_decodes_in_groups_matches_sdpa(monkeypatch):
-    """A step that prefills new prompts while decoding long requests: grouped by key length, still exact."""
+    """A step that prefills new prompts while decoding long requests: grouped by key length, then by query rows
+    (request 4's 5 rows are not worth padding three 4-row requests to, at this tiny group overhead), still exact."""
     monkeypatch.setattr(ta, "_SPLIT_OVERHEAD_ELEMENTS", {"cpu": 32 * 4 * 8})
     batches = []
     attend = ta._attend_padded
@@ -266,7 +267,32 @@ def test_varlen_step_with_new_prompts_and_long_decodes_in_groups_matches_sdpa(mo
     cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
     out = ta.flash_attn_varlen_func(torch.cat(qs), k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
                                     causal=True, block_table=table)
-    assert sorted(map(sorted, batches)) == [[0, 2, 4, 5], [1, 3]]
+    assert sorted(map(sorted, batches)) == [[0, 2, 5], [1, 3], [4]]
+    for b in range(len(k_lens)):
+        ref = _sdpa_reference(qs[b], ks[b], vs[b], causal_offset=k_lens[b] - q_lens[b])
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_does_not_pad_a_groups_rollouts_to_its_prompt(monkeypatch):
+    """A GRPO group's prefill step: one request computes the 96-token prompt, the others enter with its last token
+    (one query row each, the shared prompt's keys already cached). They are attended as their own batch, at
+    MIN_QUERY_ROWS rows, not padded to the prompt's 96 query rows; every output still matches SDPA."""
+    batches = []
+    attend = ta._attend_padded
+    monkeypatch.setattr(ta, "_attend_padded", lambda *a: batches.append((list(a[4].rows), a[4].rows_q)) or attend(*a))
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, block = 4, 2, 16, 16
+    k_lens, q_lens = [96] * 8, [96] + [1] * 7
+    ks = [torch.randn(n, kv_heads, d, generator=g) for n in k_lens]
+    vs = [torch.randn(n, kv_heads, d, generator=g) for n in k_lens]
+    qs = [torch.randn(n, heads, d, generator=g) for n in q_lens]
+    k_cache, table = _paged(ks, block, num_blocks=64, perm_seed=2)
+    v_cache = _values_like(k_cache, table, vs, block, fill=0.0)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = ta.flash_attn_varlen_func(torch.cat(qs), k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens),
+                                    causal=True, block_table=table)
+    assert sorted(batches) == [([0], 96), ([1, 2, 3, 4, 5, 6, 7], ta.MIN_QUERY_ROWS)]
     for b in range(len(k_lens)):
         ref = _sdpa_reference(qs[b], ks[b], vs[b], causal_offset=k_lens[b] - q_lens[b])
         torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], ref, atol=1e-5, rtol=1e-5)
