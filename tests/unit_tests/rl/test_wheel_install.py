@@ -88,6 +88,6 @@ def test_wheel_installs_and_trains_one_iteration_outside_the_repo(tmp_path):
     proc = _run([train, *RL_TINY, "--langrl-env-config", "env.yaml", "--rl-metrics-jsonl", metrics], cwd=work,
                 env=env)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    metric_rows = [r for r in rows if "samples" not in r]
+    metric_rows = [r for r in rows if "samples" not in r and "run" not in r]  # the run record names the run
     assert [r["iteration"] for r in metric_rows] == [1], (rows, proc.stderr[-3000:])
     assert metric_rows[0]["env/arithmetic/groups"] == 4  # the built-in environment from the wheel ran
