@@ -16,7 +16,7 @@ import torch
 
 # Importing these registers every patch (the registry is complete once this package is imported).
 from megatron.rl.runtime import attention_override, checkpoint_writer, cpu_patches, cuda_fallbacks, patches  # noqa: F401
-from megatron.rl.runtime import inference_mode  # noqa: F401
+from megatron.rl.runtime import inference_mode, prefix_cache  # noqa: F401
 from megatron.rl.runtime import reshard_planner  # noqa: F401
 from megatron.rl.runtime import subclasses  # noqa: F401
 from megatron.rl.runtime.device import RuntimeInfo, choose_backend, choose_device, cuda_usable

@@ -346,7 +346,7 @@ cpu_patch("dynamic inference RoPE: cos/sin once per step",
           "step, the same values), a noticeable share of a small model's decode step on CPU. The unfused formula "
           "then runs on cos/sin computed once per step (rope_cache.py; bit for bit the same, tested)",
           "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.apply_rotary_emb_query, "
-          ".apply_rotary_emb_key", versions.MCORE_0_16)(rope_cache.install)
+          ".apply_rotary_emb_key", versions.BOTH)(rope_cache.install)
 
 
 cpu_patch("dynamic inference KV append: index_copy_",

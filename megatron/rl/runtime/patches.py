@@ -10,6 +10,8 @@ and the megatron-core versions it was written and tested for. Only ``megatron/rl
 * ``"cuda"``: installed by :func:`~megatron.rl.runtime.setup_runtime` on a GPU machine, once;
 * ``"on use"``: applied once by the code that needs it, before its first use (:func:`apply`);
 * ``"per call"``: a context manager that changes megatron-core objects for one forward call and restores them;
+* ``"on call"``: a function that changes the state megatron-core keeps in one of its objects each time the
+  feature needing it calls it (not undone; e.g. emptying a context's prefix-cache maps after a weight update);
 * ``"subclass"``: a class of ours that derives from a megatron-core class and overrides its private methods,
   or class attributes it reads (the code lives with the feature; its entry here names it under ``where``).
 
@@ -27,7 +29,7 @@ __all__ = ["Patch", "MCORE_0_16_1", "REGISTRY", "APPLIED", "register", "declare_
            "covers_installed", "not_written_for"]
 
 MCORE_0_16_1 = versions.MCORE_0_16  # the default of an entry: written for 0.16.1 only
-WHEN = ("cpu", "cuda", "on use", "per call", "subclass")
+WHEN = ("cpu", "cuda", "on use", "per call", "on call", "subclass")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Patch:
 
 
 REGISTRY: dict[str, Patch] = {}
-APPLIED: list[str] = []  # names applied in this process, in order (not "per call" or "subclass" entries)
+APPLIED: list[str] = []  # names applied in this process, in order (not "per call", "on call" or "subclass" entries)
 _lock = threading.RLock()
 
 
@@ -85,7 +87,7 @@ def apply(name: str) -> Any:
     """Apply the registered patch ``name`` once in this process (thread-safe); returns what its function
     returned the first time, None afterwards."""
     patch = REGISTRY[name]
-    if patch.apply is None or "per call" in patch.when:
+    if patch.apply is None or {"per call", "on call"} & set(patch.when):
         raise ValueError(f"patch {name!r} ({'/'.join(patch.when)}) is not applied with apply()")
     with _lock:
         if name in APPLIED:

@@ -1,6 +1,7 @@
 """RoPE in megatron-core's dynamic inference with cos/sin computed once per step instead of once per layer.
 
-megatron-core 0.16.1's ``DynamicInferenceContext.apply_rotary_emb_query`` / ``apply_rotary_emb_key`` gather the
+megatron-core's ``DynamicInferenceContext.apply_rotary_emb_query`` / ``apply_rotary_emb_key`` (0.16.1 and 0.19,
+the same arithmetic; 0.19 reads the positions from the context's device snapshot ``gpu_view``) gather the
 step's rotary frequencies by token position and call ``apply_rotary_pos_emb``, whose unfused path
 (``_apply_rotary_pos_emb_bshd``) takes ``cos`` and ``sin`` of them: two gathers, two ``cos``, two ``sin`` and
 four ``mscale`` products per layer, all giving the same tensors in every layer of a step. :func:`install`
@@ -48,7 +49,8 @@ def _apply_query(self, query, query_emb, config, cu_seqlens_q, cp_group, mscale=
     if not _plain(config, cu_seqlens_q):
         return _ORIGINALS["query"](self, query, query_emb, config, cu_seqlens_q, cp_group, mscale)
     n = self.padded_active_token_count
-    cos, sin = _step_cos_sin(self, query_emb, self.token_to_pos_ids, n, mscale, query.dtype, config.rotary_interleaved)
+    cos, sin = _step_cos_sin(self, query_emb, _positions(self, "token_to_pos_ids"), n, mscale, query.dtype,
+                             config.rotary_interleaved)
     query[:n] = rotate(query[:n], cos, sin, config.rotary_interleaved)
     return query
 
@@ -57,12 +59,19 @@ def _apply_key(self, key, key_emb, config, cp_group, mscale=1.0):
     n = self.padded_active_token_count
     if not _plain(config) or (self.is_decode_only() and key.shape[0] != n):
         return _ORIGINALS["key"](self, key, key_emb, config, cp_group, mscale)  # (its assertion names the sizes)
-    cos, sin = _step_cos_sin(self, key_emb, self.token_to_position_in_request, n, mscale, key.dtype,
+    cos, sin = _step_cos_sin(self, key_emb, _positions(self, "token_to_position_in_request"), n, mscale, key.dtype,
                              config.rotary_interleaved)
     if self.is_decode_only():
         return rotate(key[:n], cos, sin, config.rotary_interleaved)
     key[:n] = rotate(key[:n], cos, sin, config.rotary_interleaved)
     return key
+
+
+def _positions(context, name: str) -> torch.Tensor:
+    """The step's position buffer ``name`` as the original method reads it: 0.19 from the context's device snapshot
+    (``gpu_view``, refreshed in place every step), 0.16.1 from the context itself."""
+    view = getattr(context, "gpu_view", None)
+    return getattr(context if view is None else view, name)
 
 
 def forget(context) -> None:
@@ -92,7 +101,7 @@ def _step_cos_sin(context, freqs: torch.Tensor, positions: torch.Tensor, n: int,
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """``_apply_rotary_pos_emb_bshd`` (megatron-core 0.16.1, no MLA) given its ``cos_`` and ``sin_``, the same bits.
+    """``_apply_rotary_pos_emb_bshd`` (megatron-core 0.16.1 and 0.19, no MLA) given its ``cos_`` and ``sin_``, the same bits.
 
     Not interleaved, ``sin`` comes with its first half negated (:func:`_step_cos_sin`): megatron's
     ``rotate_half(t) * sin`` is ``cat(-t2, t1) * cat(s1, s2)``, and ``-t2 * s1`` is ``t2 * -s1`` exactly (IEEE

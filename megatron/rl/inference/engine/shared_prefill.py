@@ -15,6 +15,7 @@ import torch
 
 from megatron.rl.inference.engine.batched_admission import BatchedAdmission
 from megatron.rl.runtime import versions
+from megatron.rl.runtime.prefix_cache import forget_cached_prefixes
 from megatron.rl.runtime.ranges import concat_ranges
 
 __all__ = ["SharedPromptPrefill", "megatron_core_shares_prompts", "forget_shared_prompts", "shared_prefill_tokens"]
@@ -28,15 +29,11 @@ def megatron_core_shares_prompts() -> bool:
 
 def forget_shared_prompts(context: Any) -> None:
     """Let no request admitted from now on share the KV blocks cached so far (megatron-core 0.19's prefix cache):
-    after a pause in which the weights may have changed, those blocks hold the old weights' keys and values. The
-    requests holding them keep them; each block returns to the pool when its last holder releases it (megatron-core's
-    default eviction frees a block at reference count zero, registered or not). No-op without prefix caching
-    (0.16.1's :class:`SharedPromptPrefill` shares within one step only, never across a pause)."""
-    allocator = getattr(context, "kv_block_allocator", None)
-    if allocator is None or not getattr(context, "enable_prefix_caching", False):
-        return
-    allocator.kv_hash_to_block_id.clear()
-    allocator.block_hashes.fill_(-1)
+    after a pause in which the weights may have changed, those blocks hold the old weights' keys and values
+    (:func:`megatron.rl.runtime.prefix_cache.forget_cached_prefixes`, a registered change). No-op without prefix
+    caching (0.16.1's :class:`SharedPromptPrefill` shares within one step only, never across a pause)."""
+    if getattr(context, "enable_prefix_caching", False):
+        forget_cached_prefixes(context)
 
 
 def shared_prefill_tokens(engine: Any) -> int:

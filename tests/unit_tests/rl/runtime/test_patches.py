@@ -202,3 +202,12 @@ def test_subclasses_overriding_megatron_core_internals_are_registered():
     declared = {p.where for p in patches.entries("subclass")}
     missing = sorted(set(overrides) - declared)
     assert not missing, f"register these subclasses in megatron.rl.runtime.subclasses: {missing}"
+
+
+def test_an_on_call_entry_is_called_by_its_feature_not_applied():
+    from megatron.rl.runtime import prefix_cache
+
+    entry = patches.REGISTRY[prefix_cache.FORGET_CACHED_PREFIXES]
+    assert entry.when == ("on call",) and entry.where.endswith(":forget_cached_prefixes")
+    with pytest.raises(ValueError, match="not applied with apply"):
+        patches.apply(prefix_cache.FORGET_CACHED_PREFIXES)

@@ -18,6 +18,7 @@ class _Context:
         self.token_to_pos_ids = positions.clone()
         self.token_to_position_in_request = positions.clone()
         self._decode_only = decode_only
+        self.gpu_view = self  # 0.19's methods read the positions from the context's device snapshot
 
     def is_decode_only(self):
         return self._decode_only
