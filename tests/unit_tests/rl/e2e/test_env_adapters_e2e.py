@@ -5,8 +5,8 @@
 * reasoning-gym's basic_arithmetic from the quickstart's pretrained arithmetic model (built here by the
   quickstart's own stages): held-out pass@1 rises by >= 0.08 (the spread measured: at the assertion). The task
   config matches what that model can read: two single-digit operands, '+', no parentheses or negation
-  (reasoning-gym draws operands from 0..10), shown in the quickstart's prompt format through prompt_template / prompt_replacements; the reward is
-  reasoning-gym's own score_answer.
+  (reasoning-gym draws operands from 0..10), shown in the quickstart's prompt format through prompt_template /
+  prompt_replacements; the reward is reasoning-gym's own score_answer.
 """
 import statistics
 import sys
