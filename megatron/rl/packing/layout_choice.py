@@ -27,6 +27,7 @@ import dataclasses
 import math
 
 from megatron.rl.base.errors import ConfigError
+from megatron.rl.packing.prefix_sharing import sharing_blocker
 
 __all__ = ["LAYOUTS", "ROW_MULTIPLE", "TrainingLayout", "LayoutInputs", "choose_layout", "group_row_length",
            "parse_row_length"]
@@ -122,18 +123,6 @@ def group_row_length(seq_length: int, group_size: int, max_new_tokens: int, max_
     return -(-need // multiple) * multiple
 
 
-def _sharing_blocker(x: LayoutInputs) -> str | None:
-    """Why a group's prompt cannot be shared in this run's rows (None: it can)."""
-    if x.share_prompt_prefix != "auto":
-        return f"--rl-share-prompt-prefix {x.share_prompt_prefix}"
-    if x.use_thd:
-        return "TransformerEngine's THD packing (--transformer-impl transformer_engine) cannot express a shared prompt"
-    if x.pipeline_parallel > 1:
-        return f"prompt sharing is not wired for pipeline parallelism (--pipeline-model-parallel-size " \
-               f"{x.pipeline_parallel})"
-    return None
-
-
 def _check_flags(x: LayoutInputs, explicit_row: int | None) -> None:
     if x.layout not in LAYOUTS:
         raise ConfigError(f"--rl-layout={x.layout}: must be one of {', '.join(LAYOUTS)}.")
@@ -151,7 +140,7 @@ def choose_layout(x: LayoutInputs) -> TrainingLayout:
     budget = x.micro_batch_size * x.seq_length
     if x.layout == "padded":
         return TrainingLayout(False, x.seq_length, x.micro_batch_size, False, "--rl-layout padded")
-    blocker = _sharing_blocker(x)
+    blocker = sharing_blocker(x.share_prompt_prefix, x.use_thd, x.pipeline_parallel)
     if x.use_sequence_packing:
         decided = "--rl-use-sequence-packing"
     else:

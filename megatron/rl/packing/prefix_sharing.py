@@ -28,7 +28,7 @@ from typing import Sequence
 
 from megatron.rl.packing.plan import PackingInfo, check_plan_inputs, first_fit_decreasing, layout_bins, plan_packing
 
-__all__ = ["shareable_prefix", "plan_shared_packing", "sharing_applies"]
+__all__ = ["shareable_prefix", "plan_shared_packing", "sharing_applies", "sharing_blocker"]
 
 
 def shareable_prefix(loss_mask: Sequence[int]) -> int:
@@ -40,9 +40,21 @@ def shareable_prefix(loss_mask: Sequence[int]) -> int:
     return 0
 
 
+def sharing_blocker(mode: str, use_thd: bool, pipeline_parallel: int) -> str | None:
+    """Why packed rows of this run cannot compute a group's prompt once (None: they can), naming the flag."""
+    if mode != "auto":
+        return f"--rl-share-prompt-prefix {mode}"
+    if use_thd:
+        return "TransformerEngine's THD packing (--transformer-impl transformer_engine) cannot express a shared prompt"
+    if pipeline_parallel > 1:
+        return (f"prompt sharing is not wired for pipeline parallelism (--pipeline-model-parallel-size "
+                f"{pipeline_parallel})")
+    return None
+
+
 def sharing_applies(mode: str, packing: bool, use_thd: bool, pipeline_parallel: int) -> bool:
     """Whether ``--rl-share-prompt-prefix`` (``auto`` / ``off``) shares prefixes in this run's layout."""
-    return mode == "auto" and packing and not use_thd and pipeline_parallel == 1
+    return packing and sharing_blocker(mode, use_thd, pipeline_parallel) is None
 
 
 def plan_shared_packing(token_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
