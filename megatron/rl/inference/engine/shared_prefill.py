@@ -32,8 +32,7 @@ def forget_shared_prompts(context: Any) -> None:
     after a pause in which the weights may have changed, those blocks hold the old weights' keys and values
     (:func:`megatron.rl.runtime.prefix_cache.forget_cached_prefixes`, a registered change). No-op without prefix
     caching (0.16.1's :class:`SharedPromptPrefill` shares within one step only, never across a pause)."""
-    if getattr(context, "enable_prefix_caching", False):
-        forget_cached_prefixes(context)
+    forget_cached_prefixes(context)
 
 
 def shared_prefill_tokens(engine: Any) -> int:
