@@ -24,7 +24,7 @@ Two measures per phase, medians over the measured steps:
   These do not move with the machine's load: use them to compare code changes on a shared machine.
 
     python benchmarks/engine_step_profile.py [--requests 16 64 128 256] [--new-tokens 8] [--rounds 2]
-        [--group-size 8 --prompt-tokens 96 120] [--off share_prompt_prefill batched_admission keep_cpu_kv_buffer]
+        [--group-size 8 --prompt-tokens 96 120] [--off share_prompt_prefill batched_admission keep_cpu_kv_buffer packed_weights]
 """
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=1, help="each prompt submitted this many times (a GRPO group)")
     p.add_argument("--prompt-tokens", type=int, nargs=2, default=[5, 20], metavar=("MIN", "MAX"))
     p.add_argument("--off", nargs="*", default=[], choices=["share_prompt_prefill", "batched_admission",
-                                                            "keep_cpu_kv_buffer"],
+                                                            "keep_cpu_kv_buffer", "packed_weights"],
                    help="engine features to turn off (EngineSettings fields)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

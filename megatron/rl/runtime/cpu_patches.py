@@ -363,7 +363,8 @@ cpu_patch("local linear layers: no autograd Function without gradients",
           "(the linear, the copy to and reduce from the tensor-parallel region) on every forward, also under "
           "inference_mode, where their Python bookkeeping is a few percent of a small model's decode step; while no "
           "gradient is recorded (and without sequence parallelism) the same torch calls run directly "
-          "(no_grad_linear.py; the same bits, tested against the originals)",
+          "(no_grad_linear.py; the same bits, tested against the originals), except inside an inference engine's "
+          "packed-weight scope, where large fp32 weights use MKL's packed GEMM (packed_linear.py)",
           "megatron.core.tensor_parallel.layers:linear_with_grad_accumulation_and_async_allreduce, "
           ".copy_to_tensor_model_parallel_region, .reduce_from_tensor_model_parallel_region")(no_grad_linear.install)
 

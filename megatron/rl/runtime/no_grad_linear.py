@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from megatron.rl.runtime import packed_linear
+
 __all__ = ["install", "original", "installed"]
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
@@ -57,7 +59,10 @@ def install() -> None:
         if sequence_parallel or torch.is_grad_enabled():
             return linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                           *args, **kwargs)
-        output = torch.matmul(input, weight.t())
+        packs = packed_linear.current()
+        output = packs.linear(input, weight) if packs is not None else None
+        if output is None:
+            output = torch.matmul(input, weight.t())
         if bias is not None:
             output = output + bias
         return output

@@ -90,6 +90,10 @@ class EngineSettings:
         powers of two); a shape whose capture fails runs eagerly. Ignored on CPU. Tested on CPU by replaying the
         recorded step; not run on a GPU yet (see that module).
 
+    packed_weights: on CPU (fp32, MKL), inference linear layers reuse MKL packs of their weights across the steps
+        of one generation (:mod:`megatron.rl.runtime.packed_linear`; the packs are dropped whenever the engine
+        pauses or stops, before the weights change).
+
     Defaults: :meth:`for_device`. On CPU, small blocks and a buffer sized for the batch matter most
     (the stock 256-token blocks and 16 384-token steps gather far more cache than a short request uses).
     """
@@ -109,6 +113,7 @@ class EngineSettings:
     record_routes: bool = False
     decode_buckets: tuple[int, ...] | None = None
     decode_cuda_graphs: bool = False
+    packed_weights: bool = True
 
     @classmethod
     def for_device(cls, device: str | torch.device) -> "EngineSettings":

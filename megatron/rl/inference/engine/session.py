@@ -29,8 +29,9 @@ from megatron.rl.inference.engine.lockstep import Job, LockstepScheduler
 from megatron.rl.inference.engine.shared_prefill import forget_shared_prompts
 from megatron.rl.inference.stopping import completes_stop, finish_response
 from megatron.rl.runtime.cpu_threads import follow as follow_thread_budget
-from megatron.rl.runtime import setup_runtime
+from megatron.rl.runtime import packed_linear, setup_runtime
 from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
+from megatron.rl.runtime.packed_linear import PackedWeights
 from megatron.rl.runtime.torch_attention import release_thread_buffers
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class EngineStepper:
         # (policy version, generated tokens before it) per request: where the weights changed under it
         self._version_marks: dict[int, list[tuple[int, int]]] = {}
         self._cancelled: set[int] = set()  # ended by cancel(): answered CANCELLED when the engine finishes them
+        self.packs: PackedWeights | None = None  # the engine thread's packed weights, dropped when they change
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -130,6 +132,8 @@ class EngineStepper:
         """Record, for every request in flight, that its tokens from here on are the current version's; requests
         admitted from here on share no prompt KV cached before the pause (the old weights')."""
         forget_shared_prompts(self.engine.context)
+        if self.packs is not None:  # packed for the old weights
+            self.packs.clear()
         for rid in self._jobs:
             entry = self.engine.requests.get(rid)
             if entry is not None:
@@ -323,7 +327,9 @@ class EngineSession:
         stepper = EngineStepper(engine, controller, self._scheduler, self._tokenizer, self._eos, self._device_mode,
                                 self.version)
         try:
-            await self._scheduler.run(stepper)
+            with packed_linear.packing(self.settings.packed_weights and self._device.type == "cpu") as packs:
+                stepper.packs = packs
+                await self._scheduler.run(stepper)
         except BaseException as e:
             log.exception("the megatron-core inference engine failed")
             self.failed = True  # before any caller hears of it, so its next call restarts the engine

@@ -26,9 +26,17 @@ def _generate_in_thread(backend, requests):
     return t, box
 
 
-def test_pause_holds_requests_across_a_weight_update_and_versions_every_token(setup):
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "every-weight-packed"])
+def test_pause_holds_requests_across_a_weight_update_and_versions_every_token(setup, packed, monkeypatch):
     from megatron.rl.inference.api import GenerationArgs, InferenceRequest
+    from megatron.rl.runtime import packed_linear
 
+    cleared = []  # the packs alive at each clear: the resume must drop those made from the old weights
+    if packed and packed_linear.available():
+        monkeypatch.setattr(packed_linear, "MIN_WEIGHT_ELEMENTS", 0)
+        clear = packed_linear.PackedWeights.clear
+        monkeypatch.setattr(packed_linear.PackedWeights, "clear",
+                            lambda self: (cleared.append(self.packed), clear(self))[1])
     model, backend = setup
     model.train()
     backend.enter_inference_mode()
@@ -50,6 +58,8 @@ def test_pause_holds_requests_across_a_weight_update_and_versions_every_token(se
             p.add_(0.05 * torch.randn_like(p))
     backend.resume_generation(1)
     thread.join(timeout=300)
+    if packed and packed_linear.available():
+        assert cleared and cleared[0] > 0, "the engine packed its weights and dropped the packs at the resume"
     [resp] = box["responses"]
     assert resp.finish_reason in ("stop", "length"), resp.error
     versions = resp.policy_versions
