@@ -64,7 +64,8 @@ def quiet_dependencies(level_no: int) -> None:
 
 
 def setup_distributed_logging(level: str | int = "INFO", all_ranks: bool = False, stream=None) -> logging.Handler:
-    """Configure root logging once (idempotent: a second call updates level and filter).
+    """Configure root logging once (idempotent: a second call updates level, filter and, when given or when the
+    old one was closed, the stream).
 
     ``all_ranks``: let every rank log at ``level`` (default: ranks other than 0 only log warnings and errors).
     At INFO, megatron-core's and the HTTP clients' INFO chatter is held back and the known dependency warnings are
@@ -79,6 +80,9 @@ def setup_distributed_logging(level: str | int = "INFO", all_ranks: bool = False
         handler.setFormatter(logging.Formatter("[%(asctime)s] [rank %(rank)s] %(levelname)s %(name)s: %(message)s",
                                                datefmt="%Y-%m-%d %H:%M:%S"))
         root.addHandler(handler)
+    elif stream is not None or getattr(handler.stream, "closed", False):
+        # set directly: setStream would flush the old stream, which may be closed (an earlier test's capture)
+        handler.stream = stream or sys.stdout
     for f in list(handler.filters):
         handler.removeFilter(f)
     handler.addFilter(RankFilter(level_no if all_ranks else max(level_no, logging.WARNING)))
