@@ -285,7 +285,7 @@ def validate_rl_config(rl: RLConfig, cfg: TrainingConfig) -> None:
           "--num-layers-per-virtual-pipeline-stage.")
     m = cfg.model
     validate_router_replay(rl.router_replay, num_experts=m.num_experts, inference_backend=rl.inference_backend,
-                           recompute_granularity=m.recompute_granularity,
+                           records_routes=backend.records_routes, recompute_granularity=m.recompute_granularity,
                            load_balancing=m.moe_router_load_balancing_type)
     validate_inference_layout(rl.inference_layout, cfg, rl.inference_backend)
     validate_engine_flags(rl.engine, rl.inference_backend, rl.router_replay)

@@ -22,7 +22,6 @@ from megatron.rl.observe.iteration_line import format_rl_line
 from megatron.rl.observe.policy_gap import check_policy_gap
 from megatron.rl.observe.run_summary import run_summary
 from megatron.rl.observe.samples import samples_markdown
-from megatron.rl.observe.config import warning_thresholds
 from megatron.rl.observe.guard import CollapseGuard, apply_guard_actions, check_guard_target
 from megatron.rl.observe.warnings import RunWarnings, warning_metrics
 from megatron.rl.rl_config import RLConfig, checkpointed_run_flags, step_layout
@@ -169,7 +168,7 @@ class _Loop:
         if self.jsonl is not None:  # the run's name: its W&B name, else the directory holding the metrics file
             self.jsonl.write_run_start(cfg.logging.wandb_exp_name or self.jsonl.path.resolve().parent.name, start)
         o = rl.observe
-        self.checks = RunWarnings(warning_thresholds(o), o.warn_interval, rl.max_new_tokens,
+        self.checks = RunWarnings(o.warning_thresholds, o.warn_interval, rl.max_new_tokens,
                                   report=parallel_utils.is_rank0())
         self.guard = CollapseGuard(o.env_collapse_action, o.env_collapse_patience)
         self.stop_reason: str | None = None

@@ -43,7 +43,7 @@ from megatron.rl.routing.replay import RouterReplayError, disagreement_share, ro
 from megatron.rl.observe.metrics import RolloutObservations
 from megatron.rl.rollout.collection import data_parallel
 from megatron.rl.rollout.gather import gather_sequences
-from megatron.rl.rollout.sequences import CollectionStats, TrainingSequence, split_evenly, staleness_metrics
+from megatron.rl.rollout.sequences import CollectionStats, TrainingSequence, staleness_metrics
 from megatron.rl.rollout.source import RolloutSource
 from megatron.rl.packing.microbatches import (
     MicrobatchDataLoader,
@@ -51,6 +51,7 @@ from megatron.rl.packing.microbatches import (
     shared_microbatch_shapes,
     token_slots,
 )
+from megatron.rl.packing.plan import split_evenly
 from megatron.rl.packing.prefix_sharing import plan_shared_packing, sharing_applies
 from megatron.rl.sequence_packing_utils import PackedBatch, build_rank_batch, distribute_bins, plan_packing
 from megatron.rl.training.loop import train_step
@@ -388,11 +389,12 @@ def update_policy(ctx: StepContext, rl: RLConfig, steps: list[StepBatch], iterat
     need_ref = rl.loss.needs_ref_logprobs
     from_forward = old_logprobs_from_training_forward(rl, len(steps))
     replay_metrics(ctx.model)  # MoE routing replay: count from here (the policy that sampled, before any update)
+    # the forward-only passes before any update: the old policy's (unless the training forward gives them) and
+    # the reference's
+    passes = [(ctx.model, "old_logprobs")] * (not from_forward) + [(ctx.ref_model, "ref_logprobs")] * need_ref
     for step in steps:
-        if not from_forward:
-            score(ctx.model, step, "old_logprobs", rl.temperature, ctx)
-        if need_ref:
-            score(ctx.ref_model, step, "ref_logprobs", rl.temperature, ctx)
+        for model, value_name in passes:
+            score(model, step, value_name, rl.temperature, ctx)
     metrics = {} if from_forward else {**logprob_gap(steps, iteration), **replay_metrics(ctx.model)}
     t_lp = time.perf_counter() - t1
 

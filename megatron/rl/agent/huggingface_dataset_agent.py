@@ -26,7 +26,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
 from megatron.rl.base.errors import RLError
-from megatron.rl.environments.answers import last_number
+from megatron.rl.agent.answers import last_number
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from typing import ClassVar, Iterator
 
 from pydantic import Field, model_validator
 
-from megatron.rl.environments.answers import committed_answer
+from megatron.rl.agent.answers import committed_answer
 from megatron.rl.environments.safe_expr import ParseOptions, evaluate_exact, parse
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent

@@ -20,7 +20,7 @@ import re
 
 from pydantic import Field
 
-from megatron.rl.environments.answers import committed_answer
+from megatron.rl.agent.answers import committed_answer
 from megatron.rl.environments.arithmetic import make_problem
 from megatron.rl.environments.safe_expr import ExprError, ParseOptions, evaluate_exact, parse
 from megatron.rl.agent.api import Agent

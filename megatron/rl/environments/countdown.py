@@ -19,7 +19,7 @@ from fractions import Fraction
 
 from pydantic import Field
 
-from megatron.rl.environments.answers import committed_text, last_tag
+from megatron.rl.agent.answers import committed_text, last_tag
 from megatron.rl.environments.safe_expr import ExprError, ParseOptions, evaluate_exact, leaf_numbers, parse
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent

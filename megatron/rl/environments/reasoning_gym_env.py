@@ -2,7 +2,7 @@
 
 :class:`ReasoningGymAgent` builds a task's problems locally from a seed (nothing is downloaded), renders the
 prompt (``{question}`` and the instruction, or ``prompt_template``) and rewards with the task's own
-``score_answer`` on the answer the completion committed to (:mod:`megatron.rl.environments.answers`). Problems
+``score_answer`` on the answer the completion committed to (:mod:`megatron.rl.agent.answers`). Problems
 come from a :class:`PromptStream` like every built-in agent; validation problems from a second seed.
 ``reasoning_gym`` loads through ``import_optional`` (``pip install 'megatron-rl[envs]'``). Configuration and
 answer formats: docs/environments.md.
@@ -19,7 +19,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from megatron.rl.agent.api import Agent
 from megatron.rl.agent.pass_at_evaluation_agent import PassAtEvaluationAgent
 from megatron.rl.base.optional import import_optional
-from megatron.rl.environments.answers import AnswerFormat, extract_answer
+from megatron.rl.agent.answers import AnswerFormat, extract_answer
 
 __all__ = ["ReasoningGymAgent", "extract_answer", "render_prompt"]
 

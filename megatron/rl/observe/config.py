@@ -14,7 +14,7 @@ from megatron.rl.training.config import ConfigError, TrainingConfig
 from megatron.rl.base.flags import flag
 from megatron.rl.observe.findings import GUARD_ACTIONS, WarningThresholds
 
-__all__ = ["ObserveConfig", "resolve_observe", "warning_thresholds"]
+__all__ = ["ObserveConfig", "resolve_observe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,14 +102,14 @@ class ObserveConfig:
     eval_output: str | None = flag(None, name="--rl-eval-output",
                                    help="With --eval-only: also write the evaluation's numbers to this JSON file.")
 
-
-def warning_thresholds(o: ObserveConfig) -> WarningThresholds:
-    """The health checks' thresholds from the ``--rl-warn-*`` flags."""
-    return WarningThresholds(o.warn_same_reward_share, o.warn_length_cap_share, o.warn_logprob_gap,
-                             off_policy_kl=o.warn_off_policy_kl, reward_drop=o.warn_reward_drop,
-                             entropy_drop=o.warn_entropy_drop, trend_window=o.warn_trend_window,
-                             top_answer_share=o.warn_top_answer_share, env_window=o.warn_env_window,
-                             pass_at_1_drop=o.warn_pass_at_1_drop)
+    @property
+    def warning_thresholds(self) -> WarningThresholds:
+        """The health checks' thresholds from the ``--rl-warn-*`` flags."""
+        return WarningThresholds(self.warn_same_reward_share, self.warn_length_cap_share, self.warn_logprob_gap,
+                                 off_policy_kl=self.warn_off_policy_kl, reward_drop=self.warn_reward_drop,
+                                 entropy_drop=self.warn_entropy_drop, trend_window=self.warn_trend_window,
+                                 top_answer_share=self.warn_top_answer_share, env_window=self.warn_env_window,
+                                 pass_at_1_drop=self.warn_pass_at_1_drop)
 
 
 def _need(cond: bool, msg: str) -> None:

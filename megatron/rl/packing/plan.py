@@ -1,6 +1,7 @@
 """The packing plan: which sequences share a row ("bin"), and which rows each data-parallel rank and micro-batch
 gets (pure functions, the same on every rank).
 
+0. :func:`split_evenly`: an iteration's sequences split into its optimizer steps, each planned on its own.
 1. :func:`plan_packing` -> :class:`PackingInfo`: first-fit decreasing (deterministic) into bins of
    ``bin_capacity`` tokens with at most ``max_sequences_per_bin`` sequences each. With
    ``max_sequences_per_bin=1`` the same code gives the ordinary unpacked (one sequence per row) layout.
@@ -23,6 +24,19 @@ logger = logging.getLogger(__name__)
 
 SEQ_LENGTH_FLAG = "--seq-length"
 MAX_SEQS_FLAG = "--rl-sequence-packing-max-sequences-per-bin"
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    """``parts`` contiguous ranges covering ``range(n)``, sizes differing by at most one (earlier ones larger)."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

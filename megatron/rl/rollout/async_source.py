@@ -21,11 +21,11 @@ from megatron.rl.base.types import RolloutGroup
 from megatron.rl.inference.api import InferenceInterface
 from megatron.rl.inference.control import control_of
 from megatron.rl.inference.forwarding import ForwardingInference
-from megatron.rl.rl_config import RLConfig
 from megatron.rl.rollout.async_config import AsyncRolloutConfig
 from megatron.rl.base.errors import ConfigError
 from megatron.rl.rollout.bank import BankSession, RolloutBank, RolloutBankCorruptError, bank_path, scan_records
 from megatron.rl.rollout.collection import for_training, generation_split, rollout_request
+from megatron.rl.rollout.flags import RolloutFlags
 from megatron.rl.rollout.pipeline import (VERSIONS_KEY, FinishedGroup, GroupTicket, PhaseControl, RequestGate,
                                           RolloutPipeline, SubmissionState)
 
@@ -144,7 +144,7 @@ class AsyncRollouts:
     one engine), one per inference replica / lockstep group (every rank of it runs the same pipeline in
     lockstep), whose batches are regrouped by training DP rank (``shard``)."""
 
-    def __init__(self, agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int, start_iteration: int,
+    def __init__(self, agent: Agent, inference: InferenceInterface, rl: RolloutFlags, seed: int, start_iteration: int,
                  bank: BankSession | None = None, resuming: bool = False, recorded: int | None = None):
         ac: AsyncRolloutConfig = rl.async_rollouts
         self.config = ac
@@ -182,7 +182,7 @@ class AsyncRollouts:
                                         attempt=bank.attempt if bank is not None else 0, submission=submission)
 
     @classmethod
-    def build(cls, agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int, start_iteration: int,
+    def build(cls, agent: Agent, inference: InferenceInterface, rl: RolloutFlags, seed: int, start_iteration: int,
               save: str | None = None, resuming: bool = False,
               recorded: Sequence[int | None] | None = None) -> "AsyncRollouts":
         """The source, with its durable rollout bank when ``--rl-durable-rollout-bank`` asks for one (at

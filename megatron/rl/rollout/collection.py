@@ -17,7 +17,7 @@ from megatron.rl.base.types import RolloutGroup
 from megatron.rl.inference.api import GenerationArgs, InferenceInterface
 from megatron.rl.inference.control import RolloutShard, control_of
 from megatron.rl.inference.validation import SEED_MAX
-from megatron.rl.rl_config import RLConfig
+from megatron.rl.rollout.flags import RolloutFlags
 
 __all__ = ["derive_seed", "data_parallel", "generation_split", "rollout_request", "for_training"]
 
@@ -50,7 +50,7 @@ def generation_split(inference: Any) -> tuple[RolloutShard | None, int, int]:
     return None, dp_rank, dp_size
 
 
-def rollout_request(rl: RLConfig, seed: int, batch: int, gen_rank: int, num_groups: int,
+def rollout_request(rl: RolloutFlags, seed: int, batch: int, gen_rank: int, num_groups: int,
                     inference: InferenceInterface) -> GroupedRolloutRequest:
     """The agents' request for ``num_groups`` groups of batch ``batch`` (an iteration, synchronously) on generating
     rank ``gen_rank``: the run's sampling flags and a seed of (seed, batch, rank)."""

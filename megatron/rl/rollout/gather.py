@@ -13,14 +13,14 @@ from typing import Sequence
 from megatron.rl import parallel_utils
 from megatron.rl.base.types import RolloutGroup
 from megatron.rl.observe.metrics import RolloutObservations, local_observations, merge_observations
-from megatron.rl.rl_config import RLConfig
 from megatron.rl.rollout.collection import data_parallel
+from megatron.rl.rollout.flags import RolloutFlags
 from megatron.rl.rollout.sequences import CollectionStats, TrainingSequence, groups_to_sequences
 
 __all__ = ["gather_rollouts", "gather_sequences"]
 
 
-def gather_rollouts(groups: Sequence[RolloutGroup], rl: RLConfig, dp_group=None
+def gather_rollouts(groups: Sequence[RolloutGroup], rl: RolloutFlags, dp_group=None
                     ) -> tuple[list[TrainingSequence], CollectionStats, RolloutObservations]:
     """Local groups -> (global training sequences, global counts, observations), identical on every rank of
     ``dp_group``. Collective: one ``all_gather_object``."""
@@ -32,7 +32,7 @@ def gather_rollouts(groups: Sequence[RolloutGroup], rl: RLConfig, dp_group=None
     return sequences, CollectionStats.of(observations.summaries, rl.filter_same_reward), observations
 
 
-def gather_sequences(groups: Sequence[RolloutGroup], rl: RLConfig
+def gather_sequences(groups: Sequence[RolloutGroup], rl: RolloutFlags
                      ) -> tuple[list[TrainingSequence], CollectionStats, RolloutObservations]:
     """:func:`gather_rollouts` over this rank's data-parallel group (the trainer's call)."""
     return gather_rollouts(groups, rl, data_parallel()[0])

@@ -107,19 +107,6 @@ def groups_to_sequences(groups: Sequence[RolloutGroup], estimator: str = "grpo",
     return sequences
 
 
-def split_evenly(n: int, parts: int) -> list[range]:
-    """``parts`` contiguous ranges covering ``range(n)``, sizes differing by at most one (earlier ones larger)."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (1 if i < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
 def staleness_metrics(versions: Sequence[Sequence[int] | None], iteration: int) -> dict[str, float]:
     """Token staleness of the sequences trained at ``iteration`` (= the policy version being updated).
 

@@ -20,9 +20,9 @@ from megatron.rl.agent.api import Agent
 from megatron.rl.base.types import RolloutGroup
 from megatron.rl.inference.api import InferenceInterface, run_sync
 from megatron.rl.inference.control import control_of
-from megatron.rl.rl_config import RLConfig
 from megatron.rl.rollout.async_source import AsyncRollouts
 from megatron.rl.rollout.collection import for_training, generation_split, rollout_request
+from megatron.rl.rollout.flags import RolloutFlags
 
 __all__ = ["RolloutSource", "SynchronousRollouts", "build_rollout_source"]
 
@@ -57,7 +57,7 @@ class RolloutSource(Protocol):
 class SynchronousRollouts:
     """Each iteration's groups generated in that iteration, by its weights, in one rollout phase."""
 
-    def __init__(self, agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int):
+    def __init__(self, agent: Agent, inference: InferenceInterface, rl: RolloutFlags, seed: int):
         self.agent = agent
         self.inference = inference
         self.rl = rl
@@ -90,7 +90,7 @@ class SynchronousRollouts:
         return "synchronous (every iteration generates its own groups)"
 
 
-def build_rollout_source(agent: Agent, inference: InferenceInterface, rl: RLConfig, seed: int, start_iteration: int,
+def build_rollout_source(agent: Agent, inference: InferenceInterface, rl: RolloutFlags, seed: int, start_iteration: int,
                          save: str | None = None, resuming: bool = False,
                          recorded: list[int | None] | None = None) -> RolloutSource:
     """The run's rollout source: asynchronous when any asynchronous-rollout flag is set, else synchronous.

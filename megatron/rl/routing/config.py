@@ -1,7 +1,6 @@
 """``--rl-router-replay``: its modes and the checks that need no model (run before any model is built)."""
 from __future__ import annotations
 
-from megatron.rl.inference.api import backend_class
 from megatron.rl.runtime import patches, versions
 from megatron.rl.training.config import ConfigError
 from megatron.rl.base.errors import RLError
@@ -23,17 +22,18 @@ class RouterReplayConfigError(ConfigError):
 ENGINE_ROUTE_RECORDING = "engine route recording"
 
 
-def validate_router_replay(mode: str, *, num_experts: int | None, inference_backend: str,
+def validate_router_replay(mode: str, *, num_experts: int | None, inference_backend: str, records_routes: bool,
                            recompute_granularity: str | None, load_balancing: str) -> None:
     """Raise :class:`RouterReplayConfigError` for what ``--rl-router-replay rollout`` cannot work with: a dense model,
-    a backend that records no routes (its class's ``records_routes``: HF, OpenAI, fake), full activation recomputation, sinkhorn routing."""
+    a backend that records no routes (``records_routes``, the ability its class declares: false for HF, OpenAI,
+    fake), full activation recomputation, sinkhorn routing."""
     if mode == "off":
         return
     flag = f"--rl-router-replay {mode}"
     problem = None
     if num_experts is None:
         problem = f"{flag} replays MoE routing, but the model is dense (no --num-experts): drop {flag}."
-    elif not backend_class(inference_backend).records_routes:
+    elif not records_routes:
         problem = (f"{flag} needs the routes the in-process engine records, but --inference-backend="
                    f"{inference_backend} returns none: use --inference-backend megatron or drop {flag}.")
     elif recompute_granularity == "full":

@@ -176,6 +176,13 @@ def test_the_layers_keep_their_seams():
     bad += _reaches(f"{rl}.layout", tuple(m for m in trainer if m != f"{rl}.layout"))
     # training/ (Megatron's training loop) knows nothing of agents, rollouts or the RL trainer
     bad += _reaches(f"{rl}.training", (f"{rl}.agent", f"{rl}.environments", *trainer))
+    # rollout/ sits below the config module, which builds RLConfig with rollout's asynchronous section: it reads
+    # the flags through the RolloutFlags protocol, and knows nothing of the trainer above it
+    bad += _reaches(f"{rl}.rollout", tuple(m for m in trainer if m not in (f"{rl}.rollout", f"{rl}.layout")))
+    # environments/ build on agent/, never the other way round (the answer extraction they share is in agent/)
+    bad += _reaches(f"{rl}.agent", (f"{rl}.environments",))
+    # routing/ is below inference/ (the engine records routes into its slots): a backend's ability arrives as a value
+    bad += _reaches(f"{rl}.routing", (f"{rl}.inference",))
     # runtime/ (device choice and megatron-core patches) is the ground floor beside base/
     bad += _reaches(f"{rl}.runtime", tuple(m for m in package_modules if m not in (f"{rl}.runtime", f"{rl}.base")))
     assert not bad, "imports across the layers' seams:\n" + "\n".join(sorted(set(bad)))

@@ -1,4 +1,4 @@
-"""Pure parts of the RL orchestration: rollout groups -> training sequences, split_evenly, RL flag validation."""
+"""Pure parts of the RL orchestration: rollout groups -> training sequences, RL flag validation."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import torch
 from megatron.rl.algorithms import compute_advantages
 from megatron.rl.rl_config import add_rl_args, rl_config_from_args
 from megatron.rl.observe.metrics import summarize_groups
-from megatron.rl.rollout.sequences import CollectionStats, groups_to_sequences, split_evenly
+from megatron.rl.rollout.sequences import CollectionStats, groups_to_sequences
 from megatron.rl.training.config import ConfigError, parse_args
 from megatron.rl.base.types import Rollout, RolloutGroup, TokenRollout
 
@@ -104,25 +104,6 @@ def test_non_token_rollout_is_type_error():
 def test_empty_input():
     seqs, stats = _with_stats([])
     assert seqs == [] and stats.groups == 0
-
-
-# --------------------------------------------------------------------------- split_evenly
-
-
-@pytest.mark.parametrize("n,parts", [(10, 3), (3, 5), (0, 2), (16, 4), (7, 1)])
-def test_split_evenly(n, parts):
-    out = split_evenly(n, parts)
-    assert len(out) == parts
-    flat = [i for r in out for i in r]
-    assert flat == list(range(n))
-    sizes = [len(r) for r in out]
-    assert max(sizes) - min(sizes) <= 1
-    assert sizes == sorted(sizes, reverse=True)
-
-
-def test_split_evenly_bad_parts():
-    with pytest.raises(ValueError, match="parts"):
-        split_evenly(4, 0)
 
 
 # --------------------------------------------------------------------------- RL flag validation

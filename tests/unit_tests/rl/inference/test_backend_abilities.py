@@ -91,17 +91,20 @@ def engine_like():
 
 
 def test_checks_follow_the_declared_abilities_not_the_name(engine_like):
-    replay = dict(num_experts=4, recompute_granularity=None, load_balancing="aux_loss")
-    validate_router_replay("off", inference_backend="fake", **replay)
+    def check(mode, name):  # as validate_rl_config calls it: the ability of the class registered under the name
+        validate_router_replay(mode, inference_backend=name, records_routes=backend_class(name).records_routes,
+                               num_experts=4, recompute_granularity=None, load_balancing="aux_loss")
+
+    check("off", "fake")
     with pytest.raises(RouterReplayConfigError, match="--inference-backend=fake returns none"):
-        validate_router_replay("rollout", inference_backend="fake", **replay)
+        check("rollout", "fake")
     try:
-        validate_router_replay("rollout", inference_backend="test-engine", **replay)
+        check("rollout", "test-engine")
     except RouterReplayConfigError as e:  # only the megatron-core version may refuse, never the backend
         assert "--inference-backend" not in str(e), str(e)
     engine_like.records_routes = False
     with pytest.raises(RouterReplayConfigError, match="--inference-backend=test-engine returns none"):
-        validate_router_replay("rollout", inference_backend="test-engine", **replay)
+        check("rollout", "test-engine")
 
 
 def test_a_backend_registered_by_the_env_config_s_imports_is_accepted(tmp_path, monkeypatch):

@@ -87,7 +87,7 @@ def test_rollout_replay_is_refused_where_the_engine_does_not_record_routes(monke
     from megatron.rl.routing import config
     from megatron.rl.runtime import patches
 
-    kwargs = dict(num_experts=4, inference_backend="megatron", recompute_granularity=None, load_balancing="aux_loss")
+    kwargs = dict(num_experts=4, inference_backend="megatron", records_routes=True, recompute_granularity=None, load_balancing="aux_loss")
     monkeypatch.setattr(patches, "covers_installed", lambda name: name != config.ENGINE_ROUTE_RECORDING)
     with pytest.raises(RouterReplayConfigError, match=r"--rl-router-replay rollout.*0\.16\.1, 0\.19\.0, 0\.19\.2 "
                        r"\(installed: .*drop --rl-router-replay rollout"):

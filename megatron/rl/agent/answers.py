@@ -1,4 +1,6 @@
-"""Answer extraction shared by the built-in environments and the reasoning-gym adapter.
+"""Answer extraction shared by the built-in environments, the reasoning-gym adapter and the dataset agent.
+
+It sits beside the agents because the environments build on them (never the other way round).
 
 The answer is what the model committed to, never a string found somewhere in the completion. A reward that
 takes "the first integer anywhere" is gamed by a constant completion: ``'0=?0===='`` contains ``0``, the

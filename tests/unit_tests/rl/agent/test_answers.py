@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from megatron.rl.environments.answers import (NUMBER, committed_answer, committed_text, extract_answer, last_number,
+from megatron.rl.agent.answers import (NUMBER, committed_answer, committed_text, extract_answer, last_number,
                                               last_tag)
 from megatron.rl.environments.arithmetic import arithmetic_reward
 
