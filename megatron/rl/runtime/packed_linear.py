@@ -2,11 +2,10 @@
 
 MKL's ``sgemm`` re-packs its weight operand on every call. A decode step calls every weight once, with the same
 row count as the step before, so :class:`PackedWeights` packs a weight for a row count
-(``torch.ops.mkl._mkl_reorder_linear_weight``) once that count repeats, and later calls with it reuse the pack
-(``torch.ops.mkl._mkl_linear``). A pack is valid for one row count and one state of the weights: the scope that
-owns it (an engine thread between two weight updates) must end before the weights change. It never outlives
-that scope, and outside one nothing is packed. Results can differ from ``torch.matmul`` in the last bits (another
-summation order). Design notes and measurements: docs/inference.md.
+(``torch.ops.mkl._mkl_reorder_linear_weight``) when two calls in a row have it, and later calls with it reuse
+the pack (``torch.ops.mkl._mkl_linear``). A pack is a copy of the weights it was made from: its owner drops the
+packs (:meth:`PackedWeights.clear`) before the weights change, and outside a scope nothing is packed. Results can
+differ from ``torch.matmul`` in the last bits (another summation order). Design notes: docs/inference.md.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import torch
 __all__ = ["PackedWeights", "available", "current", "packing"]
 
 MIN_WEIGHT_ELEMENTS = 512 * 512  # smaller weights: the pack saved nothing measurable (docs/inference.md)
-MAX_ROW_COUNTS = 2  # packs kept per weight (each as large as the weight): the decode size and one more
+MAX_ROW_COUNTS = 1  # packs kept per weight, each as large as the weight: a generation holds one more copy
 
 _LOCAL = threading.local()
 
@@ -30,7 +29,7 @@ def available() -> bool:
 
 
 class PackedWeights:
-    """The packs of one scope, keyed by weight; a weight is packed for a row count at its second call with it."""
+    """The packs of one scope, keyed by weight; a weight is packed for a row count when two calls in a row have it."""
 
     def __init__(self) -> None:
         self._packs: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}
@@ -50,9 +49,9 @@ class PackedWeights:
             entry = self._packs[key] = (weight, {})
         packs = entry[1]
         pack = packs.get(rows)
+        repeated, self._last_rows[key] = self._last_rows.get(key) == rows, rows
         if pack is None:
-            if self._last_rows.get(key) != rows:
-                self._last_rows[key] = rows
+            if not repeated:
                 return None
             if len(packs) >= MAX_ROW_COUNTS:
                 packs.pop(next(iter(packs)))

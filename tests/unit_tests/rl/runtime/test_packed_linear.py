@@ -1,6 +1,6 @@
-"""Packed-weight inference linears (runtime/packed_linear.py): a weight is packed for a row count once that count
-repeats, packed results equal the plain matmul to fp32 rounding, nothing is packed outside a scope, and a pack
-made before the weights changed is never used once the scope's packs are dropped."""
+"""Packed-weight inference linears (runtime/packed_linear.py): a weight is packed for a row count once two calls in
+a row have it, packed results equal the plain matmul to fp32 rounding, nothing is packed outside a scope, and a
+pack made before the weights changed is never used once the scope's packs are dropped."""
 import pytest
 import torch
 
@@ -75,3 +75,17 @@ def test_the_local_linear_uses_the_scope_only_without_gradients():
         y = layers.linear_with_grad_accumulation_and_async_allreduce(x.requires_grad_(True), w, None, **kwargs)
         assert packs.packed == 1 and y.requires_grad, "a call recording gradients goes to megatron-core"
     torch.testing.assert_close(out, torch.matmul(x.detach(), w.detach().t()), rtol=1e-5, atol=1e-4)
+
+
+def test_a_weight_keeps_one_pack_for_the_row_count_that_last_repeated():
+    w = _weight()
+    x16, x24 = torch.randn(16, 512), torch.randn(24, 512)
+    with torch.inference_mode(), packed_linear.packing() as packs:
+        for _ in range(2):
+            packs.linear(x16, w)
+        for _ in range(3):  # prefill-sized calls between decode steps are never packed
+            assert packs.linear(x24, w) is None
+            assert packs.linear(x16, w) is not None
+        assert packs.packed == 1
+        assert packs.linear(x24, w) is None and packs.linear(x24, w) is not None and packs.packed == 2
+        assert packs.linear(x16, w) is None, "the older pack was dropped"
