@@ -1,19 +1,13 @@
 """Lockstep scheduling: every rank of a model-parallel group runs the same engine steps on the same requests.
 
-All ranks whose forward passes communicate (the union of the tensor-, pipeline- and expert-parallel groups;
-"the lockstep group") must run the same engine steps on the same requests. Every rank of a lockstep group
-submits the same requests in the same order (e.g. each runs the same agents on the same data); the group's
-lowest rank is the *source*: before each step it shares a :class:`Plan` (which requests join, and whether to
-stop) with the group, and every rank adds exactly those, so batches agree even when the ranks' calls arrive
-at different times. The i-th request submitted on a non-source rank is matched to the source's i-th; a
-non-source request that differs from the source's gets an error response instead of someone else's
-completion. Pure data-parallel ranks are independent.
+The group's lowest rank (the source) shares a :class:`Plan` (which requests join, whether to stop) before each
+step; every rank adds exactly those. The i-th request of a non-source rank is matched to the source's i-th; a
+mismatch gets an error response, never someone else's completion. :class:`LockstepScheduler` knows nothing of
+engines: it drives a :class:`Stepper`, and the plan is shared by a function (:func:`broadcast_plan` over gloo).
+Callers :meth:`~LockstepScheduler.submit` from any thread; :meth:`~LockstepScheduler.run` runs on the engine
+thread.
 
-:class:`LockstepScheduler` holds the request queue, the waiting callers and the step loop. It knows nothing
-of engines: the loop drives a :class:`Stepper` (add a request, run one step, report finished requests), and
-the plan is shared by a function (:func:`broadcast_plan` over a gloo group in production; tests simulate
-ranks with their own). Threads: callers :meth:`~LockstepScheduler.submit` from any thread or event loop;
-:meth:`~LockstepScheduler.run` runs on the engine thread.
+Details: docs/inference.md.
 """
 from __future__ import annotations
 
