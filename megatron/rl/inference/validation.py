@@ -26,7 +26,7 @@ __all__ = [
 #: numpy, torch and megatron-core take up to 2**63 - 1): a client or schema tool that reads JSON numbers as doubles
 #: rounds integers near 2**63 to another value, so a bound there means different seeds to it than to the server
 SEED_MAX = 2**53 - 1
-#: below this, ``logits / T`` overflows float32 (1e-38 gave NaN probabilities); 0 still means greedy
+#: below this, ``logits / T`` overflows float32 (1e-38 gives NaN probabilities); 0 still means greedy
 MIN_TEMPERATURE = 1e-3
 #: above this the distribution is uniform to float precision anyway
 MAX_TEMPERATURE = 100.0

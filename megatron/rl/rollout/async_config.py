@@ -191,7 +191,7 @@ def _validate_pipeline(ac: AsyncRolloutConfig, rl: RunFlags, cfg: TrainingConfig
     # Every rank of a lockstep engine numbers its submissions, and the i-th one is matched to the source rank's
     # i-th. With partial rollouts a phase ends with the pipeline's next requests half-submitted, at a point of its
     # event loop that differs between the ranks; an evaluation then submits its requests in between on one rank
-    # and after them on another: misnumbered (error responses, seen on CPU with an inference TP=2 copy) or waited
+    # and after them on another: misnumbered (error responses) or waited
     # for forever (a hang). Without evaluations the pipeline alone submits, in the same order.
     eval_on = bool(cfg.train.eval_interval) and rl.prompts_per_eval > 0
     _need(not (ac.partial_rollouts and lockstep_engine and model_parallel and eval_on),

@@ -27,9 +27,9 @@ __all__ = ["Job", "Plan", "Stepper", "LockstepScheduler", "broadcast_plan", "loc
 # collective timeout.
 IDLE_HEARTBEAT_S = 5.0
 # An idle engine that just got work waits until no request has arrived for this long (at most SETTLE_MAX_S)
-# before its first step: a rollout phase submits its groups from one event loop, one after the other, and the
-# engine thread, woken by the first, took only that group into the first prefill, then prefilled the other 120
-# rollouts in a second step (one extra step per phase, ~30-45 ms on the small peer-benchmark shape).
+# before its first step: a rollout phase submits its groups from one event loop, one after the other, and an
+# engine thread that stepped as soon as the first woke it would prefill that group alone and the others in a
+# second step (one extra step per phase; its cost: docs/benchmarks.md, "Figures behind code comments").
 SETTLE_S = 0.002
 SETTLE_MAX_S = 0.05
 
@@ -143,9 +143,9 @@ class LockstepScheduler:
 
     def resume(self) -> None:
         # ``paused`` acknowledges one pause: cleared here, so that the next pause_generation waits for the next hold.
-        # Otherwise a phase shorter than the engine thread's wake-up (lag 1: the batch was already finished) found
-        # the stale event, returned without pausing and went on, while its engine thread still waited for this
-        # resume to be seen and the partner's engine stepped into a TP all-reduce (a deadlock, seen on CPU).
+        # A stale event would let a phase shorter than the engine thread's wake-up (lag 1: the batch already
+        # finished) return from the pause without pausing, while its engine thread still waits for this resume and
+        # the partner's engine steps into a TP all-reduce: a deadlock.
         with self._lock:
             self._pause_requested = False
             self._resumes += 1
