@@ -1,6 +1,6 @@
-"""No module docstring of ``megatron/rl`` runs over 12 lines: it says what the module does, what it must not do
-and the one fact a maintainer needs; the reasoning, formats and history live on a page of ``docs/`` that the
-docstring names.
+"""No module docstring of ``megatron/rl`` or ``tools/checkpoint_conversion`` runs over 12 lines: it says what the
+module does, what it must not do and the one fact a maintainer needs; the reasoning, formats and history live on
+a page of ``docs/`` that the docstring names.
 
 A docstring's length is its lines from the first to the last non-empty one (``ast.get_docstring`` unindented).
 """
@@ -10,14 +10,18 @@ import ast
 
 from tests.conftest import REPO_ROOT
 
-PACKAGE = REPO_ROOT / "megatron" / "rl"
+PACKAGES = (REPO_ROOT / "megatron" / "rl", REPO_ROOT / "tools" / "checkpoint_conversion")
 MAX_LINES = 12
 
 
+def _modules() -> list:
+    return sorted(path for package in PACKAGES for path in package.rglob("*.py"))
+
+
 def docstring_lengths() -> dict[str, int]:
-    """``path`` -> lines of its module docstring, for every module of the package that has one."""
+    """``path`` -> lines of its module docstring, for every module of the packages that has one."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in _modules():
         doc = ast.get_docstring(ast.parse(path.read_text()))
         if doc is not None:
             out[str(path.relative_to(REPO_ROOT))] = len(doc.strip("\n").splitlines())
@@ -40,7 +44,7 @@ def test_no_module_docstring_is_over_12_lines():
 
 def test_docs_pages_named_by_docstrings_exist():
     missing = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in _modules():
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         for word in doc.replace(",", " ").replace(";", " ").replace(")", " ").split():
             page = word.rstrip(".:")
