@@ -1,10 +1,10 @@
 """The in-process engine's Megatron flags: CUDA graphs of the decode step, and the engine's request and KV limits.
 
-``--cuda-graph-impl local``, ``--inference-dynamic-batching-num-cuda-graphs``, ``-max-requests`` and
-``-buffer-size-gb`` (Megatron-LM's names) become the engine's
-:class:`~megatron.rl.inference.engine.build.EngineSettings` (:func:`apply_engine_flags`), for ``train_rl.py`` and
-the checkpoint server alike. Training runs eagerly (``--rl-training-cuda-graphs`` is refused). Must not: import
-megatron-core, so parsing the flags stays light.
+Megatron-LM's ``--cuda-graph-impl local``, ``--inference-dynamic-batching-num-cuda-graphs``,
+``--inference-dynamic-batching-max-requests`` and ``--inference-dynamic-batching-buffer-size-gb`` become the
+engine's :class:`~megatron.rl.inference.engine.build.EngineSettings` (:func:`apply_engine_flags`), for
+``train_rl.py`` and the checkpoint server alike. Training runs eagerly (``--rl-training-cuda-graphs`` is
+refused). Must not: import megatron-core, so parsing the flags stays light.
 
 What each flag does: docs/inference.md.
 """
