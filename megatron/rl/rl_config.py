@@ -1,20 +1,12 @@
 """RL flags for ``train_rl.py``: parsed with the Megatron flags, then checked together up front.
 
-:class:`RLConfig` declares every RL flag on its field (and its sections: :class:`PolicyLossConfig`,
-:class:`InferenceLayoutConfig`, :class:`EngineFlags`, :class:`ObserveConfig`, :class:`AsyncRolloutConfig`); to add a
-flag, add a field with ``flag(...)`` there (see :mod:`megatron.rl.base.flags`) and its check beside that config's
-fields (:func:`validate_rl_config` here; :func:`~megatron.rl.layout.groups.validate_inference_layout`,
-:func:`~megatron.rl.rollout.async_config.validate_async_rollouts` and
-:func:`~megatron.rl.observe.config.resolve_observe` beside their sections). :func:`add_rl_args` is
-the ``extra_args_provider`` generated from it for :func:`megatron.rl.training.config.parse_args`;
-:func:`rl_config_from_args` turns the parsed namespace into the frozen :class:`RLConfig` and validates the
-combination with the training flags (batch arithmetic, group size, lengths) with errors that name the flags.
+:class:`RLConfig` declares every RL flag on its field (and its sections); to add a flag, add a field with
+``flag(...)`` and its check beside that config's fields. :func:`add_rl_args` is the generated
+``extra_args_provider``; :func:`rl_config_from_args` builds the frozen :class:`RLConfig` and validates it with the
+training flags, with errors that name the flags. An iteration makes
+``grpo_iterations * P * G / global_batch_size`` optimizer steps; ``--train-iters`` counts RL iterations.
 
-Batch arithmetic. One RL iteration collects ``P = --grpo-prompts-per-step`` groups of
-``G = --grpo-group-size`` rollouts, ``P / DP`` groups on each data-parallel rank. The ``P * G`` sequences
-are split into ``P * G / --global-batch-size`` optimizer steps, and the whole batch is passed over
-``--grpo-iterations`` times, so an iteration makes ``grpo_iterations * P * G / global_batch_size``
-optimizer steps. ``--train-iters`` counts RL iterations.
+Batch arithmetic and where each check lives: docs/training.md.
 """
 from __future__ import annotations
 

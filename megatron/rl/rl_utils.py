@@ -1,25 +1,12 @@
 """One RL iteration, orchestrated: collect -> score -> log-probs -> pack -> loss -> optimizer steps.
 
-The math lives in pure modules (:mod:`megatron.rl.algorithms`, :mod:`megatron.rl.rollout.sequences`,
-:mod:`megatron.rl.sequence_packing_utils`); the forward steps in :mod:`megatron.rl.rl_loss`. This module
-only moves data between them and the process groups:
+Must not hold math: advantages, losses and packing live in pure modules (:mod:`megatron.rl.algorithms`,
+:mod:`megatron.rl.rollout.sequences`, :mod:`megatron.rl.sequence_packing_utils`), forward steps in
+:mod:`megatron.rl.rl_loss`; this module only moves data between them and the process groups. Updated weights
+reach the generating backend only through
+:meth:`~megatron.rl.rollout.source.RolloutSource.weights_updated`.
 
-1. Every data-parallel rank takes its ``P / DP`` groups from the run's rollout source
-   (:class:`~megatron.rl.rollout.source.RolloutSource`: generated now, or by a pipeline ahead of time).
-2. Each rank turns its groups into training sequences (advantages per group), then the sequences are
-   all-gathered over the DP group, so every rank holds the same global list in the same order.
-3. The list is split into optimizer steps of ``--global-batch-size`` sequences; each step is packed
-   (or laid out one sequence per row) with the same plan on every rank, and its bins dealt to DP ranks.
-4. Old-policy log-probs (and reference log-probs when ``--grpo-kl-beta > 0``) are recomputed by a
-   forward-only pass *before any update*; the train-inference log-prob gap is measured there. When the
-   rollouts feed exactly one optimizer step and one pass, the old-policy log-probs are the training
-   forward's own (detached; it runs before the update), so that pass is skipped
-   (:func:`old_logprobs_from_training_forward`).
-5. ``--grpo-iterations`` passes of optimizer steps with the GRPO/PPO loss; then the rollout source brings the
-   updated weights to the generating backend (:meth:`~megatron.rl.rollout.source.RolloutSource.weights_updated`).
-
-Without pipeline parallelism every micro-batch runs at the shape its rows need (no padding-only rows or
-positions, :mod:`megatron.rl.packing.microbatches`); with it, at the fixed ``[micro_batch_size, seq_length]``.
+The five steps: docs/architecture.md ("One iteration") and docs/rollouts.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """GRPO / PPO post-training of a Megatron Core GPT on rollouts from agents (environments).
 
-    python train_rl.py <Megatron flags> --langrl-env-config ENV.yaml            # from a checkout
-    torchrun --nproc-per-node N train_rl.py <Megatron flags> --langrl-env-config ENV.yaml
-    python -m megatron.rl.train_rl <Megatron flags> --langrl-env-config ENV.yaml  # installed package
-    torchrun --nproc-per-node N -m megatron.rl.train_rl ...                     # (or: megatron-rl-train ...)
+    python train_rl.py <Megatron flags> --langrl-env-config ENV.yaml   # or torchrun / python -m megatron.rl.train_rl
 
-The repository's ``train_rl.py`` only calls :func:`main` here, so the checkout and the installed package
-run the same code.
+Takes ``pretrain_gpt.py``'s model/parallel/optimizer/checkpoint flags plus the RL flags of
+:mod:`megatron.rl.rl_config` (``--help`` lists them); ``--eval-only --load CKPT`` evaluates instead of training.
+Bad input exits with status 2 and one line naming what to fix; a run the collapse guard stops exits with
+status 3. The repository's ``train_rl.py`` only calls :func:`main` here.
 
-Takes the Megatron-LM model/parallel/optimizer/checkpoint flags of ``pretrain_gpt.py`` plus the RL flags
-of :mod:`megatron.rl.rl_config` (``python train_rl.py --help`` lists them). ``--train-iters`` counts RL
-iterations; start from ``--pretrained-checkpoint`` and resume with ``--load`` / ``--save``.
-``--eval-only --load CKPT`` evaluates a checkpoint (pass@k per environment) instead of training.
-
-Bad input (flags, the environment config, a checkpoint that cannot be loaded, tokenizer, megatron-core
-version) exits with status 2 and a one-line message naming what to fix, like ``pretrain_gpt.py``. A run the
-collapse guard stops (``--rl-env-collapse-action stop``) saves its checkpoint and exits with status 3.
+Launch forms: docs/training.md.
 """
 import sys
 

@@ -1,23 +1,11 @@
 """Our byte-level tokenizer (``--tokenizer-type ByteLevelTokenizer``) as Hugging Face tokenizer files.
 
-``AutoTokenizer.from_pretrained(DIR)`` loads what :func:`write_byte_level_tokenizer` writes (``tokenizer.json``
-and ``tokenizer_config.json``; the ``tokenizers`` package, no sentencepiece or tiktoken) as a tokenizer that
-gives the ids our tokenizer gives:
+``AutoTokenizer.from_pretrained(DIR)`` loads what :func:`write_byte_level_tokenizer` writes as a tokenizer giving
+our ids: UTF-8 bytes 0..255, then ``<|eod|>`` 256, ``<|pad|>`` 257, ``<|bos|>`` 258. Must not add anything to
+the text (no BOS: the model never saw one), nor read special-token text as special ids. The chat template is the
+built-in one. :func:`is_byte_level_tokenizer` recognises the files, so they convert back.
 
-- ids 0..255 are the UTF-8 bytes of the text (a BPE over the 256 byte symbols with no merges), then
-  ``<|eod|>`` = 256 (``eos_token``), ``<|pad|>`` = 257 (``pad_token``) and ``<|bos|>`` = 258;
-- nothing is added to the text: no BOS, no EOS. The trainer never puts a BOS before a document (pretraining
-  documents are their bytes followed by ``eod``) and the in-process engine never puts one before a prompt,
-  so the model never saw id 258; a prepended one changes its log-probs. ``bos_token`` is therefore unset,
-  and the converted ``config.json`` says ``bos_token_id: null``;
-- special-token text in the input stays bytes (``split_special_tokens``): ``"<|eod|>"`` typed in a prompt is
-  seven bytes here as in our tokenizer, never id 256;
-- decoding drops the special ids with ``skip_special_tokens=True``;
-- the chat template is the built-in one (:mod:`megatron.rl.base.chat`), so ``apply_chat_template`` renders
-  the prompts the trainer rendered.
-
-:func:`is_byte_level_tokenizer` recognises these files, so HF -> Megatron converts them back to
-``--tokenizer-type ByteLevelTokenizer``.
+Why each choice: docs/checkpoint_conversion.md.
 """
 from __future__ import annotations
 

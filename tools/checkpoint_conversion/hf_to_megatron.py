@@ -1,23 +1,11 @@
 """Hugging Face -> Megatron (torch_dist, model-only "release" form) conversion.
 
-How any target TP/PP layout is written: the Megatron model is built in this single process at TP=1/PP=1
-from the Hugging Face weights and saved with megatron-core's ``dist_checkpointing`` (through
-:func:`megatron.rl.training.checkpoint.save_load.save_checkpoint`). A torch_dist checkpoint stores *global*
-tensors, so it is resharded on load to whatever TP/PP the training run uses. The target layout given here
-fixes what cannot be resharded (Megatron pads the vocabulary to a multiple of
-``make_vocab_size_divisible_by x TP``) and is validated up front: a TP that does not divide the attention
-heads, the query groups, the FFN size or the padded vocabulary, or a PP that does not divide the layers,
-is refused before anything is written.
+The model is built in one process at TP=1/PP=1 and saved as global tensors, which reshard on load to any TP/PP.
+The target layout given here fixes what cannot be resharded (the vocabulary padding) and is validated before
+anything is written. Output: the tracker, ``release/``, ``megatron_args.txt`` (flags to train with),
+``tokenizer/``, ``hf_config/config.json`` (to convert back) and ``conversion.json`` (provenance).
 
-Output (``--save S``)::
-
-    S/latest_checkpointed_iteration.txt   "release"
-    S/release/                             torch_dist checkpoint (model + model_args for validation on load)
-    S/megatron_args.txt                    the Megatron flags to train with (also S/megatron_args.sh)
-    S/tokenizer/                           the Hugging Face tokenizer files (--tokenizer-model S/tokenizer; our
-                                           byte-level tokenizer's files mean --tokenizer-type ByteLevelTokenizer)
-    S/hf_config/config.json                the original config.json (used to convert back)
-    S/conversion.json                      provenance: source, dtype, padded vocab, TPs the padding fits
+Output layout: docs/checkpoint_conversion.md.
 """
 from __future__ import annotations
 

@@ -1,28 +1,12 @@
 """Megatron (torch_dist) -> Hugging Face conversion: ``config.json`` + safetensors (+ tokenizer files).
 
-Works on the release checkpoints :mod:`.hf_to_megatron` writes and on training checkpoints (``iter_*``,
-any TP/PP they were saved with: the model is loaded resharded into a TP=1 model in this process). What it
-needs besides the weights, looked up next to the checkpoint (the directory given and its parent) unless
-passed explicitly:
+Takes release and training (``iter_*``, any TP/PP) checkpoints. The model flags, the Hugging Face config and the
+tokenizer are looked up next to the checkpoint unless passed (``--megatron-args``, ``--hf-config``,
+``--tokenizer-dir``); ``generation_config.json`` is always written. With the original config, HF -> Megatron ->
+HF returns the same tensors bit for bit; a synthesised config keeps Megatron's padded vocabulary, so log-probs
+stay the trainer's.
 
-- the Megatron model flags: stored in the checkpoint by this version's training and conversion (see
-  :mod:`megatron.rl.training.checkpoint.args`), else ``megatron_args.txt`` (``--megatron-args FILE``, or flags
-  after ``--``, used instead of the stored ones);
-- the Hugging Face config: ``hf_config/config.json`` (``--hf-config DIR``); without one a minimal config is
-  written for the family (``--model-type``, else guessed: qk-layernorm -> qwen3, qkv bias -> qwen2, else llama);
-- the tokenizer: ``--tokenizer-dir DIR``, else the Hugging Face tokenizer the model was trained with (its
-  ``--tokenizer-model``, else ``tokenizer/``), copied into the output; a model trained with our byte-level
-  tokenizer gets it as Hugging Face files (:mod:`.byte_tokenizer`: ``AutoTokenizer`` loads it, no BOS added,
-  as in training). Without any, a warning asks for ``--tokenizer-dir``.
-
-``generation_config.json`` is always written (:mod:`.generation_config`): the end-of-document id, and the stop
-strings of the environment when the checkpoint is of an RL run on one environment.
-
-With the original Hugging Face config the padded vocabulary rows are dropped and tensors are written in its dtype
-(``--dtype`` overrides), so HF -> Megatron -> HF returns the same tensors bit for bit. A synthesised config keeps
-Megatron's padded vocabulary (``vocab_size`` = the embedding's rows; the tokenizer has fewer ids, as many
-published models do): the trained softmax runs over those rows, so the converted model's log-probs are the
-trainer's and the engine's.
+Lookup rules: docs/checkpoint_conversion.md.
 """
 from __future__ import annotations
 

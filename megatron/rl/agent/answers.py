@@ -2,27 +2,13 @@
 
 It sits beside the agents because the environments build on them (never the other way round).
 
-The answer is what the model committed to, never a string found somewhere in the completion. A reward that
-takes "the first integer anywhere" is gamed by a constant completion: ``'0=?0===='`` contains ``0``, the
-answer to every product with a zero factor, and a policy learns to emit it. So:
+The answer is what the model committed to, never a string found somewhere in the completion (that is gamed by
+constant completions). :func:`committed_text` is the completion up to its first stop string; an answer format
+(``text``, ``number``, ``tag`` or a regular expression matching the whole committed text) says what it must be.
+:func:`committed_answer` is the one matching step every user goes through. GSM8K / MATH answers:
+:mod:`megatron.rl.environments.math_answers`.
 
-* the **committed text** (:func:`committed_text`) is the completion up to its first stop string (the whole
-  completion when the environment has none): what follows a stop string was never meant as the answer;
-* an answer **format** says what the committed text must be, all of it:
-
-  - ``text``: the committed text, whitespace-stripped (any string is an answer);
-  - ``number``: the committed text, whitespace-stripped, is one number (:data:`NUMBER`: an optional sign,
-    digits with optional thousands commas, an optional decimal part), else there is no answer;
-  - ``tag``: the last ``<answer>...</answer>`` in the completion (a required answer format, for models that
-    reason before answering), stripped; no tag, no answer;
-  - a regular expression: it must match the whole stripped committed text; its group 1 (else the whole
-    match) is the answer. A pattern that should find the answer inside longer text says so itself
-    (``(?s).*answer is (-?\\d+)\\.?``), so the gameable choice is visible in the config.
-
-:func:`committed_answer` is the one matching step every user of this module goes through; the environments'
-exact formats (the arithmetic task's ``" 33\\n"``, the calculator's ``ANSWER 33``) are patterns on it.
-GSM8K / MATH answers (``\\boxed{}``, ``####``) have their own extractor in
-:mod:`megatron.rl.environments.math_answers`, the convention those datasets are graded by.
+Formats and reasons: docs/environments.md.
 """
 from __future__ import annotations
 

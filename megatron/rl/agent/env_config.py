@@ -1,29 +1,11 @@
 """The environment config file (``--langrl-env-config FILE.yaml``) and the agent it builds.
 
-Format: a list of environment entries, or a mapping with ``environments`` (that list) and optionally
-``imports`` (modules to import first, so agents they register by decorator can be named)::
+A list of entries (``type``, ``args``, ``weight``, ``evaluation_only``, ``name``), or a mapping with
+``environments`` and ``imports``. Importing user code (``imports``, ``module:Class`` types) needs
+``--langrl-allow-imports``. Every error names the file, the entry index and the key; YAML aliases are refused.
+Relative ``*_path`` arguments resolve against the YAML file's directory.
 
-    imports: [my_project.envs]        # needs allow_imports (the --langrl-allow-imports flag)
-    environments:
-      - type: arithmetic              # a registered agent type ...
-        weight: 3
-        args: {max_digits: 2}
-      - type: my_project.envs:MyEnv   # ... or module:Class (needs allow_imports)
-        name: mine                    # env id (default: the type, suffixed with the entry index if repeated)
-        weight: 1
-      - type: math
-        evaluation_only: true         # evaluated, never trained on
-
-Entry keys: ``type`` (required), ``args`` (the agent's fields), ``weight`` (>= 0, default 1),
-``evaluation_only`` (default false), ``name``. Relative ``*_path`` arguments are resolved against the YAML
-file's directory (falling back to the working directory when only that has the file).
-
-Every error names the file, the entry index and the key; malformed YAML reports line and column;
-unknown types list the registered ones. YAML aliases (``*name``) are refused: a few hundred bytes of nested
-aliases expand into billions of values (a "billion laughs" bomb), and a config has no need for them. Values
-quoted in error messages are shortened. Numbers in exponent form without a dot (``1e-3``) are floats, as in
-YAML 1.2 (PyYAML's YAML 1.1 rules would read them as strings). Importing user code is opt-in because a
-config file should not be able to run arbitrary code unless the person launching the job allows it.
+Format and reasons: docs/agents.md.
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """HuggingFaceDatasetAgent: prompts and reference answers from a local dataset file.
 
-Reads JSON-lines files directly and JSON, Parquet or Arrow files through the ``datasets`` library when it
-is installed (JSON lines only without it), never from the network. Columns are mapped by name::
+Reads JSON lines directly, and JSON, Parquet or Arrow through ``datasets`` when installed; never from the
+network. Columns are mapped by name (``prompt_field``, ``answer_field``, ``prompt_template``); rewards are
+``exact``, ``contains`` or ``number``. Subclass it and override :meth:`compute_reward` for task-specific scoring.
 
-    type: huggingface_dataset
-    args:
-      data_path: data/train.jsonl          # relative paths are resolved against the YAML file
-      validation_path: data/test.jsonl     # optional; defaults to data_path
-      prompt_field: question
-      answer_field: answer
-      prompt_template: "Question: {question}\\nAnswer:"   # str.format over the row's fields
-      reward_type: number                  # exact | contains | number
-
-Subclass it and override :meth:`compute_reward` for task-specific scoring (see the math example).
+YAML example: docs/agents.md.
 """
 from __future__ import annotations
 

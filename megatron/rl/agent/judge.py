@@ -1,28 +1,11 @@
 """A generative judge: a model asked to grade each completion, its answer parsed into a score.
 
-``JudgeConfig`` is the YAML section (under ``type: model_reward``, see :mod:`megatron.rl.agent.model_reward`)::
+``JudgeConfig`` is the ``judge:`` section of a ``type: model_reward`` entry. The judge is any
+:class:`~megatron.rl.inference.api.InferenceInterface`. Every completion gets a :class:`JudgeVerdict`: a score in
+[0, 1], or the reason there is none. Must not: turn a failed or unparsable verdict into a reward; such a rollout
+fails (a judge outage never reads as a reward of 0).
 
-    judge:
-      inference: {backend: openai, kwargs: {base_url: "http://judge:8000/v1", model: judge}}
-      weight: 0.5
-      template: |
-        Grade the answer from 0 to 10.
-        Question: {prompt}
-        Answer: {completion}
-        Reply "SCORE: <n>".
-      score_regex: "SCORE:\\s*(-?\\d+(?:\\.\\d+)?)"   # group 1 is the score; the last match counts
-      score_range: [0, 10]                          # mapped to [0, 1]; a score outside it is unparsable
-      chat: false                                   # true: the template is one user message
-      max_tokens: 32
-      temperature: 0.0
-      batch_size: 32                                # requests per agenerate call
-      timeout_s: 120                                # per batch
-
-The judge is any :class:`~megatron.rl.inference.api.InferenceInterface`: an OpenAI-compatible server, a
-second in-process model (``backend: huggingface``), or an object bound with
-``ModelRewardAgent.bind_judge_inference``. Every completion gets a :class:`JudgeVerdict`: a score in [0, 1],
-or the reason there is none (the judge's request failed, timed out, or its answer had no parsable score).
-A verdict without a score fails its rollout: a judge outage never reads as a reward of 0.
+YAML section and fields: docs/agents.md.
 """
 from __future__ import annotations
 

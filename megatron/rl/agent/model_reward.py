@@ -1,25 +1,10 @@
 """``type: model_reward``: any environment's rollouts rescored by a judge model and/or a reward model.
 
-The wrapped environment draws prompts, generates and computes its own (rule) reward as usual; this agent
-then asks the judge (:mod:`.judge`) and the reward model (:mod:`.reward_model`) about every successful
-rollout and combines the scores with weights::
+``reward = rule_weight * rule + judge.weight * judge_score + reward_model.weight * rm_score``; the unweighted
+parts are in ``metadata["reward_components"]``. A judge or reward-model failure makes the rollout failed (never a
+silent reward of 0). Prompt order, sharding, checkpointed state and evaluation are the wrapped environment's.
 
-    - type: model_reward
-      name: helpful_arithmetic
-      args:
-        env: {type: arithmetic, args: {max_digits: 2}}   # a registered agent type and its args
-        rule_weight: 1.0                                 # the environment's own reward (0: model scores only)
-        judge: {inference: {backend: openai, kwargs: {base_url: "http://judge:8000/v1"}}, weight: 0.5}
-        reward_model: {path: /models/rm, weight: 0.5, device: cuda:1}
-
-    reward = rule_weight * rule + judge.weight * judge_score + reward_model.weight * rm_score
-
-Each rollout's ``metadata["reward_components"]`` holds the unweighted ``rule``, ``judge`` and
-``reward_model`` scores (the trainer logs their means per environment). A judge or reward-model failure
-makes the rollout *failed* (never trained on, counted per kind under ``env/<name>/failures/<kind>``) with
-the reason in ``failure_reason`` and ``metadata["failure_kind"]``; it is never a silent reward of 0.
-Prompt order, data-parallel sharding and checkpointed state are the wrapped environment's. Evaluation is
-the wrapped environment's own (its rule-based pass@k): model scores are a training signal here.
+YAML example and failure accounting: docs/agents.md.
 """
 from __future__ import annotations
 

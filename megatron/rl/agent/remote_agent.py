@@ -1,22 +1,11 @@
-"""RemoteAgent: use an environment served by ``python -m megatron.rl.server.agent`` in another process/machine.
+"""RemoteAgent (``type: remote``): an environment served by ``python -m megatron.rl.server.agent``.
 
-YAML::
+The in-process inference object cannot travel over HTTP: the server generates with the request's ``inference``
+spec (only if its operator allowlisted it), else this agent's, else its own backend. Connection failures and
+HTTP 502/503/504 are retried with backoff; a request the server accepted is never retried (it would advance
+the server's prompt stream twice).
 
-    environments:
-      - type: remote
-        args:
-          url: http://127.0.0.1:8100
-          token_env: MEGATRON_RL_AGENT_TOKEN     # optional: env var holding the bearer token
-          inference: {backend: openai, kwargs: {base_url: "http://trainer-host:8000/v1"}}
-
-The in-process inference object cannot travel over HTTP: the server generates with the request's
-``inference`` spec, else this agent's ``inference`` spec, else the server's own default backend. The server
-accepts a spec only when its operator allowlisted exactly that spec (``--allow-client-inference``).
-
-Failure behaviour: connection failures before the request reached the server (refused, connect timeout)
-and HTTP 502/503/504 are retried ``max_retries`` times with exponential backoff; a request the server
-accepted is never retried (it would advance the server's prompt stream twice), so a server that dies
-mid-request raises :class:`RemoteAgentError` at once, and one that hangs raises after ``timeout_s``.
+YAML example and failure behaviour: docs/agents.md.
 """
 from __future__ import annotations
 

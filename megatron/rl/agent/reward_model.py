@@ -1,26 +1,12 @@
 """A reward model: a local sequence-classification model with a scalar head scores (prompt, completion) pairs.
 
-``RewardModelConfig`` is the YAML section (under ``type: model_reward``, see
-:mod:`megatron.rl.agent.model_reward`)::
+``RewardModelConfig`` is the ``reward_model:`` section of a ``type: model_reward`` entry: a Hugging Face
+``AutoModelForSequenceClassification`` directory with one label, read locally, never downloaded, loaded on
+first use. Any failure (load, batch, non-finite score, timeout) raises :class:`RewardModelError`, which the
+caller turns into failed rollouts; a score is never silently replaced. Megatron reward checkpoints are not
+supported.
 
-    reward_model:
-      path: /models/my-rm          # a Hugging Face save_pretrained directory (read locally, never downloaded)
-      weight: 1.0
-      device: cpu                  # its own device: cpu, cuda, cuda:1, ... (the policy's GPUs stay free)
-      dtype: float32
-      batch_size: 16
-      max_length: 512              # longer texts keep their end (the completion): left truncation
-      template: "{prompt}{completion}"
-      timeout_s: 120
-
-The model is ``AutoModelForSequenceClassification`` with one label (``num_labels == 1``); its logit is the
-score. Loading happens on first use, in a worker thread; batches run one at a time under
-``torch.inference_mode``. A failure (the model cannot be loaded, a batch raises, a score is not finite,
-the batch overruns ``timeout_s``) raises :class:`RewardModelError`, which the caller turns into failed
-rollouts with the reason; a score is never silently replaced.
-
-A Megatron checkpoint with a scalar head is not supported: the project trains no reward models, so no
-such checkpoint format exists yet; convert a Hugging Face reward model or serve it as a judge.
+YAML section: docs/agents.md.
 """
 from __future__ import annotations
 

@@ -1,29 +1,12 @@
 """RewardOnlyAgent: the base class users subclass for a task defined by a dataset and a reward function.
 
-A subclass provides problems and a reward; this class draws prompts (deterministic, resumable, sharded by
-data-parallel rank), generates concurrently through the inference backend, runs multi-turn episodes when
-the environment answers with observations, and builds :class:`~megatron.rl.base.types.TokenRollout` objects::
+A subclass provides ``dataset_size``, ``get_problem`` and ``compute_reward`` (and ``observe`` for multi-turn
+episodes); this class draws prompts (deterministic, resumable, sharded by DP rank), generates concurrently and
+builds :class:`~megatron.rl.base.types.TokenRollout` objects. Rewards and observations run in worker threads,
+never on the event loop, bounded by ``reward_timeout_s``, unless the subclass sets ``inline_rewards = True``
+(cheap, bounded rewards only).
 
-    @Agent.register_subclass("my_task")
-    class MyTask(RewardOnlyAgent):
-        def dataset_size(self, validation):            # None for a generated, unbounded task
-            return len(PROBLEMS)
-        def get_problem(self, index, validation):      # a dict with at least "prompt"
-            return PROBLEMS[index]
-        def compute_reward(self, problem, completion):
-            return float(completion.strip() == problem["answer"])
-
-Multi-turn: override :meth:`observe`; after each generated turn it returns the text the environment
-appends (e.g. a tool result) or None to end the episode. Observation tokens get generation-mask 0.
-
-Rewards and observations are user code run on untrusted model output, so they run in worker threads
-(a process-wide pool), never on the event loop: one slow answer does not stall the other rollouts of the
-process. ``reward_timeout_s`` bounds the wait; a rollout whose reward takes longer is an explicit failure
-(the thread cannot be killed, so a reward function should still bound its own work, as the math
-environment does). A subclass whose reward and observation are cheap and bounded by construction (the arithmetic
-environment reads at most 64 characters) sets ``inline_rewards = True``: they then run on the event loop, without
-the hop to a worker thread and back (~0.1 ms a rollout, on the critical path after the last generation step) and
-without a timeout.
+Example subclass and reasons: docs/agents.md.
 """
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
 """Reduce a per-token loss to the scalar a micro-batch back-propagates, with GLOBAL normalisers.
 
-The normalisers (token count, sequence count) are counts over the whole optimizer step: all
-micro-batches of all data-parallel ranks. The caller computes the local counts with
-:func:`local_normalizers` and all-reduces them (SUM over DP, summed over micro-batches) before the
-first micro-batch. Because each micro-batch then contributes ``(its part of the numerator) /
-(global denominator)``, **the per-micro-batch losses SUM to the global loss** (and their gradients
-sum to its gradient), whatever the micro-batch size, DP size or packing layout.
+The normalisers (token and sequence counts) are counted over the whole optimizer step, all micro-batches of all
+DP ranks (:func:`local_normalizers`, all-reduced by the caller), so the per-micro-batch losses sum to the global
+loss whatever the micro-batch size, DP size or packing. Modes (``AGGREGATIONS``, ``--grpo-loss-aggregation``):
+``token``, ``sequence``, ``drgrpo``. The caller sets megatron-core's ``calculate_per_token_loss = True`` and
+returns a token count of 0.
 
-How to feed this to megatron-core's schedule (0.16.1) so the gradient is exactly the gradient of
-the global loss: set ``config.calculate_per_token_loss = True`` (then DDP sums gradients over DP
-instead of averaging, and the schedule does not divide by ``num_microbatches``) and let the loss
-function return the 3-tuple ``(aggregate_loss(...), torch.tensor(0, dtype=torch.int), report)``:
-a token count of 0 makes ``finalize_model_grads`` skip its 1/num_tokens rescaling (it only scales
-when the all-reduced count is > 0). With the default ``calculate_per_token_loss = False`` the
-schedule divides each micro-batch loss by ``num_microbatches`` and DDP averages over DP, so the
-loss would have to be multiplied by ``num_microbatches * dp_size`` to compensate.
-
-Modes (registered in ``AGGREGATIONS``, flag ``--grpo-loss-aggregation``):
-
-* ``token``    sum of masked token losses / global number of loss tokens.
-* ``sequence`` per sequence: mean over its loss tokens; then sum / global number of sequences.
-* ``drgrpo``   sum of masked token losses / (global number of sequences * max_len), max_len a
-               constant (e.g. the generation budget), so long answers are not favoured.
+Formulas and the megatron-core schedule: docs/algorithms.md.
 """
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 """Per-token policy losses: PPO-clip, GSPO and CISPO, plus the combined GRPO token loss.
 
-Everything here is per token ([N] in, [N] out); reducing to a scalar is :mod:`aggregation`'s job,
-so the same per-token loss works for token-, sequence- and Dr.GRPO-style normalisation. A sequence-level
-loss (GSPO) gives every token of a sequence that sequence's loss: the ``sequence`` aggregation then yields
-the sequence's loss once, ``token`` weights it by its length. Per-token ratio ``r_t = exp(logprobs_t - old_t)``,
-advantage ``A``.
+Everything here is per token ([N] in, [N] out); reducing to a scalar is :mod:`aggregation`'s job. A
+sequence-level loss (GSPO) gives every token its sequence's loss. Each loss is registered in ``POLICY_LOSSES``
+(``--grpo-policy-loss``) and declares its default clip range, help line and own settings with
+:func:`loss_settings`.
 
-* ``ppo_clip``: ``loss_t = -min(r_t A, clip(r_t, 1 - eps_lower, 1 + eps_upper) A)``. ``eps_upper > eps_lower``
-  is DAPO's "clip-higher". Where the clipped term is the minimum the gradient is exactly 0.
-* ``gspo`` (Group Sequence Policy Optimization): the sequence ratio ``s_i = exp(mean_{t in i} log r_t)`` and a
-  sequence-level clip, ``loss_t = -min(s_i A_t, clip(s_i, 1 - eps_lower, 1 + eps_upper) A_t)`` for every token
-  ``t`` of sequence ``i``; published clip range 3e-4 / 4e-4.
-* ``cispo`` (Clipped IS-weight Policy Optimization): a REINFORCE term weighted by the clipped, stop-gradient
-  ratio, ``loss_t = -sg(clip(r_t, 1 - eps_lower, 1 + eps_upper)) A_t log pi(t)``, written with
-  ``exp(logprobs - sg(logprobs))`` in place of ``log pi`` (the same gradient, ``-sg(c_t) A_t grad log pi``,
-  and a loss value of ``-c_t A_t``). No token's gradient is ever zeroed; the published defaults keep no lower
-  bound (eps_lower 1: ``c_t >= 0``) and cap the weight at 4 (eps_upper 3).
-
-Each loss declares its default clip range, help line and own settings with :func:`loss_settings`.
+Formulas and published defaults: docs/algorithms.md.
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Known warnings of our dependencies, said once in one line instead of a screenful on every start.
 
-megatron-core warns at import and build time about what it falls back on, and torch about its own
-deprecations that megatron-core's checkpointing triggers. None of them asks the user to do anything here:
+megatron-core's "Apex / Transformer Engine not installed" notices are summarised in one INFO line; known
+deprecation notices of megatron-core and torch are logged at DEBUG only (:func:`is_known_notice`). Must not:
+hide any other warning. :func:`summarize_dependency_warnings` installs the filter (idempotent).
 
-- "Apex is not installed" / "Transformer Engine and Apex are not installed" (five places in megatron-core):
-  its fused norm, Adam and multi-tensor kernels are replaced by torch code. Summarised in one INFO line the
-  first time one appears (the cost: speed on GPU; nothing on CPU, where those kernels do not run);
-- deprecation notices raised inside megatron-core or torch ("full scope is deprecated", ShardedTensor,
-  ``load_state_dict``, the ``custom_layers.transformer_engine`` module), and megatron-core 0.19's notices about
-  its own API (``GPTModel`` giving way to ``HybridModel``, its experimental MIMO config, its legacy async save and
-  common-state loader) as warnings or megatron-core log records, and torch DCP's notices when 0.19 reads a
-  checkpoint's common state before any process group exists: logged at DEBUG only (:func:`is_known_notice`).
-
-Every other warning is shown as before. :func:`summarize_dependency_warnings` installs the filter (idempotent).
+The list and the reasons: docs/base.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """The one name -> object registry behind every pluggable piece, filled by decorator.
 
-Algorithm variants (advantage estimators, losses, KL estimators, aggregations), sequence-packing
-algorithms, inference backends, tokenizers, checkpoint-conversion families and the
-:class:`~megatron.rl.base.type_lookupable.TypeLookupable` roots (agents, requests, rollouts) all keep
-their names in a :class:`Registry`, so they share one rule for duplicate names:
+Registering the same object (or the same definition re-executed) again is a no-op; a different object under a
+taken name raises :class:`DuplicateNameError`. Unknown names raise :class:`UnknownNameError` naming the flag,
+the value and the valid choices. ``builtins={"name": "package.module"}`` lists names whose modules are imported
+on first use, so optional dependencies load only when needed.
 
-* registering the **same object** again under its name is a no-op; so is executing the same definition
-  again (same module and qualified name, e.g. a module reloaded or imported twice), which keeps the
-  newest object;
-* a **different object** under a taken name raises :class:`DuplicateNameError`.
-
-Unknown names raise :class:`UnknownNameError`, naming the flag that selects from the registry (when it
-has one), the bad value and the valid choices. A registry may list *built-in* names whose modules are
-imported on first use (``builtins={"name": "package.module"}``), so heavy or optional dependencies load
-only when a name needs them.
+What registers here: docs/base.md.
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """TypeLookupable: pydantic models that know their registered subclass, for polymorphic JSON and YAML.
 
-A *registry root* (for example :class:`~megatron.rl.agent.api.Agent` or :class:`~megatron.rl.base.types.Rollout`)
-owns a name -> class table. Subclasses join it with a decorator::
+A registry root (e.g. :class:`~megatron.rl.agent.api.Agent`, :class:`~megatron.rl.base.types.Rollout`) owns a
+name -> class table that subclasses join with ``@Root.register_subclass(name)``. Every instance carries its
+``type_name``, so validating its JSON against the root dispatches to the subclass (nested fields too).
+:meth:`TypeLookupable.unwrap` turns an object built as the base type into its registered subclass.
 
-    @Agent.register_subclass()          # name = the class's ``type_name`` default, else the class name
-    class MyAgent(Agent): ...
-
-    @Agent.register_subclass("my_env")  # or an explicit name
-    class MyEnv(Agent): ...
-
-Every instance carries its ``type_name``, so ``model_dump()`` / ``model_dump_json()`` write it and
-validating that JSON against the *root* class dispatches to the registered subclass::
-
-    Rollout.model_validate(token_rollout.model_dump())   # -> a TokenRollout again
-
-Nested fields typed as a root (``list[Rollout]``) dispatch the same way. An object built as the base type
-(e.g. ``Agent(type_name="my_env", **args)``, whose unknown fields are kept as extras) becomes its registered
-subclass with :meth:`TypeLookupable.unwrap`.
+Examples: docs/base.md.
 """
 from __future__ import annotations
 

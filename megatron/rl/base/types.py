@@ -1,25 +1,11 @@
 """What agents hand to the trainer: rollouts, token-level rollouts and groups of them.
 
-All are pydantic models registered in one :class:`~megatron.rl.base.type_lookupable.TypeLookupable`
-registry rooted at :class:`Rollout`, so they cross process boundaries as JSON (remote agents) and come back
-as the same classes: ``Rollout.model_validate(token_rollout.model_dump())`` is a :class:`TokenRollout`.
+Pydantic models rooted at :class:`Rollout`, so they cross process boundaries as JSON and come back as the same
+classes. Token-level arrays (``token_ids``, ``generation_mask``, ``logprobs``) are aligned, length ``L``, over
+all turns; the mask is 1 only on policy-generated tokens. Failed episodes have ``status="failed"`` and a
+``failure_reason``; the trainer must drop them, never train on them as zero rewards.
 
-Token-level conventions (one episode, ``L = len(token_ids)``):
-
-* ``token_ids`` [L]: prompt tokens followed by everything after them, over all turns of a multi-turn
-  episode (policy generations *and* environment observations in between).
-* ``generation_mask`` [L]: 1 where the policy generated the token (those are trained), 0 for prompt and
-  environment/observation tokens. ``generation_mask[:prompt_length]`` is all 0.
-* ``logprobs`` [L] or None: the inference backend's log-prob of each token at positions where the mask is
-  1 (temperature-scaled, see :mod:`megatron.rl.inference.api`), 0.0 elsewhere. Aligned with ``token_ids``
-  so they can be sliced and packed together.
-* ``routes`` or None: for MoE policies served by the in-process engine with ``--rl-router-replay rollout``, the
-  experts each token was routed to at every MoE layer (:class:`~megatron.rl.base.routes.Routes`,
-  ``[layers, L, k]``), which the trainer replays.
-
-Failed episodes (backend error, reward function raised, ...) have ``status="failed"`` and a
-``failure_reason``; their ``reward`` is 0.0 but the trainer is expected to count and drop them, never to
-train on them as if they were genuine zero rewards.
+Token-level conventions in full: docs/base.md.
 """
 from __future__ import annotations
 

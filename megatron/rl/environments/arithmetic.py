@@ -1,16 +1,11 @@
-"""Arithmetic: the embedded default task, small enough for a tiny byte-level GPT to learn on a CPU.
+r"""Arithmetic: the embedded default task, small enough for a tiny byte-level GPT to learn on a CPU.
 
-Problems are generated (no data files): ``num_operands`` integers of ``min_digits``..``max_digits`` digits
-joined by operators from ``operators`` (``+ - *``, usual precedence). The format is short and byte-level
-tokenizer friendly::
+Problems are generated (no data files), e.g. prompt ``"Q: 12+7*3=? A:"``, completion ``" 33\n"`` (the newline
+is the end marker and the stop string). Reward 1.0 when the text before the first end marker is exactly the
+answer (one optional leading space), else 0.0. :func:`pretraining_text` / :func:`write_pretraining_corpus`
+write the same format, optionally noised, to pretrain a partly-right policy.
 
-    prompt:      "Q: 12+7*3=? A:"
-    completion:  " 33\\n"            (the answer, then the end marker "\\n", which is also the stop string)
-
-The reward is strict: 1.0 when the text before the first end marker is exactly the answer (an optional
-single leading space), else 0.0. :func:`pretraining_text` / :func:`write_pretraining_corpus` produce the
-same format with the answer filled in, optionally noised (wrong answers with probability ``noise``), to
-pretrain a policy that is only partly right before RL.
+Details: docs/environments.md.
 """
 from __future__ import annotations
 

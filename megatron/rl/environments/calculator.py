@@ -1,17 +1,10 @@
-"""Multi-turn tool use: the policy may call a calculator before answering.
+"""Multi-turn tool use: the policy may call a calculator (``CALC <expr>``) before answering (``ANSWER <n>``).
 
-Protocol (one line per model turn; the stop string is the newline)::
+One line per model turn (the stop string is the newline); the environment answers each ``CALC`` with
+``= <value>`` (mask 0), evaluated by the bounded :mod:`safe_expr` parser. Reward 1.0 when the final answer is
+right, plus ``tool_bonus`` when a calculator call succeeded. Malformed lines end the episode.
 
-    Q: What is 37*41+5? Tools: CALC <expr>. Finish: ANSWER <number>.
-    CALC 37*41          <- generated (mask 1)
-    = 1517              <- the environment's observation (mask 0)
-    CALC 1517+5         <- generated
-    = 1522              <- observation
-    ANSWER 1522         <- generated; the episode ends
-
-The calculator evaluates with the bounded :mod:`safe_expr` parser. Reward 1.0 when the final ``ANSWER``
-equals the true value, else 0.0; ``tool_bonus`` (default 0) is added when at least one calculator call
-succeeded, to shape early learning. Malformed lines end the episode.
+Protocol example: docs/environments.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""GSM8K/MATH-style answer extraction and equivalence checking, safe on untrusted model output.
+r"""GSM8K/MATH-style answer extraction and equivalence checking, safe on untrusted model output.
 
-Extraction (:func:`extract_answer`): the last ``\\boxed{...}`` (balanced braces), else the text after the
-last ``####``, else the text after "answer is", else the last number.
+:func:`extract_answer`: the last ``\boxed{...}``, else after the last ``####``, else after "answer is", else
+the last number. :func:`is_equivalent`: normalised LaTeX parsed by the bounded :mod:`safe_expr` parser (never
+``eval``/``sympify``); exact rationals, sympy within :func:`expansion_budget`, else numeric comparison, else
+normalised strings. Nothing raises.
 
-Equivalence (:func:`is_equivalent`): both sides are normalised (``$``, ``\\left``, spacing commands, units in
-``\\text{}``, thousands separators, a leading ``x =``), LaTeX is rewritten into plain notation
-(``\\frac{a}{b}``, ``\\sqrt{x}``, ``\\pi``, ``\\cdot``) and parsed by the bounded parser of :mod:`safe_expr`
-(never ``eval``/``sympify``). Numbers compare exactly as rationals; expressions with ``sqrt``/``pi``/variables
-compare with sympy (built node by node from the parse tree) when it is installed and the expression is
-small enough, else numerically at random points. Anything unparsable falls back to normalised string
-equality. Nothing raises.
-
-Budget. Answers are untrusted and short text can denote huge work: ``(a+b+c+d)^{64}`` expands into ~48,000
-terms and ``(((((2^{64})^{64})^{64})^{64})^{64})`` into a 2^30-bit integer. Before sympy sees a tree,
-:func:`expansion_budget` bounds its polynomial degree, its expanded term count and its integer sizes from
-the tree alone; anything over budget is compared numerically (bounded floats) instead. An extracted answer
-with an unclosed ``\\boxed{`` is no answer (the last-number fallback would otherwise score ``\\boxed{7``).
+Normalisation and budget: docs/environments.md.
 """
 from __future__ import annotations
 

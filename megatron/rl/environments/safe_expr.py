@@ -1,22 +1,11 @@
 """A small, bounded arithmetic-expression parser and exact evaluator for reward functions.
 
-Model outputs are untrusted: they are never passed to ``eval``, ``ast`` evaluation or ``sympy.sympify``.
-This recursive-descent parser accepts only numbers, ``+ - * /``, optionally ``^``/``**``, parentheses,
-and (when enabled) a whitelist of names (``sqrt``, ``pi``, ``e``, single-letter variables). Everything
-is bounded so adversarial input fails fast with :class:`ExprError`:
+Model outputs are untrusted: never passed to ``eval``, ``ast`` evaluation or ``sympy.sympify``. Accepts numbers,
+``+ - * /``, optional ``^``/``**``, parentheses and (when enabled) whitelisted names. Input length, literal
+length, nesting depth, exponents and result bits are bounded, so adversarial input fails fast with
+:class:`ExprError`.
 
-* input length (``max_length`` characters) and number literal length (``max_digits``),
-* nesting depth (``max_depth``; ``((((...))))`` ten thousand deep stops at the limit),
-* powers: integer exponents up to ``max_exponent`` and results up to ``max_bits`` bits
-  (``9**9**9**9`` is rejected before anything is computed).
-
-Grammar (``^`` is right-associative and binds tighter than unary minus, as in mathematics)::
-
-    expr  := term (("+" | "-") term)*
-    term  := unary (("*" | "/") unary | <implicit *> power)*
-    unary := ("-" | "+") unary | power
-    power := atom (("^" | "**") unary)?
-    atom  := NUMBER | NAME | FUNC "(" expr ")" | "(" expr ")"
+Grammar and bounds: docs/environments.md.
 """
 from __future__ import annotations
 

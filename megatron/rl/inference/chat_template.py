@@ -1,19 +1,11 @@
 """Render chat messages to a prompt string for the inference backends.
 
-Order of preference:
-1. a ``transformers`` tokenizer whose ``chat_template`` is set: its Jinja template;
-2. one of our :class:`megatron.rl.training.tokenizer.Tokenizer` objects: its ``apply_chat_template``
-   (which itself uses the HF template when it wraps a tokenizer that has one, the built-in one otherwise);
-3. otherwise the built-in template of :func:`megatron.rl.base.chat.render_builtin_chat_template`
-   (one definition shared with the trainer, so prompts rendered here and there never drift)::
+Order of preference: a ``transformers`` tokenizer's own ``chat_template``; one of our
+:class:`megatron.rl.training.tokenizer.Tokenizer` objects' ``apply_chat_template``; else the built-in template
+of :func:`megatron.rl.base.chat.render_builtin_chat_template`, the one definition shared with the trainer so
+prompts rendered here and there never drift.
 
-    <|system|>
-    You are helpful.
-    <|user|>
-    What is 2+2?
-    <|assistant|>
-
-   i.e. ``"<|{role}|>\\n{content}\\n"`` per message, then ``"<|assistant|>\\n"`` when ``add_generation_prompt``.
+The built-in template: docs/inference.md.
 """
 from __future__ import annotations
 

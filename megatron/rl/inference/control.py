@@ -1,16 +1,11 @@
 """The trainer's controls over the backend an RL run generates with, declared apart from generation.
 
-Agents and servers see an :class:`~megatron.rl.inference.api.InferenceInterface`: ``generate`` /
-``agenerate``, ``rollout_phase`` and ``close``. The trainer asks more of the backend it builds for a run
-(``--inference-backend NAME``): how to build it from the run's configs, and, when the backend generates with
-the trainer's weights (the in-process engine, or its copy at another layout), how to split prompts over its
-lockstep groups, how to hold requests across a weight update and label tokens with the policy version, and
-how to bring updated weights over. :class:`TrainerControl` declares those members. Its defaults describe a
-backend apart from the trainer's weights (a remote server): building calls the constructor, prompts split by
-data-parallel rank, nothing to pause, hold, label or refit. A backend implements what it has; the trainer
-reaches any backend's controls through :func:`control_of`, never by probing attributes.
-
-Wrappers forward every member through one base, :class:`~megatron.rl.inference.forwarding.ForwardingInference`.
+Agents and servers see an :class:`~megatron.rl.inference.api.InferenceInterface`; the trainer also needs
+:class:`TrainerControl`: building from the run's configs, splitting prompts over lockstep groups, holding
+requests across an update, labelling policy versions, refitting weights. Its defaults describe a backend apart
+from the trainer's weights (a remote server). The trainer reaches any backend's controls through
+:func:`control_of`, never by probing attributes; wrappers forward every member through
+:class:`~megatron.rl.inference.forwarding.ForwardingInference`.
 """
 from __future__ import annotations
 

@@ -1,22 +1,11 @@
 """A tiny deterministic inference backend for tests: ``build_inference_interface("fake")``.
 
-It is a real (if silly) language model, so agents, the inference server and trainers can be tested
-against it with exact expectations and no weights or downloads:
+A real (if silly) language model over UTF-8 bytes plus EOS (id 256), whose next-token logits depend only on the
+previous token (a seeded 257x257 table); sampling, stopping and log-prob conventions are the real backends'
+own, so :meth:`FakeInference.score` reproduces them exactly. Knobs: ``max_seq_len``, ``delay_s``, ``eos_bias``;
+counters show how requests were batched. Each request fails alone.
 
-* tokens are UTF-8 bytes (ids 0..255) plus an end-of-sequence id 256;
-* the next-token logits depend only on the previous token: row ``prev`` of a fixed random 257x257
-  table (seeded, identical in every process); only printable ASCII (32..126) and EOS can be generated;
-* sampling (:mod:`~megatron.rl.inference.sampling`) and EOS / stop-string handling
-  (:mod:`~megatron.rl.inference.stopping`) are the real backends' own, and log-probs follow the API
-  convention (temperature-scaled, before truncation, T=1 when greedy, in fp64), so
-  :meth:`FakeInference.score` (a teacher-forced "forward") reproduces them exactly.
-
-Constructor knobs: ``max_seq_len`` (prompt + generation limit; longer prompts get a per-request
-error), ``delay_s`` (awaited once per ``agenerate`` call, to simulate a forward pass), ``eos_bias``.
-Counters ``num_batches``, ``num_requests`` and ``max_batch_size`` show how requests were batched.
-Generation runs on a worker thread (the event loop, e.g. the inference server's, stays responsive), and
-each request is checked and generated on its own: an invalid or failing request fails alone, and a cancelled one
-(:meth:`~megatron.rl.inference.api.InferenceRequest.cancel`) stops at its next token.
+Details: docs/inference.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Hugging Face ``transformers`` backend: ``build_inference_interface("huggingface", model_path=DIR)``.
 
-Loads ``AutoModelForCausalLM`` + ``AutoTokenizer`` from a *local* directory (never downloads) and runs
-its own batched decoding loop with a KV cache instead of ``model.generate``: every request in a batch
-keeps its own temperature / top-k / top-p / seed / stop strings, and we control exactly which
-log-probs are reported (``softmax(logits / T)`` before truncation, T=1 when greedy; see
-:mod:`megatron.rl.inference.api`).
+Loads ``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local directory (never downloads) and runs its own
+batched decoding loop with a KV cache, so every request keeps its own sampling settings and stop strings and the
+log-probs follow the API convention (``softmax(logits / T)`` before truncation). Prompts are left-padded with
+position ids over real tokens only, so a padded row computes what it would alone.
 
-Batching: prompts are left-padded to a common length (position ids count only real tokens, so a padded
-row computes exactly what it would alone); rows that finish keep being fed a pad token whose output
-is ignored; a cancelled request (:meth:`~megatron.rl.inference.api.InferenceRequest.cancel`) is done at the next
-step. Sampling (:mod:`~megatron.rl.inference.sampling`) and EOS / stop-string handling
-(:mod:`~megatron.rl.inference.stopping`) are the ones every backend shares.
+Details: docs/inference.md.
 """
 from __future__ import annotations
 

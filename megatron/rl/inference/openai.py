@@ -1,26 +1,12 @@
 """OpenAI-compatible HTTP backend: ``build_inference_interface("openai", base_url="http://host:port/v1")``.
 
-Uses the official ``openai`` ``AsyncOpenAI`` client against any OpenAI-compatible server (our
-:mod:`megatron.rl.server.inference`, vLLM, SGLang, OpenAI itself). Text prompts go to
-``/v1/completions``, chat messages to ``/v1/chat/completions``; ``n`` is sent natively.
+Uses ``openai``'s ``AsyncOpenAI`` against any OpenAI-compatible server; text prompts go to ``/v1/completions``,
+chat to ``/v1/chat/completions``. Log-probs and token ids are whatever the server returns (ours: always). Every
+request is its own HTTP call, under ``max_concurrency``, on the backend's private event-loop thread. An
+unreachable server raises :class:`InferenceError`; a rejected request becomes a ``finish_reason="error"``
+response and fails alone.
 
-What comes back depends on the server:
-* log-probs: requested always (``logprobs=1`` / ``logprobs=true``); ``InferenceResponse.logprobs`` is None
-  when the server returns none. Their meaning is the server's: our server follows the API convention
-  (temperature-scaled, before truncation); other servers may report untempered log-probs.
-* token ids: read from the vLLM-style extension fields ``choices[i].token_ids`` (generated) and
-  ``choices[i].prompt_token_ids`` (or top-level ``prompt_token_ids`` for chat), which our server always
-  returns and vLLM returns with ``return_token_ids=true`` (sent when ``request_token_ids=True``). Without
-  them ``token_ids`` is empty and ``prompt_length`` is 0.
-* ``top_k`` is not an OpenAI parameter: it is sent (as an extra body field) only when > 0.
-
-Concurrency: every request is its own HTTP call; all run at once under an ``asyncio.Semaphore`` of
-``max_concurrency``, and the server batches them. The HTTP client lives on a private event-loop thread
-of the backend, so ``agenerate`` can be awaited from any event loop or thread, and the sync
-``generate`` works too; ``close()`` / ``aclose()`` releases it. Errors: an unreachable server or a timeout (after
-``max_retries`` retries with backoff, done by the client) raises :class:`InferenceError` naming the URL;
-a request the server rejects (4xx/5xx) becomes a ``finish_reason="error"`` response carrying the
-server's message, without failing the other requests.
+What comes back from which server: docs/inference.md.
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """The rules an inference request must satisfy: one place for the servers' schemas and the backends' entry.
 
-Two kinds of rule live here:
-
-* **Validity** (every backend, every caller): values a backend can serve without crashing or producing
-  NaNs. :class:`~megatron.rl.inference.api.GenerationArgs`, :class:`~megatron.rl.inference.api.ChatMessage`
-  and :class:`~megatron.rl.inference.api.InferenceRequest` are built from the annotated types below, and
-  every backend re-checks each request with :func:`request_error` before batching it, so a request built
-  with ``model_construct`` (or mutated after construction) fails alone instead of failing its batch.
-* **Limits** (servers only, set by the operator): how much work one HTTP request may ask for
-  (:class:`RequestLimits`). :func:`limited_types` turns them into annotated types, used by the inference
-  server's body models (so the OpenAPI schema states them) and by the environment server.
-
-Everything is pure: no I/O, no globals beyond constants.
+Validity (every backend): the annotated types the request models are built from, re-checked per request by
+:func:`request_error` before batching, so a bad request fails alone. Limits (servers only, set by the
+operator): :class:`RequestLimits`, turned into annotated types by :func:`limited_types` for the servers' body
+models. Pure: no I/O, no globals beyond constants.
 """
 from __future__ import annotations
 
@@ -34,7 +26,7 @@ __all__ = [
 #: numpy, torch and megatron-core take up to 2**63 - 1): a client or schema tool that reads JSON numbers as doubles
 #: rounds integers near 2**63 to another value, so a bound there means different seeds to it than to the server
 SEED_MAX = 2**53 - 1
-#: below this, ``logits / T`` overflows float32 (1e-38 gave NaN probabilities); 0 still means greedy
+#: below this, ``logits / T`` overflows float32 (1e-38 gives NaN probabilities); 0 still means greedy
 MIN_TEMPERATURE = 1e-3
 #: above this the distribution is uniform to float precision anyway
 MAX_TEMPERATURE = 100.0

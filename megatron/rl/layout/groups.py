@@ -1,16 +1,12 @@
 """A separate inference layout: its typed config, its checks, and its process groups over the same ranks.
 
-Training wants large TP/PP (memory); generation wants small TP with many replicas (every decode step
-all-reduces across TP). ``--rl-inference-{tensor,pipeline,expert}-model-parallel-size`` give the inference
-copy of the policy its own layout. The copy is a second ``GPTModel`` built with a megatron-core
-``ProcessGroupCollection`` made here (over the same ranks as training; megatron-core's global
-``parallel_state`` keeps describing the *training* layout and is never touched), and its weights are
-refit from the trainer after every update (:mod:`megatron.rl.layout.refit`).
+``--rl-inference-{tensor,pipeline,expert}-model-parallel-size`` give the inference copy of the policy its own
+layout, built with a ``ProcessGroupCollection`` made here over the same ranks (megatron-core's
+``RankGenerator``, order ``tp-cp-ep-dp-pp``). Must not: touch megatron-core's global ``parallel_state``, which
+keeps describing the training layout. All checks run in :func:`validate_inference_layout`, before any model is
+built.
 
-Rank layout: megatron-core's own ``RankGenerator`` with its default order ``tp-cp-ep-dp-pp``, so an
-inference layout equal to the training layout gives the training groups' membership.
-
-All checks run in :func:`validate_inference_layout` from the parsed flags, before any model is built.
+Why a separate layout: docs/inference.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """The inference copy of the policy: built once at its own layout, refit from the trainer after every update.
 
-:func:`build_layout_inference` builds a second ``GPTModel`` from the training model config with the
-inference layout's process groups (:mod:`megatron.rl.layout.groups`), wraps it in the in-process
-:class:`~megatron.rl.inference.megatron.MegatronInference` backend, and returns a :class:`LayoutInference`
-that the agents use like any backend. Weights move with megatron-core's ``swap_model_weights``
-(its reshard planner + gloo / NCCL copy service); nothing here shuffles tensors itself.
+:func:`build_layout_inference` builds a second ``GPTModel`` with the inference layout's process groups and wraps
+it in :class:`~megatron.rl.inference.megatron.MegatronInference` as a :class:`LayoutInference`. Weights move with
+megatron-core's ``swap_model_weights``; nothing here shuffles tensors itself. Refits: once after the trainer's
+weights are loaded, then after every update (:meth:`LayoutInference.refit_for_update`). Only the trainer's
+weights are checkpointed.
 
-Refit points: once after the trainer's weights are loaded (before the first generation, so a resumed run
-serves the checkpoint's weights) and after every optimizer update (:meth:`LayoutInference.refit_for_update`,
-which the rollout source calls). Only the trainer's weights are checkpointed; the copy is rebuilt and refit on
-start-up. Whether a run builds a copy: :mod:`megatron.rl.layout.backend`; the check of its first refit:
-:mod:`megatron.rl.layout.parity`.
+Details: docs/inference.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
-"""Training-health checks per environment: a collapse inside one environment of a mixture, which the run-wide
-numbers average away (an environment given a quarter of the groups can answer one constant string while the
-mixture's same-reward share stays under its threshold).
+"""Training-health checks per environment: a collapse inside one environment of a mixture.
 
-Each check pools an environment's :class:`~megatron.rl.observe.metrics.EnvSummary` over the last
-``env_window`` iterations (one iteration of a small environment holds a group or two: too few to judge), and
-runs once the window is full and holds at least 8 successful rollouts (2 scored groups for the same-reward share):
+Each check pools an environment's :class:`~megatron.rl.observe.metrics.EnvSummary` over ``env_window``
+iterations and runs once that holds at least 8 successful rollouts: ``answer_collapse/<env>``,
+``same_reward/<env>``, ``length_cap/<env>``; trends in :func:`check_env_trends` and :func:`check_pass_at_1`.
+Pure: summaries and thresholds in, findings out.
 
-* ``answer_collapse/<env>``: more than ``top_answer_share`` of the environment's successful rollouts gave the
-  same answer (:func:`~megatron.rl.observe.metrics.answer_key`), whatever the problem: the policy collapsed to a
-  constant answer. Also over the whole mixture (``answer_collapse/mixture``) when there are several environments.
-* ``same_reward/<env>``: more than ``same_reward_share`` of its groups got one reward for every rollout.
-* ``length_cap/<env>``: more than ``length_cap_share`` of its responses stopped at the token budget.
-
-The run-wide versions of the last two stay in :mod:`megatron.rl.observe.warnings`; with a single environment
-they are the same numbers, so only ``answer_collapse`` runs per environment then. Trends against an
-environment's own start (reward, sampled entropy, held-out pass@1) are in :func:`check_env_trends` and
-:func:`check_pass_at_1`. All functions here are pure: summaries and thresholds in, findings out.
+What each check means and why: docs/observe.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """An optional guard that acts on a sustained collapse of one environment (``--rl-env-collapse-action``).
 
-The per-environment checks (:mod:`megatron.rl.observe.env_health`) only warn. With the guard on, an
-``answer_collapse/<env>`` finding that holds for ``--rl-env-collapse-patience`` consecutive iterations acts:
+An ``answer_collapse/<env>`` finding held for ``--rl-env-collapse-patience`` iterations either multiplies the
+environment's weight by ``--rl-env-collapse-weight-factor`` (``downweight``, checkpointed) or stops the run after
+the iteration with a checkpoint (``stop``; ``train_rl.py`` exits with status 3). Only ``answer_collapse`` acts.
+Every rank sees the same findings, so every rank acts alike.
 
-* ``downweight``: the environment's weight in the :class:`~megatron.rl.agent.weighted_multi_task.WeightedMultiTaskAgent`
-  is multiplied by ``--rl-env-collapse-weight-factor``, so it gets that much less of each step's groups from the
-  next request on (down to the one group per step every positive weight keeps when a step has enough groups).
-  The count starts again: if the collapse still holds ``patience`` iterations later, the weight falls again.
-  The lowered weight is part of the agent's checkpointed state, so a resumed run keeps it.
-* ``stop``: the run stops after the iteration (a checkpoint is saved when ``--save`` is set, so it resumes
-  from there), logging a one-line reason; ``train_rl.py`` exits with status 3.
-
-Only ``answer_collapse`` acts: a same-reward share near 1 is also what a task far too hard (or already solved)
-shows from the first iteration, which is no collapse. Every rank sees the same findings (the observations are
-gathered over data-parallel ranks), so every rank takes the same action at the same iteration.
+Why only answer collapse: docs/observe.md.
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """The RL iteration line: short by default (fits a 160-column terminal with the log prefix), full on request.
 
-``--log-line short`` (default)::
+``--log-line short``: iteration, reward and spread, latest pass@1, loss, KL, train-inference gap, seconds (then
+``failed N`` / ``skipped`` when they happen). ``--log-line full`` adds learning rate, clip fractions, entropy,
+importance weights, staleness, throughput, the time split and per-environment parts. Every figure goes to
+TensorBoard / W&B / JSONL either way.
 
-    iteration  40/200 | reward 0.625±0.31 | pass@1 0.523 | loss -0.012 | kl 0.012 | gap 3.7e-8 | 4.12s
-
-the figures a researcher watches: the iteration, the mean reward and its spread, the latest held-out pass@1 (of the
-last evaluation; each evaluation has its own line too), the loss, the KL to the reference (with
-``--grpo-kl-beta``), the train-inference log-prob gap and the iteration's seconds; then ``failed N`` (failed
-rollouts) and ``skipped`` (no update) when they happen. With the log's prefix (time, rank, level, logger: 57
-columns) it fits 160 columns up to 99,999 iterations.
-``--log-line full`` is the long form: learning rate, clip fractions, entropy, importance weights, staleness,
-throughput, the time split and a per-environment part. Every figure of both goes to TensorBoard / W&B / the JSONL
-file either way.
+Example line: docs/observe.md.
 """
 from __future__ import annotations
 

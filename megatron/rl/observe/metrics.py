@@ -1,27 +1,11 @@
 """Per-environment rollout metrics and sample completions of an RL iteration.
 
-:func:`summarize_groups` (pure) counts what each environment's rollout groups did; summaries of several
-data-parallel ranks add up with :func:`merge_summaries`; :func:`summary_metrics` turns them into flat
-metrics (``env/<name>/reward_mean`` ... plus run-wide shares the failure-point warnings read);
-:func:`format_env_line` is their short form for the iteration log line. :func:`local_observations` is one
-rank's part and :func:`merge_observations` joins all ranks' parts; the gather itself is the trainer's one
-all-gather of an iteration's rollouts (:mod:`megatron.rl.rollout.gather`). Nothing here holds a process group.
+:func:`summarize_groups` (pure) counts what each environment's groups did; :func:`merge_summaries` adds ranks'
+summaries; :func:`summary_metrics` turns them into flat ``env/<name>/...`` metrics; :func:`format_env_line` is the
+short form. Must not hold a process group: the gather is the trainer's one all-gather of rollouts. Means are over
+successful rollouts; failed ones are counted.
 
-Definitions (the same for single- and multi-turn episodes):
-
-* reward / response length / turns are means over the *successful* rollouts; failed ones are counted.
-* response length: tokens the policy generated over all turns (``generation_mask`` ones); observation
-  tokens inserted by the environment are not counted.
-* length-capped: a turn stopped because it hit the token budget (``finish_reason == "length"``); for
-  rollouts without finish reasons, generated tokens ``>= --rl-max-new-tokens``.
-* same-reward group: a group with at least two successful rollouts whose rewards are all equal (zero
-  advantage everywhere: no learning signal).
-* answer: a successful rollout's ``metadata["extracted_answer"]`` when its agent records one, else its
-  completion, whitespace-stripped and cut to :data:`ANSWER_KEY_CHARS` characters. ``distinct_answers``
-  counts them, ``top_answer_share`` is the share of the most common one: a policy that collapsed to one
-  constant answer shows a share near 1 however varied its problems are.
-* sampled entropy: the mean negative inference log-prob of the generated tokens (an estimate of the sampling
-  policy's entropy per token, from rollouts alone); only for rollouts whose backend returned log-probs.
+Definitions of every metric: docs/observe.md.
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """Is the inference server generating with the trainer's policy? A check on the train-inference log-prob gap.
 
-GRPO/PPO assume the rollouts were sampled from the policy being trained (up to the PPO clip). The in-process
-engine (``--inference-backend megatron``, also behind ``--rl-serve-inference``) *is* that policy. An external
-OpenAI-compatible server (``--inference-backend openai``, or whatever backend a remote environment server
-uses) keeps the weights it was started with: once the trainer has taken a few steps the rollouts come from
-another, fixed policy and the run is off-policy, silently.
+An external server keeps the weights it started with, so after a few updates the run is silently off-policy.
+:func:`check_policy_gap` turns a mean ``|trainer log-prob - inference log-prob|`` above
+``--rl-max-policy-logprob-gap`` into :class:`OffPolicyServerError`, unless the run says
+``--rl-off-policy-server`` (off-policy by design).
 
-Every iteration the trainer re-scores the rollouts under its current weights and measures
-``logprob_gap_mean = mean |trainer log-prob - inference log-prob|`` over generated tokens (same weights:
-about 1e-6 in fp32, about 1e-2 in bf16). :func:`check_policy_gap` turns a mean gap above
-``--rl-max-policy-logprob-gap`` into :class:`OffPolicyServerError` unless the run says
-``--rl-off-policy-server`` (off-policy by design: e.g. distillation from a fixed server, with
-``--rl-inference-logprobs-is-correction`` to weight the loss).
+Why, and the expected gaps: docs/observe.md.
 """
 from __future__ import annotations
 

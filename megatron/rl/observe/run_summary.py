@@ -1,24 +1,10 @@
 """The start-up summary of an RL run: what it starts from and how it generates, packs and lays out its work.
 
-One log record, logged once before the first iteration, so a glance at the top of a log says which run this is:
+One log record before the first iteration: iterations and batch, start checkpoint, backend, layout, rollouts
+(:meth:`RolloutSource.describe`), packing (:meth:`~megatron.rl.packing.layout_choice.TrainingLayout.describe`),
+threads, and the flags ``--use-checkpoint-args`` took from the checkpoint.
 
-    RL run: 200 iterations from 0 (16 prompts x 8 rollouts each, 1 optimizer step per iteration)
-      start:    the pretrained checkpoint runs/quickstart/pretrain (weights only)
-      backend:  megatron (the in-process engine on the training weights)
-      layout:   TP=1 PP=1 EP=1 DP=1 (world 1); generation at the training layout
-      rollouts: synchronous (every iteration generates its own groups)
-      packing:  packed, rows of 128 tokens, 4 per micro-batch, a group's prompt computed once per row: --rl-layout
-                auto (the loss of padded rows in fewer positions; --rl-layout padded: one rollout per row); a row fits
-                one group, --seq-length 64 + 7 x (--rl-max-new-tokens 8 + 1) rounded up to 128 (attention auto, at
-                most 16 sequences per row)
-      threads:  2 intra-op threads on 2 usable cores, fewer while other processes keep cores busy (--cpu-threads N
-                fixes the count)
-      from checkpoint (--use-checkpoint-args): --num-layers 4, --hidden-size 128, ..., --rl-max-new-tokens 8
-
-The last line lists the flags ``--use-checkpoint-args`` took from the checkpoint (none: no line).
-
-The rollout line is the rollout source's own description (:meth:`RolloutSource.describe`); the packing line
-says which rows ``--rl-layout`` chose and why (:meth:`~megatron.rl.packing.layout_choice.TrainingLayout.describe`).
+Example: docs/observe.md.
 """
 from __future__ import annotations
 

@@ -1,25 +1,11 @@
 """Warnings at the classic failure points of an RL run, read off each iteration's metrics.
 
-* **same reward**: most groups got one reward for every rollout, so their advantages are all zero and the
-  update learns nothing from them (a task far too hard or too easy, a reward that ignores the completion,
-  or generations that collapsed to one string);
-* **length cap**: most responses stopped at the token budget (rambling, or a degenerate repetition);
-* **log-prob gap**: the trainer's log-probs of the sampled tokens are far from the inference backend's,
-  i.e. the rollouts come from a different policy (a server serving other weights, another tokenizer or
-  chat template, a temperature mismatch). With asynchronous rollouts the gap of the tokens the trained
-  policy generated itself is checked (the stale tokens' gap is the policy's movement, by design);
-* **off-policy drift** (asynchronous rollouts): the policy moved far from the one that generated the trained
-  tokens (k3 KL between the two per token, the importance weights' mean and truncated share), where the
-  synchronous path trains at ~0; large per-step moves on stale data can feed on themselves;
-* **trends** over a window of iterations (:func:`check_trends`): an environment's reward fell below where the
-  run started, or the policy's entropy collapsed to a fraction of its starting level;
-* **per environment** (:mod:`megatron.rl.observe.env_health`): the same-reward, length-cap, answer-diversity,
-  sampled-entropy and held-out pass@1 checks of each environment of a mixture on its own numbers, so a
-  collapse in one environment is not averaged away by the others.
+Same reward, length cap, log-prob gap, off-policy drift (asynchronous rollouts), trends over a window, and the
+per-environment checks of :mod:`megatron.rl.observe.env_health`. :func:`check_failure_points` and
+:func:`check_trends` are pure; :class:`WarningLimiter` repeats a persisting condition only every ``interval``
+iterations and logs at most one warning record per iteration.
 
-:func:`check_failure_points` and :func:`check_trends` are pure (metrics and thresholds in, findings out);
-:class:`WarningLimiter` decides which findings to report, so a persisting condition is repeated only every
-``interval`` iterations and an iteration logs at most one warning record.
+What each warning means: docs/observe.md.
 """
 from __future__ import annotations
 

@@ -1,25 +1,12 @@
-"""Which rows an optimizer step's rollouts are laid out in: ``--rl-layout``, ``--rl-packing-row-length``,
-``--rl-use-sequence-packing``, resolved once from the flags into a :class:`TrainingLayout`.
+"""Which rows an optimizer step's rollouts are laid out in, resolved once from the flags into a
+:class:`TrainingLayout`: ``--rl-layout``, ``--rl-packing-row-length``, ``--rl-use-sequence-packing``.
 
-Layouts:
-
-- *padded*: one rollout per row of ``--seq-length`` positions, ``--micro-batch-size`` rows per micro-batch.
-- *packed*: several rollouts per row (first-fit decreasing, :mod:`megatron.rl.packing.plan`). Where prompt
-  sharing applies (:func:`~megatron.rl.packing.prefix_sharing.sharing_applies`), a row long enough for one group
-  computes the group's prompt once for all its rollouts; elsewhere rows of ``--seq-length`` remove padding only.
-
-``--rl-layout auto`` (the default) packs: a packed step computes the same loss and gradients as a padded one
-(the parity tests), packing is never refused where padded rows run (both go through the same forward), and
-it is the faster layout on the shapes measured (docs/benchmarks.md). Its rows hold one group where prompts
-can be shared, else ``--seq-length`` tokens.
-
-``--micro-batch-size`` keeps its meaning as a memory budget: a micro-batch holds at most
-``--micro-batch-size x --seq-length`` positions in every layout, i.e. ``budget // row length`` packed rows
-(at least one). The auto row length is capped at that budget, so a group larger than it is split over rows (each
-part shares its prompt). Without pipeline parallelism micro-batches are cropped to their fullest row, so a row
-longer than its rollouts costs nothing.
-
+*padded*: one rollout per row of ``--seq-length``. *packed* (``auto``, the default): several rollouts per row,
+rows of one group where prompt sharing applies, else ``--seq-length`` tokens; same loss and gradients as padded.
+``--micro-batch-size x --seq-length`` stays each micro-batch's position budget in every layout.
 Pure: plain values in, a frozen dataclass out; errors are :class:`ConfigError` naming the flag.
+
+Why packed by default, and the row length: docs/packing.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Micro-batches of a rank's packed rows, each at the shape it needs.
 
-A :class:`~megatron.rl.packing.batch.PackedBatch` has ``--seq-length`` positions per row and
-``num_microbatches * micro_batch_size`` rows, the last ones possibly empty bins that only complete a
-micro-batch. With pipeline parallelism every micro-batch must keep that fixed shape: megatron's schedule
-allocates the tensors sent between stages from ``(seq_length, micro_batch_size)``. Without it the schedule
-never looks at the shape, so each micro-batch can drop what is only padding (*dynamic shapes*): its
-trailing empty rows and the positions after its longest row. Real tokens never attend to padding (it is a
-segment of its own) and padding has loss mask 0, so the loss and gradients are those of the fixed shape
-up to float rounding of differently shaped matmuls.
+Without pipeline parallelism each micro-batch drops its trailing empty rows and the positions after its longest
+row (*dynamic shapes*; same loss up to rounding). With pipeline parallelism every micro-batch keeps the fixed
+``(seq_length, micro_batch_size)`` shape the schedule allocates from. Where forwards exchange activations across
+DP ranks (expert parallelism) micro-batch ``i`` is cropped to the largest shape over those ranks
+(:func:`shared_microbatch_shapes`).
 
-Some forwards exchange activations between data-parallel ranks: MoE layers with expert parallelism
-gather every EP rank's tokens (megatron-core's allgather token dispatcher all-gathers equally shaped
-tensors over the tensor-and-expert-parallel group). Those ranks must run micro-batch ``i`` at one shape,
-so there each micro-batch is cropped to the largest shape over the data-parallel ranks
-(:func:`shared_microbatch_shapes`), which every rank computes from the same bin distribution.
+Why: docs/packing.md.
 """
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
 """Packing a GRPO group's rollouts so that their common prompt is computed once per row, not once per rollout.
 
-The ``--grpo-group-size`` rollouts of a prompt start with the same prompt tokens. Packed one after the other,
-every rollout's forward and backward recomputed that prompt: on the peer benchmark's small shape (13-token
-prompts, 16-token completions) 40% of the tokens a training step computed were repeated prompt tokens.
+:func:`plan_shared_packing` packs clusters: a group's *holder* stored whole, then *members* stored without their
+first ``k - 1`` tokens (``k``: the first trained position), attending to the holder's prompt positions, so each
+token meets the keys, values and positions of the rollout stored whole. A cluster fills at most one bin; larger
+groups split into several clusters. Pure functions of the token ids: every rank plans alike. Not with THD
+packing nor pipeline parallelism: :func:`sharing_applies` / :func:`sharing_blocker` say when.
 
-:func:`plan_shared_packing` packs *clusters*: a group's first rollout (the *holder*) stored whole, followed by
-other rollouts of its group (*members*) stored without their first ``k - 1`` tokens, where ``k`` is the
-position of the first trained token (the prompt's length for a single-turn rollout). A member keeps the
-prompt's last token, so the first generated token is still predicted inside the member and every label stays
-"the next token of the same sequence". A member's positions count on from ``k - 1`` and its queries attend to
-the holder's first ``k - 1`` positions as well as to its own tokens
-(:meth:`~megatron.rl.packing.batch.PackedBatch.sequence_spans`, ``attention_mask`` and
-:mod:`megatron.rl.packing.packed_forward`): the keys, values and positions each of its tokens meets are those of the
-rollout stored whole. Gradients through the shared prompt are the sum of its rollouts' gradients, as when each
-recomputed it. Loss masks, advantages and per-token values belong to the rollout as before.
-
-A cluster fills at most one bin (``--seq-length`` tokens, ``--rl-sequence-packing-max-sequences-per-bin``
-rollouts); a group that does not fit in one is split into several clusters, each with its own holder. Clusters
-are then packed first-fit decreasing, like sequences. Pure functions of the token ids: every rank plans alike.
-
-Not with THD packing (TransformerEngine: segments attend to themselves only) nor with pipeline parallelism
-(fixed shapes; not wired); :func:`sharing_applies` says when.
+Details: docs/packing.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Flags of the asynchronous rollouts, and their checks against the rest of the run.
 
 :class:`AsyncRolloutConfig` declares the flags; :func:`validate_async_rollouts` rejects combinations that cannot
-work before any model is built (called by :func:`megatron.rl.rl_config.validate_rl_config`, with the run's other
-RL flags); :func:`async_loss_config` turns on the off-policy correction every off-policy run needs.
+work before any model is built; :func:`async_loss_config` turns on the off-policy correction every off-policy
+run needs (decoupled PPO: ratio and clip against the proximal policy, truncated importance weight against the
+behaviour policy, so old log-probs are always rescored).
 
-Off-policy correction (decoupled PPO). With a lag or partial rollouts the tokens of an iteration may come from
-older policies (the *behaviour* policy, whose log-probs the backend returned). The PPO ratio and clip are taken
-against the *proximal* policy, the current weights before the update, whose log-probs the trainer recomputes in
-its scoring pass (so the shortcut of taking them from the training forward is off); the truncated importance
-weight ``min(exp(proximal - behaviour), --rl-importance-sampling-truncation-coef)`` corrects for the behaviour
-policy, zeroed where the ratio already left the trust region around the behaviour policy in the direction the
-advantage pushes.
+The correction: docs/rollouts.md.
 """
 from __future__ import annotations
 
@@ -196,7 +191,7 @@ def _validate_pipeline(ac: AsyncRolloutConfig, rl: RunFlags, cfg: TrainingConfig
     # Every rank of a lockstep engine numbers its submissions, and the i-th one is matched to the source rank's
     # i-th. With partial rollouts a phase ends with the pipeline's next requests half-submitted, at a point of its
     # event loop that differs between the ranks; an evaluation then submits its requests in between on one rank
-    # and after them on another: misnumbered (error responses, seen on CPU with an inference TP=2 copy) or waited
+    # and after them on another: misnumbered (error responses) or waited
     # for forever (a hang). Without evaluations the pipeline alone submits, in the same order.
     eval_on = bool(cfg.train.eval_interval) and rl.prompts_per_eval > 0
     _need(not (ac.partial_rollouts and lockstep_engine and model_parallel and eval_on),

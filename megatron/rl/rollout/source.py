@@ -1,16 +1,11 @@
 """Where an RL iteration's rollout groups come from: one :class:`RolloutSource` protocol, two sources.
 
-* :class:`SynchronousRollouts` (the default): each iteration generates its own groups with the current
-  weights, in one rollout phase, and waits for the slowest rollout.
-* :class:`~megatron.rl.rollout.async_source.AsyncRollouts` (any ``--rl-generation-lag``,
-  ``--rl-partial-rollouts``, ``--rl-*-granularity``, ``--rl-max-inflight-requests`` or
-  ``--rl-durable-rollout-bank`` flag): groups come from a persistent pipeline that generates ahead within a
-  bounded lag, and may continue requests across an update; a durable bank keeps completed groups across a crash.
+:class:`SynchronousRollouts` (default) generates each iteration's groups now;
+:class:`~megatron.rl.rollout.async_source.AsyncRollouts` (any asynchronous-rollout flag) takes them from a
+pipeline that generates ahead within a bounded lag. The trainer never asks which one it has.
+:meth:`RolloutSource.weights_updated` is the one place where updated weights reach the backend.
 
-The trainer (:mod:`megatron.rl.rl_utils`, :mod:`megatron.rl.rl_loop`) talks to either through the protocol and
-never asks which one it has. After every update it calls :meth:`RolloutSource.weights_updated`, the one place
-where updated weights reach the backend (a refit of a separate inference layout's copy; with partial rollouts,
-held requests continue only after it).
+Details: docs/rollouts.md.
 """
 from __future__ import annotations
 

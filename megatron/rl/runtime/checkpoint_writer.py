@@ -1,22 +1,11 @@
 """megatron-core's torch_dist checkpoint writer without a process that outlives the trainer.
 
-megatron-core 0.16.1's ``FileSystemWriterAsync`` (the writer of every torch_dist save, synchronous ones too) hands
-its write workers' results back through a queue of a ``multiprocessing`` Manager of the spawn context, made on the
-first save and kept for the life of the process: a server process (~275 MB: a fresh interpreter importing the
-entry script's modules) and a resource tracker. A trainer killed with SIGKILL leaves both behind, re-parented to
-PID 1, run after run.
+Synchronous saves hand the write workers' results back through a queue of this process instead of a spawn
+Manager's (whose server process and resource tracker would outlive a killed trainer). Processes the main thread
+forks ask the kernel for SIGKILL when the trainer dies (:func:`die_with_parent`, Linux). Must not be used with
+megatron-core's asynchronous save, which megatron-rl does not use and which would need the Manager's queue.
 
-megatron-rl saves synchronously (``dist_checkpointing.save``): the write function then runs in the trainer's own
-process (it forks short-lived write workers per save and joins them before it returns), so a queue of this process
-carries the results and no long-lived child is started. An asynchronous save (megatron-core's
-``AsyncCallsQueue``, which megatron-rl does not use) would need the Manager's queue back.
-
-Those short-lived write workers are forked and hand their results back through ``multiprocessing`` queues, whose
-feeder thread a worker joins before it exits. A trainer killed with SIGKILL during a save can leave a worker
-blocked there for good (seen: a futex wait in its main thread; the reader of its queue is gone), re-parented to
-PID 1. On Linux every process the trainer's main thread forks (the save's) therefore asks the kernel for SIGKILL
-when the trainer dies (``PR_SET_PDEATHSIG``), and exits at once if the trainer died before it could ask
-(:func:`die_with_parent`). Only the main thread's: the kernel signals when the forking *thread* ends.
+Why: docs/runtime.md.
 """
 from __future__ import annotations
 

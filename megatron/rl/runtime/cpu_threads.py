@@ -1,16 +1,11 @@
 """Fit torch's CPU threads to the cores this process may use and that other processes leave free.
 
 Must not: change a thread count the user fixed (``--cpu-threads N`` or ``OMP_NUM_THREADS``), or touch the
-thread count of runs on GPUs, where the CPU threads only feed the device.
+thread count of runs on GPUs. :class:`ThreadBudget` samples between iterations how much of the usable cores
+other processes used and sets the intra-op thread count to the cores left, at least one; worker threads adopt a
+new count with :func:`follow`.
 
-Why: torch's OpenMP threads meet at the end of every parallel op and spin while they wait. When another
-process keeps one of our cores busy, one of our threads is descheduled mid-op and every op waits for the
-scheduler to run it again; a small model's iterations become many times slower. With one thread fewer than
-the busy cores, none of ours waits on another (measured figures: docs/benchmarks.md).
-
-:class:`ThreadBudget` samples between iterations how much of the usable cores (CPU affinity) other
-processes used (``/proc/stat`` for those cores minus this process's CPU time) and sets the intra-op thread
-count to the cores left, at least one. Worker threads (the engine's) adopt a new count with :func:`follow`.
+Why: docs/runtime.md; figures: docs/benchmarks.md.
 """
 from __future__ import annotations
 

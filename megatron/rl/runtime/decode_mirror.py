@@ -1,24 +1,12 @@
 """A dense copy of a decode batch's keys and values, kept up to date step by step, so decode attention reads
 K and V in place instead of gathering them from the paged cache in every layer of every step.
 
-The paged cache holds a request's tokens in blocks scattered through one buffer. Attending over it means
-gathering every active request's slots into a padded batch first (:func:`torch_attention._gather_rows`): a
-copy of the whole batch's keys and values per layer and step, as large as the products that follow it, to
-add one token per request. The mirror keeps that padded batch between steps, one per layer, in the layout
-``[rows, kv_heads, slots, dim]`` (each request's keys for one head contiguous), so a step copies only what is
-new: the step's token of each request that was in the same row the step before, and all tokens of a request
-that is new to its row (admitted, moved by megatron-core's bookkeeping, or readmitted after an eviction).
-The paged cache stays the source of truth; the mirror is rebuilt from it whenever in doubt.
+Layout ``[rows, kv_heads, slots, dim]`` per layer; a step copies only what is new. The paged cache stays the
+source of truth and the mirror is rebuilt from it whenever in doubt; results equal the gathered batch's bit
+for bit. CPU only, only while a layer's mirror is no larger than its paged cache, and only when the engine gives
+the rows' request ids (:func:`decode_lengths.set_decode_lengths`); otherwise attention gathers.
 
-Attention over the mirror gives the gathered batch's results bit for bit: the products see the same values in
-the same order per row (only the memory strides differ), and the slots past a request's length hold finite
-values of other tokens, which a zero probability removes exactly
-(``tests/unit_tests/rl/runtime/test_decode_mirror.py``).
-
-CPU only (the engine's decode steps on a GPU use the graph-safe path), and only while a layer's mirror is no larger
-than the layer's paged cache (it holds at most a padded copy of what the cache holds; a batch too wide or too long
-for that gathers); the engine gives the rows' request ids with the step's lengths
-(:func:`decode_lengths.set_decode_lengths`), without which attention gathers as before.
+Details: docs/runtime.md.
 """
 from __future__ import annotations
 

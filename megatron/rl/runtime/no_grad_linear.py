@@ -1,22 +1,11 @@
 """megatron-core's local linear layers without an autograd Function when no gradient is being recorded.
 
-megatron-core 0.16.1's ``ColumnParallelLinear`` / ``RowParallelLinear`` (the local layer spec) run every forward
-through ``LinearWithGradAccumulationAndAsyncCommunication.apply`` and route the input through
-``_CopyToModelParallelRegion.apply`` / ``_ReduceFromModelParallelRegion.apply``. An autograd Function call costs
-its Python bookkeeping (argument unwrapping, context object, the tensor-parallel group lookup) even under
-``torch.inference_mode``, where no graph is recorded: at a decode step of a small model on CPU that is a few
-percent of the step, and the engine runs a decode step per generated token.
+:func:`install` wraps the three module-level functions ``ColumnParallelLinear`` / ``RowParallelLinear`` call.
+While gradients are recorded, or with sequence parallelism, megatron-core's function runs unchanged; otherwise
+the wrapper computes its forward with the same torch calls in the same order (the same bits; tested), skipping
+the autograd Function's Python bookkeeping.
 
-:func:`install` puts a thin wrapper in front of each of the three module-level functions the layers call. While
-gradients are recorded (training, scoring with ``torch.enable_grad``), or with sequence parallelism (whose
-forward gathers the input across ranks), the wrapper calls megatron-core's function unchanged. Otherwise it
-computes what that function's forward computes, with the same torch calls in the same order, so the outputs
-are the same bits (``test_no_grad_linear.py`` compares them):
-
-- the linear: ``torch.matmul(input, weight.t())``, plus ``bias`` when there is one;
-- copy to the tensor-parallel region: the input itself (its forward is the identity);
-- reduce from the tensor-parallel region: megatron-core's ``_reduce`` (an all-reduce over the group, nothing
-  when the group has one rank), what its forward calls.
+Why, and what each wrapper computes: docs/runtime.md.
 """
 from __future__ import annotations
 

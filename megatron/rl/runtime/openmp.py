@@ -1,19 +1,11 @@
 """Keep torch's CPU ops fast when a worker thread does the compute.
 
-Both generation backends run their forward passes on a worker thread (the Megatron engine thread,
-the Hugging Face backend's ``asyncio.to_thread``), while the thread that trained the model, or
-built it, has already opened OpenMP parallel regions. libgomp keeps one pool of worker threads per
-thread that opens regions; once the pools together hold more threads than there are CPUs it
-"throttles" every pool's spin-wait to about a hundred iterations, so each parallel region of the
-worker thread has to wake its pool from a futex. On a 2-CPU machine that costs ~50-80 us per torch
-op: a ``[64, 128] @ [128, 384]`` matmul takes 120 us on the worker thread instead of 39 us, and a
-decode step of a small model is several times slower than the same step on the main thread.
+libgomp throttles every thread pool's spin-wait once the pools together hold more threads than there are CPUs,
+so a worker thread's ops wait on futex wake-ups. :func:`release_thread_pool` frees the *calling* thread's pool
+(OpenMP 5.0 ``omp_pause_resource_all``, soft pause) before it hands work to a worker thread; libgomp rebuilds it
+on the caller's next parallel op, so calling it before every hand-off is cheap and harmless.
 
-:func:`release_thread_pool` frees the *calling* thread's pool (OpenMP 5.0
-``omp_pause_resource_all``, soft pause), so while it waits for a worker thread only that thread's
-pool exists and spins normally. The caller's pool is rebuilt by libgomp the next time the caller
-runs a parallel op (about the cost of creating its threads), so calling this before every hand-off
-to a worker thread is cheap and harmless.
+Why: docs/runtime.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """Every change megatron-rl makes to megatron-core at run time, in one registry: what, why, which versions.
 
-megatron-rl builds on megatron-core's public API. Where that is not enough it changes megatron-core in memory
-(never in site-packages), and each such change is a :class:`Patch` registered here, with what it changes, why,
-and the megatron-core versions it was written and tested for. Only ``megatron/rl/runtime/`` applies them
-(a test scans the package for patches applied anywhere else). Kinds, by ``when``:
+Each change is a :class:`Patch` with what it changes, why, the megatron-core versions it was written for and the
+function or class that makes it; kinds by ``when``: ``cpu``, ``cuda``, ``on use``, ``per call``, ``on call``,
+``subclass``. Changes are made in memory, never in site-packages, and only by ``megatron/rl/runtime/`` (a test
+scans the package). A megatron-core upgrade starts here: every entry whose ``versions`` lack the new version is
+to be checked.
 
-* ``"cpu"``: installed by :func:`~megatron.rl.runtime.setup_runtime` on a machine without a usable GPU, once
-  (the CPU layer, :mod:`~megatron.rl.runtime.cpu_patches`, and the kernels it points megatron-core at);
-* ``"cuda"``: installed by :func:`~megatron.rl.runtime.setup_runtime` on a GPU machine, once;
-* ``"on use"``: applied once by the code that needs it, before its first use (:func:`apply`);
-* ``"per call"``: a context manager that changes megatron-core objects for one forward call and restores them;
-* ``"on call"``: a function that changes the state megatron-core keeps in one of its objects each time the
-  feature needing it calls it (not undone; e.g. emptying a context's prefix-cache maps after a weight update);
-* ``"subclass"``: a class of ours that derives from a megatron-core class and overrides its private methods,
-  or class attributes it reads (the code lives with the feature; its entry here names it under ``where``).
-
-A megatron-core upgrade starts here: every entry whose ``versions`` lack the new version is to be checked.
+The kinds in full: docs/runtime.md and docs/architecture.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
 """RoPE in megatron-core's dynamic inference with cos/sin computed once per step instead of once per layer.
 
-megatron-core's ``DynamicInferenceContext.apply_rotary_emb_query`` / ``apply_rotary_emb_key`` (0.16.1 and 0.19,
-the same arithmetic; 0.19 reads the positions from the context's device snapshot ``gpu_view``) gather the
-step's rotary frequencies by token position and call ``apply_rotary_pos_emb``, whose unfused path
-(``_apply_rotary_pos_emb_bshd``) takes ``cos`` and ``sin`` of them: two gathers, two ``cos``, two ``sin`` and
-four ``mscale`` products per layer, all giving the same tensors in every layer of a step. :func:`install`
-replaces the two methods with versions that take the gathered ``cos``/``sin`` from a per-step cache on the
-context and then do the rest of ``_apply_rotary_pos_emb_bshd``'s arithmetic, with the negation of
-``rotate_half`` moved into the cached ``sin`` (:func:`rotate`; the same bits: ``test_rope_cache.py`` compares
-them with the originals). Configurations that path does not cover
-(fused RoPE, multi-latent attention, packed ``cu_seqlens``) call the originals.
+:func:`install` replaces ``DynamicInferenceContext.apply_rotary_emb_query`` / ``apply_rotary_emb_key`` with
+versions that take the gathered ``cos``/``sin`` from a per-step cache on the context (the same bits; tested).
+Fused RoPE, multi-latent attention and packed ``cu_seqlens`` call the originals. The cache lives on the context
+and dies with it.
 
-The cache key is the frequency tensor (megatron-core's ``RotaryEmbedding`` returns one cached object per
-length), the position buffer and its version counter (the context rewrites its position buffers in place
-at every step, which bumps it) and the token count; the cache lives on the context and dies with it.
+The cache key and why it is safe: docs/runtime.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """Pure-torch stand-ins for flash-attn's paged kernels, used by megatron-core's dynamic inference.
 
-megatron-core's dynamic-batching attention calls ``flash_attn_varlen_func`` (prefill, paged KV
-through ``block_table``) and ``flash_attn_with_kvcache`` (decode). Both are CUDA-only; these
-functions have the same calling convention and semantics (causal masks aligned bottom-right, as
-flash-attn does when query and key lengths differ) and run anywhere.
+Same calling convention and semantics as ``flash_attn_varlen_func`` (prefill) and ``flash_attn_with_kvcache``
+(decode), causal masks aligned bottom-right, and the formula and tensor layouts of megatron-core's
+``DotProductAttention``, so the engine's log-probs round like the trainer's. Each request's attention uses at
+least :data:`MIN_QUERY_ROWS` query rows, so a decode step does not take a matrix-vector kernel that rounds
+otherwise.
 
-Both compute attention with the formula of megatron-core's ``DotProductAttention`` (the trainer's attention
-with the local layer spec): ``baddbmm`` scores, ``-10000`` masking, softmax, ``bmm`` with V, in its tensor
-layouts (:func:`dot_product_attention`), so the engine's log-probs round like the trainer's teacher-forced
-forward. Each request's attention is computed with at least :data:`MIN_QUERY_ROWS` query rows (a decode step
-has one per request; the extra rows are zeros and dropped): MKL computes a one-row product (a matrix-vector
-product) with another kernel than the trainer's many-row one, so a decode step at one row puts the fp32
-train-inference log-prob gap of a peaked model several times above the gap at four rows (on some CPUs two and
-three rows round like one; the figures: docs/benchmarks.md), and the many rows of a prefill reproduce the
-trainer's numbers bit for bit for most requests (tests/unit_tests/rl/inference/test_megatron_logprob_gap.py).
+Why: docs/runtime.md; figures: docs/benchmarks.md.
 """
 from __future__ import annotations
 

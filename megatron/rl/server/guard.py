@@ -1,18 +1,11 @@
 """What both HTTP servers do to untrusted input before any route runs: one rule each, written once.
 
-* **Authorization** (:func:`authorized`): ``Authorization: Bearer <token>``; the scheme name is
-  case-insensitive (RFC 7235: ``bearer``, ``BEARER`` work); a bare token without the scheme is rejected
-  (RFC 6750 requires it, and accepting both invites clients that work against one server and not the
-  other). Tokens are compared in constant time.
-* **Body size and pace** (:class:`BodySizeLimit`): a body over the limit is answered 413 from its
-  ``Content-Length`` before it is read, or as soon as the streamed bytes pass the limit; a body that has not
-  arrived whole within ``body_timeout_s`` of the request's start is answered 408 and its connection closed, so
-  a client that sends headers and then stalls holds no connection for long.
-* **Connections** (:func:`add_limit_flag`'s ``--max-connections``): uvicorn answers 503 past that many
-  connections and requests in flight.
-* **Docs** (:func:`install_docs`): ``/openapi.json`` and ``/docs`` need the key when one is set (the docs
-  page embeds the schema, since a browser cannot send the header when it fetches it).
-* **Bounded caches** (:class:`LRUCache`).
+Authorization (:func:`authorized`: ``Bearer`` scheme required, case-insensitive, constant-time compare); body
+size and pace (:class:`BodySizeLimit`: 413 over the limit, 408 past ``body_timeout_s``); connections
+(``--max-connections``, 503 past it); docs routes behind the key (:func:`install_docs`); bounded caches
+(:class:`LRUCache`).
+
+Reasons: docs/server.md.
 """
 from __future__ import annotations
 

@@ -1,33 +1,12 @@
 """``train_rl.py --rl-serve-inference [HOST:]PORT``: the trainer serves its current policy over HTTP.
 
-The in-process engine (:class:`~megatron.rl.inference.megatron.MegatronInference`, the training model's own
-weights) is exposed through the OpenAI-compatible app of :mod:`megatron.rl.server.inference` on a
-background thread of global rank 0, so remote environment servers (``type: remote`` agents) and any
-OpenAI client generate with the policy being trained::
+The in-process engine is exposed through the OpenAI-compatible app on a background thread of global rank 0, so
+remote environment servers and any OpenAI client generate with the policy being trained. Requests run only
+inside the trainer's rollout phases (others wait up to ``--rl-serve-inference-wait-s``); a phase ends only after
+every DP rank finished collecting and every admitted request is answered. Tensor/pipeline/expert parallelism is
+refused (:class:`PolicyServingError`). ``$MEGATRON_RL_INFERENCE_API_KEY`` guards ``/v1/*``.
 
-    python -m megatron.rl.server.agent --env-config ENV.yaml --port 8100 \\
-        --inference-backend openai --inference-kwargs '{"base_url": "http://TRAINER:8000/v1"}'
-    python train_rl.py <flags> --langrl-env-config remote.yaml --rl-serve-inference 0.0.0.0:8000
-
-When requests run
-    Only inside the trainer's rollout phases (collection and evaluation), when the engine holds the latest
-    weights and no update is under way. A request arriving between phases waits (up to
-    ``--rl-serve-inference-wait-s``, then HTTP 500 naming the wait) for the next phase; a phase ends only
-    after every data-parallel rank has finished collecting (a barrier) and every request admitted has been
-    answered, so a phase never closes under a request another rank's rollouts still wait for.
-
-Layouts
-    Served from global rank 0's engine. Data parallelism is fine (every DP rank's environment server may
-    call it). Tensor/pipeline/expert parallelism is not supported yet (a model-parallel engine needs every
-    rank of its lockstep group to admit the same requests): :class:`PolicyServingError` names it. The way to
-    add it: the source rank submits HTTP requests as "external" jobs in the plan it already broadcasts before
-    every engine step (``MegatronInference._next_plan``), with ids from a separate range; the other ranks of
-    the group run them and drop the results instead of matching them to their own calls. Remote
-    environments would additionally need only one rank per model-parallel group to call the environment
-    server (today every rank of the group runs the same agents).
-
-Authentication: ``$MEGATRON_RL_INFERENCE_API_KEY`` when set makes ``/v1/*`` require ``Authorization: Bearer``
-(as for ``python -m megatron.rl.server.inference``); binding beyond loopback without one logs a warning.
+Usage, layouts and how model parallelism could be added: docs/server.md.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """One training run's build sequence, shared by pretraining and RL: :class:`TrainingRun`.
 
-``TrainingRun.build(cfg)`` does, in this order, what both ``training/loop.py:pretrain`` and
-``rl_loop.run_rl`` need before their first iteration: logging, the ``--load`` check (before any model is
-built), tokenizer, process groups, model, optimizer and scheduler, an optional frozen reference model, the
-model flags stored with checkpoints, and the metrics writer. :meth:`TrainingRun.resume` loads ``--load`` (or
-starts from ``--pretrained-checkpoint``) and :meth:`TrainingRun.save` writes a checkpoint with the caller's
-run state (pretraining: consumed samples; RL: the agents' prompt positions).
+``TrainingRun.build(cfg)`` does, in order, what pretraining and RL need before their first iteration (logging,
+the ``--load`` check, tokenizer, process groups, model, optimizer, reference model, checkpoint flags, metrics
+writer); :meth:`TrainingRun.resume` and :meth:`TrainingRun.save` load and write checkpoints with the caller's run
+state. Pretraining, RL and ``--eval-only`` treat ``--load`` differently (:class:`ResumePolicy`,
+:data:`EVAL_ONLY`).
 
-Pretraining and RL treat ``--load`` differently (:class:`ResumePolicy`, one instance each).
-``train_rl.py --eval-only`` is a third policy,
-:data:`EVAL_ONLY`: the same build without optimizer, scheduler, DDP wrapper or metrics writer, and weights
-only from ``--load`` (or ``--pretrained-checkpoint``).
+Details: docs/training.md.
 """
 from __future__ import annotations
 

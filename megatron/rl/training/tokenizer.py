@@ -1,23 +1,11 @@
 """Tokenizers for training and in-process inference.
 
-Two implementations behind one small interface (:class:`Tokenizer`):
+:class:`ByteLevelTokenizer` (default, no files: UTF-8 bytes, then ``eod = 256``, ``pad = 257``, ``bos = 258``)
+and :class:`HuggingFaceTokenizer` (a local directory only, never downloaded), behind :class:`Tokenizer`. Both
+satisfy what megatron-core's inference engine and ``GPTDataset`` call (and are picklable). New types register
+with :func:`register_tokenizer`; :func:`build_tokenizer` builds one by name.
 
-* :class:`ByteLevelTokenizer` (``--tokenizer-type ByteLevelTokenizer``, the default): needs no files.
-  Ids ``0..255`` are the UTF-8 bytes of the text; then three special tokens follow:
-  ``eod = 256``, ``pad = 257``, ``bos = 258`` (``vocab_size = 259``).
-* :class:`HuggingFaceTokenizer` (``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``): a
-  ``transformers`` tokenizer loaded from a *local* directory only; nothing is ever downloaded.
-
-Both also satisfy what megatron-core's inference stack calls on a tokenizer
-(``TextGenerationController`` / ``DynamicInferenceEngine``: ``tokenize``, ``detokenize`` with an optional
-``skip_special_tokens`` keyword, ``offsets``, ``eod``, ``bos``, ``vocab_size``; they are picklable because the
-engine may hand the tokenizer to a spawned coordinator process) and what megatron-core's
-``GPTDataset`` reads (``vocab_size``, ``eod``, ``pad``, ``unique_identifiers``).
-
-Chat messages are rendered with the tokenizer's own chat template when it has one, else with the built-in
-template of :mod:`megatron.rl.base.chat`; the end of the assistant's turn is the tokenizer's ``eod``.
-
-New tokenizer types register with :func:`register_tokenizer`; :func:`build_tokenizer` builds one by name.
+Details: docs/training.md.
 """
 from __future__ import annotations
 

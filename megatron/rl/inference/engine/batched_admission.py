@@ -1,27 +1,12 @@
 """Admitting a step's new requests to megatron-core's dynamic context in one batch of tensor writes.
 
-megatron-core 0.16.1's ``DynamicInferenceContext.add_request`` fills the context's per-request and per-token
-arrays one request at a time: about twenty small tensor writes per request (its id, seven sampling-metadata
-entries, lengths, block ids, then six slices of per-token arrays), each a torch call with its own dispatch. A GRPO
-rollout phase admits all its requests in one step (128 on the small peer-benchmark shape), so the prefill step
-spent more time admitting requests than in the model's forward.
+:class:`BatchedAdmission` is a ``DynamicInferenceContext`` mixin: ``add_request`` of a whole request does at once
+only what scheduling reads before the forward (checks, KV-block allocation, counts) and queues the rest;
+``initialize_attention_state`` then writes the queued entries with one write per array, the same values
+megatron-core writes (a test compares every array). Chunks, hybrid models and (0.19) prefix-cache hits go
+through megatron-core's own code. :meth:`follow` marks a shared-prefill follower.
 
-:class:`BatchedAdmission` is a mixin for ``DynamicInferenceContext``. ``add_request`` of a request that enters
-whole (not a chunk of a chunked prefill) does at once only what the engine's scheduling reads before the forward
-(the checks, in megatron-core's order and with its errors; the KV-block allocation; the token and request counts)
-and queues the rest. The first thing a step does with the context, ``initialize_attention_state``, writes the
-queued requests' entries with one write per array, the same values megatron-core's ``add_request`` writes
-(``test_batched_admission.py`` compares every array of the context after the same admissions both ways). Any other
-admission (a chunk, a hybrid model's request) first writes what is queued, then runs megatron-core's code.
-
-:mod:`~megatron.rl.inference.engine.shared_prefill` marks a queued request as a follower (:meth:`follow`): it enters
-with its last prompt token only.
-
-megatron-core 0.19's ``add_request`` matches the prompt's whole blocks against its prefix cache first, allocates, then
-checks the request and token limits, and writes one more array (``request_in_prefill_status_tensor``). There a request
-that matches cached blocks is admitted by megatron-core's code (it pins the shared blocks and computes the rest); the
-others are queued as above, their whole blocks' hashes registered at once as megatron-core registers them, so a later
-request of the step finds them.
+Why, and the 0.19 differences: docs/inference.md.
 """
 from __future__ import annotations
 

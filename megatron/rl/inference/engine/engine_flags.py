@@ -1,23 +1,12 @@
 """The in-process engine's Megatron flags: CUDA graphs of the decode step, and the engine's request and KV limits.
 
-Megatron-LM's RL scripts size the dynamic inference engine and turn its CUDA graphs on with
-``--cuda-graph-impl local``, ``--inference-dynamic-batching-num-cuda-graphs``,
-``--inference-dynamic-batching-max-requests`` and ``--inference-dynamic-batching-buffer-size-gb``. ``train_rl.py``
-(``--inference-backend megatron``) and the checkpoint server (``python -m megatron.rl.server.inference --backend
-megatron``) take the same flags and turn them into the engine's
-:class:`~megatron.rl.inference.engine.build.EngineSettings` (:func:`apply_engine_flags`):
+Megatron-LM's ``--cuda-graph-impl local``, ``--inference-dynamic-batching-num-cuda-graphs``,
+``--inference-dynamic-batching-max-requests`` and ``--inference-dynamic-batching-buffer-size-gb`` become the
+engine's :class:`~megatron.rl.inference.engine.build.EngineSettings` (:func:`apply_engine_flags`), for
+``train_rl.py`` and the checkpoint server alike. Training runs eagerly (``--rl-training-cuda-graphs`` is
+refused). Must not: import megatron-core, so parsing the flags stays light.
 
-- ``--cuda-graph-impl local``: on a GPU, the decode forward is captured in a CUDA graph per bucket and attention key
-  length, and replayed (:mod:`megatron.rl.inference.engine.graphs`; a shape whose capture fails runs eagerly).
-  Training runs eagerly; Megatron-LM's ``--rl-training-cuda-graphs`` is refused with that explanation. On CPU there
-  is nothing to capture: the decode steps run eagerly at the buckets' shapes, and the run says so once.
-  Not run on a GPU yet: a CPU replay of the captured step, operator by operator as a GPU replays a graph
-  (``test_decode_graph_replay.py``), gives the eager tokens and log-probs bit for bit, and each graph's first
-  replay after its capture is checked against an eager forward (a mismatch fails the requests in flight).
-- ``--inference-dynamic-batching-num-cuda-graphs N``: N decode buckets, evenly spaced up to the request limit in
-  multiples of 8 (and of the TP size), as megatron-core spaces its own graph sizes. Unset: powers of two.
-
-This module holds no megatron-core import, so parsing the flags stays light.
+What each flag does: docs/inference.md.
 """
 from __future__ import annotations
 

@@ -1,24 +1,11 @@
 """On CPU, one rollout phase's KV-cache buffer serves the next phase's engine.
 
-Every rollout phase builds a new megatron-core context, whose ``memory_buffer`` (the paged KV cache,
-0.5 GB by default on CPU) is a fresh ``torch.empty``: glibc maps it anew, so every cache page the phase writes
-is page-faulted and zeroed by the kernel on first touch. On the small peer-benchmark shape that was most of
-the cost of the prefill step's cache appends (index_copy_ ~0.75 ms per layer and tensor instead of ~0.06 ms)
-and of the first decode steps' gathers. The block allocator hands out blocks from the same end of its pool
-every phase, so a kept buffer is faulted in once and then reused page for page.
+:class:`ReusedCpuKvBuffer` is a ``DynamicInferenceContext`` mixin: a stopped engine's CPU KV buffer goes to a
+small pool and the next context of the same shape and dtype takes it instead of a fresh ``torch.empty``, so its
+pages are faulted in once. A buffer is in at most one live context or in the pool, never both. GPU buffers, and
+buffers megatron-core placed in a memory pool or a memory saver's region, are never kept.
 
-:class:`ReusedCpuKvBuffer` is a ``DynamicInferenceContext`` mixin: ``deallocate_all_tensors`` (which
-:class:`~megatron.rl.inference.engine.session.EngineSession` calls when its engine stops) hands the CPU
-buffer to a small pool, and ``allocate_all_tensors`` takes a buffer of the same shape and dtype from it
-instead of its own fresh one. A buffer is in at most one live context or in the pool, never both. Only the
-pages a phase touched stay resident (the rest of the buffer is never written). GPU buffers are not kept:
-there, the memory goes back to training.
-
-megatron-core 0.19 allocates the buffer in ``_allocate_memory_buffer`` (called once, by the constructor's
-``initialize_all_tensors``) and its suspend keeps it, so there the mixin takes a kept buffer after that allocation
-and :func:`~megatron.rl.inference.engine.construct.free_context` hands the buffer over (:meth:`keep_memory_buffer`)
-before it drops it. A buffer whose allocation megatron-core made in a memory pool or a memory saver's region
-(unified memory, a non-PERSIST KV-cache mode) is never swapped or kept.
+Why, and the 0.19 path: docs/inference.md.
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """Lockstep scheduling: every rank of a model-parallel group runs the same engine steps on the same requests.
 
-All ranks whose forward passes communicate (the union of the tensor-, pipeline- and expert-parallel groups;
-"the lockstep group") must run the same engine steps on the same requests. Every rank of a lockstep group
-submits the same requests in the same order (e.g. each runs the same agents on the same data); the group's
-lowest rank is the *source*: before each step it shares a :class:`Plan` (which requests join, and whether to
-stop) with the group, and every rank adds exactly those, so batches agree even when the ranks' calls arrive
-at different times. The i-th request submitted on a non-source rank is matched to the source's i-th; a
-non-source request that differs from the source's gets an error response instead of someone else's
-completion. Pure data-parallel ranks are independent.
+The group's lowest rank (the source) shares a :class:`Plan` (which requests join, whether to stop) before each
+step; every rank adds exactly those. The i-th request of a non-source rank is matched to the source's i-th; a
+mismatch gets an error response, never someone else's completion. :class:`LockstepScheduler` knows nothing of
+engines: it drives a :class:`Stepper`, and the plan is shared by a function (:func:`broadcast_plan` over gloo).
+Callers :meth:`~LockstepScheduler.submit` from any thread; :meth:`~LockstepScheduler.run` runs on the engine
+thread.
 
-:class:`LockstepScheduler` holds the request queue, the waiting callers and the step loop. It knows nothing
-of engines: the loop drives a :class:`Stepper` (add a request, run one step, report finished requests), and
-the plan is shared by a function (:func:`broadcast_plan` over a gloo group in production; tests simulate
-ranks with their own). Threads: callers :meth:`~LockstepScheduler.submit` from any thread or event loop;
-:meth:`~LockstepScheduler.run` runs on the engine thread.
+Details: docs/inference.md.
 """
 from __future__ import annotations
 
@@ -33,9 +27,9 @@ __all__ = ["Job", "Plan", "Stepper", "LockstepScheduler", "broadcast_plan", "loc
 # collective timeout.
 IDLE_HEARTBEAT_S = 5.0
 # An idle engine that just got work waits until no request has arrived for this long (at most SETTLE_MAX_S)
-# before its first step: a rollout phase submits its groups from one event loop, one after the other, and the
-# engine thread, woken by the first, took only that group into the first prefill, then prefilled the other 120
-# rollouts in a second step (one extra step per phase, ~30-45 ms on the small peer-benchmark shape).
+# before its first step: a rollout phase submits its groups from one event loop, one after the other, and an
+# engine thread that stepped as soon as the first woke it would prefill that group alone and the others in a
+# second step (one extra step per phase; its cost: docs/benchmarks.md, "Figures behind code comments").
 SETTLE_S = 0.002
 SETTLE_MAX_S = 0.05
 
@@ -149,9 +143,9 @@ class LockstepScheduler:
 
     def resume(self) -> None:
         # ``paused`` acknowledges one pause: cleared here, so that the next pause_generation waits for the next hold.
-        # Otherwise a phase shorter than the engine thread's wake-up (lag 1: the batch was already finished) found
-        # the stale event, returned without pausing and went on, while its engine thread still waited for this
-        # resume to be seen and the partner's engine stepped into a TP all-reduce (a deadlock, seen on CPU).
+        # A stale event would let a phase shorter than the engine thread's wake-up (lag 1: the batch already
+        # finished) return from the pause without pausing, while its engine thread still waits for this resume and
+        # the partner's engine steps into a TP all-reduce: a deadlock.
         with self._lock:
             self._pause_requested = False
             self._resumes += 1

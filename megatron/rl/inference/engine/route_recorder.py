@@ -1,24 +1,12 @@
 """Recording, per request, the MoE routes of every token the dynamic engine processes (``--rl-router-replay``).
 
-Each engine step runs one forward over the step's tokens: prompt chunks of newly admitted requests and one token
-per decoding request, flattened into one row (plus padding to the token rounder). The routers record their top-k
-for that row (:class:`~megatron.rl.routing.replay_slot.RolloutRouterReplay` in RECORD mode); right after the forward,
-before megatron-core's ``update_requests`` moves requests between slots, :meth:`RouteRecorder.harvest` maps each
-row back to its request and position with the context's per-token arrays (``token_to_request_idx`` ->
-``request_ids``, ``token_to_position_in_request``), so routes land where the token sits in the request:
-chunked prefills, decode steps, requests paused and resumed across a weight update (each position keeps the
-routing of the step, hence the policy version, that computed it) all follow from that.
+After each step's forward, before megatron-core moves requests between slots, :meth:`RouteRecorder.harvest` maps
+every row of the routers' records back to its request and position, so chunked prefills, decode steps and
+requests resumed across an update all keep the routes of the step that computed them. Shared-prefill followers
+take the leader's routes; with PP or sequence parallelism the pieces are combined over the model-parallel group.
+A request's last token is never run: its routes stay ``-1``.
 
-Shared prompt prefill (:mod:`~megatron.rl.inference.engine.shared_prefill`): a follower enters the step with only
-its last prompt token, its other prompt positions being the leader's keys and values, computed by the leader's
-rows of this step; the follower takes the leader's routes for them.
-
-Layouts. Expert parallelism needs nothing: every rank of the lockstep group routes the same tokens with the same
-router weights. With pipeline parallelism each stage records its own layers, and with sequence parallelism (MoE
-with TP > 1) each tensor-parallel rank its share of the row; then the pieces are combined over the model-parallel
-group (an all-reduce MAX over ``-1``-filled tensors, one per step), so every rank returns whole routes.
-
-A request's last token is sampled but never run through the model: its routes stay ``-1`` (no route).
+Details: docs/inference.md; replay itself: docs/routing.md.
 """
 from __future__ import annotations
 

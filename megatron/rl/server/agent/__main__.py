@@ -1,20 +1,11 @@
-"""``python -m megatron.rl.server.agent``: serve an environment over HTTP (binds 127.0.0.1 by default).
+r"""``python -m megatron.rl.server.agent``: serve an environment over HTTP (binds 127.0.0.1 by default).
 
-Examples::
+    python -m megatron.rl.server.agent --env-config ENV.yaml --port 8100 \
+        --inference-backend openai --inference-kwargs '{"base_url": "http://127.0.0.1:8000/v1"}'
+    MEGATRON_RL_AGENT_TOKEN=secret python -m megatron.rl.server.agent --agent-type countdown --port 8100
 
-    # every environment of a YAML config, generating with an OpenAI-compatible inference server
-    python -m megatron.rl.server.agent --env-config examples/rl/environment_configs/arithmetic.yaml \\
-        --inference-backend openai --inference-kwargs '{"base_url": "http://127.0.0.1:8000/v1"}' --port 8100
-
-    # one agent type with arguments; a token read from an environment variable
-    MEGATRON_RL_AGENT_TOKEN=secret python -m megatron.rl.server.agent --agent-type countdown \\
-        --agent-args '{"num_numbers": 4}' --port 8100
-
-    # let trainers name their own inference server, but only this one (exact backend + kwargs)
-    python -m megatron.rl.server.agent --env-config X.yaml --allow-client-inference \\
-        '[{"backend": "openai", "kwargs": {"base_url": "http://trainer-host:8000/v1"}}]'
-
-Requests never choose the inference backend unless its spec is allowlisted; see megatron.rl.server.agent.app.
+Requests never choose the inference backend unless its spec is allowlisted (--allow-client-inference).
+More examples: docs/server.md.
 """
 from __future__ import annotations
 

@@ -1,33 +1,12 @@
 """FastAPI app serving one agent configuration to any number of training processes.
 
-Routes (JSON bodies are the polymorphic pydantic types of :mod:`megatron.rl.agent.api`, tagged by
-``type_name``):
+Routes: ``GET /health``, ``GET /agent``, ``POST /request``, ``GET``/``POST /state``; bodies are the polymorphic
+types of :mod:`megatron.rl.agent.api`. One agent instance (own prompt stream) per ``X-DP-Rank`` /
+``X-DP-World-Size`` pair, at most ``max_agents`` (LRU). Must not: generate with a client's inference spec unless
+the operator allowlisted exactly it, or put exception text in a 500 (its detail names an error id in the log).
+Limits and authorization: :class:`EnvServerConfig`, :mod:`megatron.rl.server.guard`.
 
-* ``GET  /health``  -> ``{"status": "ok", "agent": <type>, "env_id": <name>}`` (no token needed)
-* ``GET  /agent``   -> the agent's configuration (``agent.model_dump()``, secrets redacted:
-  :mod:`megatron.rl.base.secrets`)
-* ``POST /request`` -> an :class:`AgentRequest` (grouped rollouts, rollouts, evaluation) in, the matching
-  :class:`AgentResponse` out
-* ``GET  /state``   -> the agent's ``state_dict()``; ``POST /state`` loads one (all or nothing)
-
-Each client's data-parallel coordinates travel in the ``X-DP-Rank`` / ``X-DP-World-Size`` headers; the
-server keeps one agent instance (with its own prompt stream) per coordinate pair, so ranks sharing a server
-still draw disjoint prompts. At most ``max_agents`` instances are kept (least recently used evicted, with a
-warning: a rank that comes back starts its prompt stream again) and ``X-DP-World-Size`` is capped.
-
-Hostile inputs (see :class:`EnvServerConfig`):
-
-* Inference: requests generate with the server's own backend. A request's ``inference`` spec is refused
-  (403) unless it equals, backend and arguments, one the operator allowlisted
-  (``--allow-client-inference``); an allowlisted spec is built with ``for_untrusted_spec`` (never the
-  server's own credentials, never ``trust_remote_code``) and cached.
-* Limits: rollouts per request, the generation args' ``n`` / ``max_tokens`` / stop strings, body size.
-* Errors: client mistakes are 4xx with a short message (``{"error", "detail"}``), a ``ValueError`` of the agent
-  about the request's values included (422: e.g. a mixture asked for fewer groups than it has weighted
-  environments); anything else is a 500 whose detail names an error id to look up in the server log, never the
-  exception text.
-* Authorization: with a token, every route but ``/health`` (``/docs`` and ``/openapi.json`` included)
-  needs ``Authorization: Bearer <token>`` (:mod:`megatron.rl.server.guard`).
+Routes and hostile inputs in full: docs/server.md.
 """
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """Start the OpenAI-compatible inference server on a registered backend.
 
-Examples::
-
     python -m megatron.rl.server.inference --backend fake --port 8000
-    python -m megatron.rl.server.inference --backend huggingface --backend-arg model_path=/models/tiny
-    # a backend with its own flags (e.g. the Megatron backend on a checkpoint) gets everything after "--"
-    # through its ``from_cli(argv)`` classmethod; a checkpoint saved by this version carries its model flags:
     python -m megatron.rl.server.inference --backend megatron --port 8000 -- --load /ckpts/run1
-    # (older checkpoints: add their model flags after --load)
 
-Binds 127.0.0.1 by default. ``--api-key`` (or env ``MEGATRON_RL_INFERENCE_API_KEY``) makes every route but
-``/health`` (open for probes) require ``Authorization: Bearer <key>``. ``--limit KEY=VALUE`` bounds the work of
-one request (see :class:`megatron.rl.inference.validation.RequestLimits`).
+Flags after ``--`` go to the backend's ``from_cli(argv)``. Binds 127.0.0.1 by default. ``--api-key`` (or
+``MEGATRON_RL_INFERENCE_API_KEY``) makes every route but ``/health`` require ``Authorization: Bearer <key>``;
+``--limit KEY=VALUE`` bounds one request's work (:class:`megatron.rl.inference.validation.RequestLimits`).
+More examples: docs/server.md.
 """
 from __future__ import annotations
 

@@ -1,28 +1,12 @@
 """FastAPI app exposing any :class:`InferenceInterface` as an OpenAI-compatible server.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
-(schemas and extensions: :mod:`megatron.rl.server.inference.schemas`).
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
+A :class:`RequestBatcher` hands concurrent requests to one ``agenerate`` call (a ``continuous_batching``
+backend gets each at once). Failures stay with their request: schema errors 422/413/400 before the batcher, a
+per-request backend error 400, a raising batch retried in halves so only the culprits get 500. Disconnected
+clients' requests are cancelled. Every error is OpenAI's error object.
 
-Batching. Concurrent HTTP requests reach the backend together: a single :class:`RequestBatcher` task
-takes the first waiting request, collects everything else that arrives within ``batch_window_s`` (or
-while the previous batch is still running), and hands the lot to one ``backend.agenerate`` call. So a
-static-batching backend (Hugging Face, the fake) sees big batches under load, and a burst of 200
-requests becomes a handful of calls. A backend that batches concurrent calls itself
-(``continuous_batching = True``, e.g. a dynamic engine) gets each request forwarded immediately.
-
-Failure isolation: a body that breaks the schema (wrong type, out of range, empty, over a limit of
-:class:`RequestLimits`) is answered 422 and a body over ``max_body_bytes`` 413, before it reaches the batcher;
-a body that is not JSON, or an unsupported option, 400; a per-request backend error (``finish_reason="error"``,
-e.g. a prompt longer than the model) answers that HTTP request 400. Every error, FastAPI's own (404, 405, an
-unparseable body) included, is OpenAI's error object (:class:`ErrorBody`). If the backend raises on a batch, the batch
-is retried in halves until the requests that make it raise are alone: only those get a 500 (with a short
-message; the exception is in the server log), the others their answers. A client that disconnects
-mid-request is dropped from the queue if its batch has not started; otherwise its requests are cancelled
-(:meth:`~megatron.rl.inference.api.InferenceRequest.cancel`): the backend stops generating for them at its
-next step, so an abandoned request does not hold the batch, and everyone queued behind it, to its end.
-
-Authorization (when ``api_key`` is set): every route but ``/health`` (``/docs`` and ``/openapi.json``
-included) needs ``Authorization: Bearer <key>``, see :mod:`megatron.rl.server.guard`.
+Batching and failure isolation in full: docs/server.md.
 """
 # no `from __future__ import annotations`: the routes are typed with body classes built in create_app()
 import asyncio

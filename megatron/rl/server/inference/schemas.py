@@ -1,29 +1,11 @@
 """Request bodies of the OpenAI-compatible endpoints and their translation to :class:`InferenceRequest`.
 
-The bodies are built by :func:`body_models` from the server's :class:`RequestLimits`, out of the annotated
-types of :mod:`megatron.rl.inference.validation` (the same rules every backend applies), so the OpenAPI
-schema states every range and limit the server enforces (``maximum``, ``maxLength``, ``maxItems``, non-empty
-prompts and messages, the chat roles; prompts x ``n`` through the list's ``maxItems`` and ``n``'s ``maximum``,
-whose product is at most ``max_samples``) and a body that breaks one is answered 422 before it reaches the
-batcher: a body the schema admits is served.
+:func:`body_models` builds the bodies from the server's :class:`RequestLimits` and the annotated types of
+:mod:`megatron.rl.inference.validation`, so the OpenAPI schema states every limit the server enforces and a body
+the schema admits is served. Undeclared keys and OpenAI options the server cannot honour are 400 unless they
+carry their neutral value. Extensions: ``top_k``, and ``token_ids`` / ``prompt_token_ids`` in every response.
 
-Unsupported options are answered 400 naming the option: any key the schema does not declare
-(``additionalProperties: false``), and the OpenAI options this server cannot honour (``logit_bias``,
-``best_of``, ``suffix``, ``frequency_penalty``, ``presence_penalty``, ``stream``, ``echo``, ``stream_options``;
-chat: ``tools``, ``tool_choice``, ``functions``, ``function_call``, ``response_format``) unless they carry their
-neutral value (the only one their schema admits: ``0``, ``{}``, ``1``, ``""``, ``false``, ``[]``, ``"none"``,
-``{"type": "text"}``), which clients often send by default. ``user`` is accepted and unused. Non-text content
-parts are 400 too.
-
-Extensions to the OpenAI schema (all optional):
-  request:  ``top_k`` (int, 0 = off), ``return_token_ids`` (accepted for vLLM compatibility; ids are always
-            returned by this server).
-  response: every choice carries ``token_ids`` (generated token ids), ``prompt_token_ids`` and
-            ``prompt_text`` (the prompt as the model saw it; for chat: the rendered template); chat
-            responses also carry ``prompt_token_ids`` at the top level (vLLM's layout).
-Log-probs (``logprobs`` for completions, ``logprobs: true`` for chat) are those of the sampled tokens under
-``softmax(logits / T)`` before top-k/top-p truncation (T=1 when greedy); tokens are spelled
-``"token_id:<id>"`` because the server is tokenizer-free, and alternatives (``top_logprobs``) are not given.
+Options, extensions and log-prob convention: docs/server.md.
 """
 # no `from __future__ import annotations`: body_models() builds classes whose annotations use its locals
 from typing import Annotated, Any

@@ -1,26 +1,12 @@
 """The model flags a checkpoint carries, and ``--use-checkpoint-args`` (Megatron-LM's flag) to reuse them.
 
-At save, :func:`checkpoint_flags` (called by ``model_provider.checkpoint_model_args``) records every flag that
-defines the model a checkpoint holds: architecture, position embedding, vocabulary (the tokenizer and its
-unpadded size, the padding multiple), and the sequence lengths. They are stored as ``model_args["flags"]``
-(argparse destination -> value) in the checkpoint's common state. Precision, kernels, dropout, parallel
-layout and initialisation are run choices, not stored.
+:func:`checkpoint_flags` records every flag that defines the model (architecture, position embedding,
+vocabulary, sequence lengths) as ``model_args["flags"]``; :func:`read_checkpoint_flags` reads them back from
+``--load`` or ``--pretrained-checkpoint`` and fills what the command line does not give. An explicit flag that
+differs is a :class:`~megatron.rl.base.errors.ConfigError` when it shapes the weights, a warning for
+:data:`OVERRIDABLE`. Run flags: :mod:`~megatron.rl.training.checkpoint.run_flags`.
 
-``--use-checkpoint-args`` reads them back (:func:`read_checkpoint_flags`) from ``--load`` (when it holds a
-checkpoint) or else ``--pretrained-checkpoint``, and fills every model flag the command line does not give.
-A flag given explicitly with another value than the checkpoint's is
-
-- an error (:class:`~megatron.rl.base.errors.ConfigError`) when it shapes the weights: the weights could
-  not load, or would load into a different model;
-- allowed, with a warning, for the flags in :data:`OVERRIDABLE`: lengths (``--seq-length``; with RoPE
-  also ``--max-position-embeddings``), the tokenizer's location (``--tokenizer-model``, the checkpoint may
-  have moved) and ``--make-vocab-size-divisible-by`` (the padded vocab is checked again on load).
-
-Checkpoints saved before the flags were stored still load with explicit model flags;
-``--use-checkpoint-args`` on one of them is a ConfigError naming what to pass instead.
-
-A trainer's run flags (how it generated, what it trained on) are stored beside the model flags and come back
-the same way, except that an explicit flag always wins (:mod:`~megatron.rl.training.checkpoint.run_flags`).
+Details: docs/training.md.
 """
 from __future__ import annotations
 

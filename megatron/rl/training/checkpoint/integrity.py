@@ -1,22 +1,11 @@
 """Checks that a checkpoint's bytes and values are the ones that were saved, and that it fits the resuming run.
 
-- **Checksum manifest.** A save writes ``checksums.json`` into the checkpoint directory before it is published
-  (so the manifest is atomic with the checkpoint): every file's size and hash (xxhash's xxh3-128 when the
-  ``xxhash`` package is installed, else ``hashlib.blake2b``; both far faster than disk). Files are hashed in
-  parallel, file ``i`` (sorted) by rank ``i % world_size``. A load verifies the manifest the same way before
-  any tensor is read; a mismatch, or a file in the directory the manifest does not list, is a
-  :class:`CheckpointError` naming the file. ``--no-verify-checkpoint-checksums`` skips the check (huge
-  checkpoints on trusted storage, or a checkpoint whose manifest was lost). A checkpoint without a manifest
-  whose own metadata (``checkpoint_info``, :data:`MANIFEST_INFO_KEY`) says it was saved with one is refused;
-  checkpoints saved before manifests existed load with a warning (once per process).
-- **Value scan.** After loading, every model parameter and optimizer-state tensor must be finite, and Adam's
-  second moment non-negative: corruption that slipped past the manifest (or an unverified load) is named
-  instead of training on NaN weights.
-- **Consistency.** The iteration stored inside the checkpoint must match its ``iter_XXXXXXX`` directory name,
-  a named error rather than a wrong resume (the learning-rate schedule's check is in
-  :mod:`~megatron.rl.training.checkpoint.schedule`).
+A checksum manifest (``checksums.json``, written before publishing, verified before any tensor is read;
+``--no-verify-checkpoint-checksums`` skips it), a scan of loaded values (finite; Adam's second moment
+non-negative), and the stored iteration against its directory name. Every function that touches
+``torch.distributed`` is collective and raises on every rank together.
 
-Every function that touches ``torch.distributed`` is collective and raises on every rank together.
+Details: docs/training.md.
 """
 from __future__ import annotations
 

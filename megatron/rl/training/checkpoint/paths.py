@@ -1,18 +1,11 @@
 """Checkpoint directory layout: names, the tracker file, completeness checks and atomic publishing.
 
-Layout (Megatron-LM convention)::
+Megatron-LM's layout (``latest_checkpointed_iteration.txt``, ``iter_XXXXXXX/``, ``release/``). A save writes into
+a ``.tmp-`` directory, renames it into place, then replaces the tracker atomically; a directory without
+``metadata.json`` is never loaded. One job writes to a save directory at a time. Must not touch
+torch.distributed: callers decide which rank runs what.
 
-    <dir>/latest_checkpointed_iteration.txt     "<int>" or "release"
-    <dir>/iter_0000100/                         a megatron.core.dist_checkpointing torch_dist checkpoint
-    <dir>/release/                              model-only form written by conversion tools
-    <dir>/iter_0000200.tmp-<stamp>/             a save in progress (or one killed mid-way): never loaded
-
-A save writes into a ``.tmp-`` directory, renames it into place once every rank has finished, then
-rewrites the tracker with write-to-temp + ``os.replace``. ``dist_checkpointing`` writes its
-``metadata.json`` last (after all shards, behind a barrier), so that file is the completion marker: a
-directory without it is never loaded. A save removes the ``.tmp-``/``.replaced-`` leftovers it finds, so
-one job writes to a save directory at a time. Nothing here touches torch.distributed; callers decide
-which rank runs what.
+Layout and reasons: docs/training.md.
 """
 from __future__ import annotations
 

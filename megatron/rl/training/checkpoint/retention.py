@@ -1,20 +1,11 @@
 """Checkpoint retention: ``--save-retain-last N`` and ``--save-retain-best METRIC K``.
 
-After every save, :func:`apply_retention` (rank 0) keeps, among the complete ``iter_*`` directories of ``--save``:
+After every save, :func:`apply_retention` (rank 0) keeps the checkpoint the tracker names, the newest ``N`` and
+the ``K`` best by ``METRIC`` (``min:`` for lower is better), and deletes the rest; without either flag every
+checkpoint is kept. Scores live in ``<save>/checkpoint_scores.json``. A deletion is an atomic rename to
+``.replaced-`` first, so a kill never touches a kept checkpoint or the tracker.
 
-- the checkpoint the tracker names (the one a run resumes from): never deleted, whatever the policy;
-- the newest ``N`` (``--save-retain-last``);
-- the ``K`` with the best value of ``METRIC`` (``--save-retain-best``): higher is better, or lower with a
-  ``min:`` prefix (``min:validation/lm loss``). A checkpoint is scored by the metric recorded at its own
-  iteration (an evaluation at a save iteration); one without a score is kept only as one of the newest.
-
-and deletes the rest. Without either flag every checkpoint is kept. Scores live in ``<save>/checkpoint_scores.json``
-(iteration -> value), replaced atomically.
-
-Crash safety: a checkpoint is first renamed to ``iter_XXXXXXX.replaced-<stamp>`` (one atomic rename, the directory
-then fsync-ed), then removed. A kill at any point leaves every kept checkpoint and the tracker untouched and at
-most one half-deleted ``.replaced-`` directory, which loaders ignore and the next save removes
-(:func:`~megatron.rl.training.checkpoint.paths.remove_partial_dirs`).
+Details: docs/training.md.
 """
 from __future__ import annotations
 

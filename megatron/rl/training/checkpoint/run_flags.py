@@ -1,17 +1,11 @@
 """The run flags a checkpoint carries beside its model flags, and their return under ``--use-checkpoint-args``.
 
-A trainer names the flags that shape what its run generates and trains on (for RL: the generation budget,
-temperatures, the environment config, packing, lag; ``megatron.rl.rl_config.CHECKPOINTED_FLAGS``) and passes
-:func:`record_run_flags`'s record to ``TrainingRun.build(run_flags=...)``; it is stored as
-``model_args["run_flags"]``::
+A trainer names the flags that shape what it generates and trains on; :func:`record_run_flags` stores them as
+``model_args["run_flags"]`` with the content hash of any file a flag names. :func:`run_flags_argv` adds every
+stored flag the command line does not give: an explicit flag always wins. A stored file that is gone is a
+ConfigError; a changed one is used with a warning.
 
-    {"flags": {argparse destination: value}, "sha256": {destination: hex digest of the file the flag names}}
-
-A flag naming a file (the environment config) is stored as an absolute path with the file's content hash.
-``--use-checkpoint-args`` adds every stored flag the command line does not give (:func:`run_flags_argv`): a flag
-given explicitly always wins, with no check, since these flags never change the weights. A stored file that is
-gone is a ConfigError naming the flag; one whose content changed since the save is used with a warning.
-Flags the parser does not know (a pretraining program reading an RL checkpoint) are left out.
+Record format: docs/training.md.
 """
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
 """Save and load training checkpoints with megatron-core's ``dist_checkpointing`` (torch_dist backend).
 
-What a checkpoint holds:
+Sharded: ``model``, ``optimizer``, ``rng_state``; common: ``iteration``, ``opt_param_scheduler``, ``run_state``,
+``model_args``, ``checkpoint_info``. Model and optimizer are global tensors, so a checkpoint loads under another
+TP/PP/DP layout (the RNG state is then dropped). Publishing is atomic (:mod:`.paths`), integrity checked
+(:mod:`.integrity`). Every rank must call :func:`save_checkpoint` / :func:`load_checkpoint` (collective), after
+process groups are initialised.
 
-- sharded: ``model`` (``GPTModel.sharded_state_dict()``; ``model0``, ``model1``, ... with virtual
-  pipeline chunks), ``optimizer`` (megatron optimizer's sharded state; the distributed optimizer in a
-  format that reshards across DP/TP/PP), ``rng_state`` (one ShardedObject entry per rank);
-- common (rank 0's copy): ``iteration``, ``opt_param_scheduler``, ``run_state`` (json-able dict from the
-  caller: consumed samples, data position, ...), ``model_args`` (json-able architecture flags checked on
-  load), and ``checkpoint_info`` (format version, contents, parallel layout at save time, whether the
-  optimizer state is the distributed optimizer's).
-
-Because the model and optimizer are stored as global tensors, a checkpoint saved under one
-TP/PP/DP layout loads under another; the RNG state is then dropped (logged), everything else is kept.
-
-Publishing is atomic (see :mod:`megatron.rl.training.checkpoint.paths`): a save killed at any point
-leaves the previous checkpoint as the one ``--load`` picks. Integrity (see
-:mod:`megatron.rl.training.checkpoint.integrity`): a checksum manifest is written before publishing and verified
-before loading; loaded values are scanned for NaN/Inf; the stored iteration must match the directory name.
-
-Every rank must call :func:`save_checkpoint` / :func:`load_checkpoint` (collective), after
-``torch.distributed`` and megatron's ``parallel_state`` are initialised. The torch_dist writer forks short-lived
-write workers per save (joined before the save returns) and starts no long-lived process
-(:mod:`megatron.rl.runtime.checkpoint_writer`).
+What a checkpoint holds: docs/training.md.
 """
 from __future__ import annotations
 
