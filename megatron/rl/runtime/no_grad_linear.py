@@ -3,7 +3,8 @@
 :func:`install` wraps the three module-level functions ``ColumnParallelLinear`` / ``RowParallelLinear`` call.
 While gradients are recorded, or with sequence parallelism, megatron-core's function runs unchanged; otherwise
 the wrapper computes its forward with the same torch calls in the same order (the same bits; tested), skipping
-the autograd Function's Python bookkeeping.
+the autograd Function's Python bookkeeping; inside an engine's packed-weight scope large fp32 weights use
+MKL's packed GEMM instead (:mod:`megatron.rl.runtime.packed_linear`).
 
 Why, and what each wrapper computes: docs/runtime.md.
 """
