@@ -67,7 +67,8 @@ class EngineStepper:
     """One live engine + controller, driven by the scheduler's loop (the ``Stepper`` protocol)."""
 
     def __init__(self, engine: Any, controller: Any, scheduler: LockstepScheduler, tokenizer: EngineTokenizer,
-                 eos: EosIds, device_mode: Callable[[], Any], version: PolicyVersion):
+                 eos: EosIds, device_mode: Callable[[], Any], version: PolicyVersion,
+                 packs: PackedWeights | None = None):
         self.engine = engine
         self.controller = controller
         self._scheduler = scheduler
@@ -79,7 +80,7 @@ class EngineStepper:
         # (policy version, generated tokens before it) per request: where the weights changed under it
         self._version_marks: dict[int, list[tuple[int, int]]] = {}
         self._cancelled: set[int] = set()  # ended by cancel(): answered CANCELLED when the engine finishes them
-        self.packs: PackedWeights | None = None  # the engine thread's packed weights, dropped when they change
+        self.packs = packs  # the engine thread's packed weights (runtime.packed_linear), dropped when they change
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished_requests()
@@ -324,23 +325,22 @@ class EngineSession:
             return
         self.engine, self.context, self.controller = engine, context, controller
         self._ready.set()
-        stepper = EngineStepper(engine, controller, self._scheduler, self._tokenizer, self._eos, self._device_mode,
-                                self.version)
-        try:
-            with packed_linear.packing(self.settings.packed_weights and self._device.type == "cpu") as packs:
-                stepper.packs = packs
+        with packed_linear.packing(self.settings.packed_weights and self._device.type == "cpu") as packs:
+            stepper = EngineStepper(engine, controller, self._scheduler, self._tokenizer, self._eos,
+                                    self._device_mode, self.version, packs)
+            try:
                 await self._scheduler.run(stepper)
-        except BaseException as e:
-            log.exception("the megatron-core inference engine failed")
-            self.failed = True  # before any caller hears of it, so its next call restarts the engine
-            self._scheduler.abort(f"inference engine failed: {e!r}")
-        finally:
-            await _settle_engine_tasks()
-            free_context(context)  # frees the KV cache even if something still holds the context
-            release_thread_buffers()  # the attention's gather buffers go to the next phase's engine thread
-            self.engine = self.context = self.controller = None
-            drop_engine_objects(engine, controller, context, stepper)
-            del engine, context, controller, stepper
+            except BaseException as e:
+                log.exception("the megatron-core inference engine failed")
+                self.failed = True  # before any caller hears of it, so its next call restarts the engine
+                self._scheduler.abort(f"inference engine failed: {e!r}")
+            finally:
+                await _settle_engine_tasks()
+                free_context(context)  # frees the KV cache even if something still holds the context
+                release_thread_buffers()  # the attention's gather buffers go to the next phase's engine thread
+                self.engine = self.context = self.controller = None
+                drop_engine_objects(engine, controller, context, stepper)
+                del engine, context, controller, stepper
 
     def _device_mode(self):
         """With ``cpu_fast_steps``: the CPU layer's device-rewriting mode, for construction and admission only.
