@@ -1,7 +1,7 @@
 """One decode step at N rows: the in-process megatron-core engine next to Hugging Face ``generate``, in one run.
 
-Both sides run the grpo_vs_trl "small" shape (4 layers, hidden 256, 4 heads / 2 KV groups, FFN 688, vocabulary
-384, fp32, random weights): ``MegatronInference`` over megatron-core's ``GPTModel`` (built as ``train_rl.py``
+Both sides run a grpo_vs_trl shape (``--shape``; small: 4 layers, hidden 256, 4 heads / 2 KV groups, FFN 688;
+vocabulary 384, fp32, random weights): ``MegatronInference`` over megatron-core's ``GPTModel`` (built as ``train_rl.py``
 builds it) and ``transformers``' ``Qwen2ForCausalLM``. Each round submits N requests at once (prompts of 5-20
 tokens, T = 1, ``--new-tokens`` each) and records every decode step that had all N rows:
 
@@ -14,7 +14,8 @@ It prints the median per step, in wall seconds and in CPU seconds of the process
 shared machine), and the ratio. Sides alternate within every round, after one untimed round of each (first-touch
 page faults of the KV cache, HF's first allocations).
 
-    python benchmarks/decode_step.py [--rows 128] [--new-tokens 24] [--rounds 3] [--threads 2]
+    python benchmarks/decode_step.py [--rows 128] [--new-tokens 24] [--rounds 3] [--threads 2] [--shape large]
+        [--off packed_weights]
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_GROUPS, FFN, VOCAB, SEQ = 256, 4, 4, 2, 688, 384, 128
+# grpo_vs_trl's model shapes: (hidden, layers, heads, KV groups, FFN)
+SHAPES = {"small": (256, 4, 4, 2, 688), "large": (512, 8, 8, 4, 1376)}
 
 
 def workload(rows: int, seed: int = 0, group_size: int = 1, lengths: tuple[int, int] = (5, 20)) -> list[list[int]]:
@@ -152,10 +155,22 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small", help="grpo_vs_trl's model shape")
+    p.add_argument("--off", nargs="*", default=[], choices=["packed_weights", "decode_mirror"],
+                   help="engine features to turn off (EngineSettings fields)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    backend, tokenizer, steps = build_megatron()
+    global HIDDEN, LAYERS, HEADS, KV_GROUPS, FFN
+    HIDDEN, LAYERS, HEADS, KV_GROUPS, FFN = SHAPES[args.shape]
+    settings = None
+    if args.off:
+        import dataclasses
+
+        from megatron.rl.inference.engine.build import EngineSettings
+
+        settings = dataclasses.replace(EngineSettings.for_device("cpu"), **{f: False for f in args.off})
+    backend, tokenizer, steps = build_megatron(settings)
     hf = build_hf()
     prompts = workload(args.rows)
     times: dict[str, list[tuple[float, float]]] = {"megatron": [], "huggingface": []}
@@ -173,7 +188,8 @@ def main() -> None:
     med = {side: (statistics.median(w for w, _ in t) * 1e3, statistics.median(c for _, c in t) * 1e3)
            for side, t in times.items()}
     print(f"decode step at {args.rows} rows ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_GROUPS} KV groups, "
-          f"FFN {FFN}; {torch.get_num_threads()} threads; median of {args.rounds} rounds)")
+          f"FFN {FFN}; {torch.get_num_threads()} threads; median of {args.rounds} rounds; engine features off: "
+          f"{', '.join(args.off) or 'none'})")
     print("| side | steps | wall ms/step | CPU ms/step |")
     print("|---|---|---|---|")
     for side, t in times.items():
