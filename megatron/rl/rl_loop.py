@@ -142,7 +142,8 @@ def build_run(cfg: TrainingConfig, rl: RLConfig) -> tuple[TrainingRun, StepConte
     if run.threads is not None:  # other processes' load while the run was built decides the first count
         run.threads.update()
     log.info(run_summary(cfg, rl, start, ctx.rollouts.describe(),
-                         threads=run.threads.describe() if run.threads is not None else None))
+                         threads=run.threads.describe() if run.threads is not None else None,
+                         malloc=run.cpu_malloc))
     return run, ctx, start.iteration
 
 

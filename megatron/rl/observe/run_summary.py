@@ -83,11 +83,12 @@ def checkpoint_args_line(cfg: Any) -> str | None:
                          break_long_words=False)
 
 
-def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str, threads: str | None = None) -> str:
+def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str, threads: str | None = None,
+                malloc: str | None = None) -> str:
     """The summary text for ``cfg`` (TrainingConfig), ``rl`` (RLConfig), ``start`` (the run's
     :class:`~megatron.rl.training.run.Resumed`) and ``rollouts`` (the rollout source's
     :meth:`~megatron.rl.rollout.source.RolloutSource.describe`); ``threads``: the CPU thread budget's
-    description (None on GPUs: no line). Pure: reads its arguments only."""
+    description and ``malloc`` what ``--cpu-malloc`` did (None on GPUs: no line). Pure: reads its arguments only."""
     steps = max(rl.grpo_iterations * rl.rollouts_per_step // cfg.train.global_batch_size, 1)
     lines = [f"RL run: {cfg.train.train_iters} iterations from {start.iteration} ({rl.prompts_per_step} prompts x "
              f"{rl.group_size} rollouts each, {steps} optimizer step{'s' if steps > 1 else ''} per iteration)",
@@ -95,6 +96,8 @@ def run_summary(cfg: Any, rl: Any, start: Any, rollouts: str, threads: str | Non
              f"  backend:  {_backend(rl)}",
              f"  layout:   {_layout(cfg, rl)}",
              f"  rollouts: {rollouts}",
-             f"  packing:  {_packing(cfg, rl)}"] + ([f"  threads:  {threads}"] if threads else [])
+             f"  packing:  {_packing(cfg, rl)}"]
+    lines += [f"  threads:  {threads}"] if threads else []
+    lines += [f"  malloc:   {malloc}"] if malloc else []
     restored = checkpoint_args_line(cfg)
     return "\n".join(lines + ([restored] if restored else []))

@@ -113,6 +113,11 @@ class TrainConfig:
     cpu_threads: str = flag("auto", help="torch's CPU threads per process: 'auto' (the usable cores, fewer while "
                                          "other processes keep cores busy; OMP_NUM_THREADS fixes it) or a number. "
                                          "Ignored on GPUs.")
+    cpu_malloc: str = flag("keep", choices=["keep", "system"],
+                           help="glibc malloc on CPU runs: 'keep' reuses freed memory (blocks up to 1 GiB from the "
+                                "heap, no trimming: a training step's large tensors are not faulted in afresh; the "
+                                "resident memory stays at its peak), 'system' leaves glibc's defaults. A preloaded "
+                                "allocator or MALLOC_* variables win. Ignored on GPUs.")
     num_microbatches: int = derived(1)          # global / (micro * DP), per DP rank per iteration
 
 

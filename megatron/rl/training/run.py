@@ -20,6 +20,7 @@ from megatron.rl import parallel_utils
 from megatron.rl.logging import current_rank, setup_distributed_logging
 from megatron.rl.training.checkpoint.save_load import (CheckpointError, latest_checkpoint, load_checkpoint,
                                                        save_checkpoint)
+from megatron.rl.runtime.cpu_malloc import keep_freed_memory
 from megatron.rl.runtime.cpu_threads import ThreadBudget
 from megatron.rl.training.config import TrainingConfig, parse_cpu_threads
 from megatron.rl.training.initialize import initialize_megatron
@@ -116,6 +117,7 @@ class TrainingRun:
     writer: Any = None
     run_lock: RunLock | None = None  # global rank 0's lock of --save, held until close()
     threads: ThreadBudget | None = None  # torch's CPU thread count (None on GPUs)
+    cpu_malloc: str | None = None  # what --cpu-malloc did (None on GPUs)
 
     @classmethod
     def build(cls, cfg: TrainingConfig, policy: ResumePolicy = PRETRAIN_RESUME, *, ref_model: bool = False,
@@ -138,6 +140,7 @@ class TrainingRun:
         threads = None if runtime.is_cuda else ThreadBudget(parse_cpu_threads(cfg.train.cpu_threads))
         if threads is not None:
             threads.start()
+        cpu_malloc = None if runtime.is_cuda else keep_freed_memory(cfg.train.cpu_malloc)
         trains = not policy.evaluate_only
         model = build_model(cfg, wrap_with_ddp=trains, tokenizer=tokenizer)
         optimizer, scheduler = build_optimizer(cfg, model) if trains else (None, None)
@@ -147,7 +150,7 @@ class TrainingRun:
         if run_flags:
             model_args[RUN_FLAGS_KEY] = run_flags
         return cls(cfg, policy, load_dir, runtime, tokenizer, model, optimizer, scheduler, model_args, ref, writer,
-                   run_lock, threads)
+                   run_lock, threads, cpu_malloc)
 
     def _load(self, path: str, *, weights_only: bool, model=None):
 
