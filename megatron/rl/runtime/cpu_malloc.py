@@ -9,7 +9,6 @@ Why: docs/runtime.md; figures: docs/benchmarks.md.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Mapping
 
@@ -41,11 +40,11 @@ def user_allocator(environ: Mapping[str, str]) -> str | None:
 
 
 def _glibc():
-    """glibc's ``mallopt``, or None off glibc."""
+    """glibc's ``mallopt`` as this process has it loaded, or None off glibc."""
     if os.name != "posix":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the symbols already loaded: no library search, no subprocess
         libc.gnu_get_libc_version  # noqa: B018 - only glibc has it
         return libc.mallopt
     except (OSError, AttributeError):
