@@ -1,8 +1,8 @@
 """Keep the memory that glibc's malloc frees for reuse, so large CPU tensors stop page-faulting on every allocation.
 
-Must not: override an allocator the user chose (a preloaded jemalloc, tcmalloc or mimalloc, ``MALLOC_*`` variables,
-``glibc.malloc`` tunables), run on GPU runs (:class:`~megatron.rl.training.run.TrainingRun` calls it on CPU only),
-or fail a run where glibc is missing (other C libraries, other systems: nothing changes).
+Must not: override an allocator the user chose (a preloaded jemalloc, tcmalloc or mimalloc, glibc's malloc tuning
+variables, ``glibc.malloc`` tunables), run on GPU runs (:class:`~megatron.rl.training.run.TrainingRun` calls it on
+CPU only), or fail a run where glibc is missing (other C libraries, other systems: nothing changes).
 
 Why: docs/runtime.md; figures: docs/benchmarks.md.
 """
@@ -25,8 +25,8 @@ _MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC
 
 
 def user_allocator(environ: Mapping[str, str]) -> str | None:
-    """What in ``environ`` shows the user chose the allocator's settings (a preloaded allocator, a ``MALLOC_*``
-    variable, a ``glibc.malloc`` tunable), or None."""
+    """What in ``environ`` shows the user chose the allocator's settings (a preloaded allocator, one of glibc's
+    malloc tuning variables, a ``glibc.malloc`` tunable), or None."""
     preload = environ.get("LD_PRELOAD", "")
     for name in _PRELOADED:
         if name in preload:

@@ -117,7 +117,7 @@ class TrainConfig:
                            help="glibc malloc on CPU runs: 'keep' reuses freed memory (blocks up to 1 GiB from the "
                                 "heap, no trimming: a training step's large tensors are not faulted in afresh; the "
                                 "resident memory stays at its peak), 'system' leaves glibc's defaults. A preloaded "
-                                "allocator or MALLOC_* variables win. Ignored on GPUs.")
+                                "allocator or glibc's malloc tuning variables (MALLOC_ARENA_MAX, ...) win. Ignored on GPUs.")
     num_microbatches: int = derived(1)          # global / (micro * DP), per DP rank per iteration
 
 
