@@ -7,6 +7,7 @@ megatron-core's optimizer.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import statistics
@@ -84,6 +85,21 @@ def build_trainer(argv: list[str], extra_args_providers=()) -> Trainer:
     model = build_model(cfg, tokenizer=tokenizer)
     optimizer, scheduler = build_optimizer(cfg, model)
     return Trainer(cfg, model, optimizer, scheduler, runtime.device, tokenizer)
+
+
+@contextlib.contextmanager
+def without_device_mode():
+    """This thread without torch-function modes while a peer's code runs in the process (HF ``generate``).
+
+    :func:`build_trainer` enters the CPU layer's device-rewriting mode on the calling thread, and a mode makes every
+    torch call of that thread a Python call first. The engine's own steps run on a thread without it; a peer
+    measured on the benchmark's main thread must run without it too, or its figures carry our layer's cost."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    with contextlib.ExitStack() as stack:
+        for _ in range(len(_get_current_function_mode_stack())):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
 
 
 def teardown() -> None:

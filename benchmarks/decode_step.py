@@ -8,7 +8,8 @@ tokens, T = 1, ``--new-tokens`` each) and records every decode step that had all
 - megatron: the engine's ``async_step`` (forward, our sampling, megatron-core's bookkeeping, the backend's
   per-step checks), timed around the call on the engine thread;
 - huggingface: the time between consecutive logits-processor calls inside ``generate`` (forward, sampling,
-  ``generate``'s own bookkeeping).
+  ``generate``'s own bookkeeping), run without the CPU layer's device-rewriting mode (``C.without_device_mode``),
+  which building our trainer enters on the main thread and HF in a process of its own never pays.
 
 It prints the median per step, in wall seconds and in CPU seconds of the process (all threads; steadier on a
 shared machine), and the ratio. Sides alternate within every round, after one untimed round of each (first-touch
@@ -142,7 +143,7 @@ def run_hf(model, prompts, new_tokens: int):
             marks.append((time.perf_counter(), time.process_time()))
             return scores
 
-    with torch.no_grad():
+    with torch.no_grad(), C.without_device_mode():  # HF as in a process of its own (no CPU layer)
         model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                        max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=VOCAB - 1,
                        logits_processor=LogitsProcessorList([Clock()]))

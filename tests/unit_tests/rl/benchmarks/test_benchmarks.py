@@ -46,6 +46,31 @@ def test_length_mix_is_seeded_and_fits():
     assert responses[len(a) // 2] < 0.5 * responses[-1]  # long-tailed: the median far below the longest
 
 
+def test_without_device_mode_runs_a_peer_outside_this_threads_torch_function_modes_and_restores_them():
+    import torch
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    outer, inner = Counting(), Counting()
+    with outer, inner:
+        torch.ones(2).sum()
+        seen = Counting.calls
+        assert seen >= 2
+        with C.without_device_mode():
+            torch.ones(2).sum()  # a peer's torch calls: no mode sees them
+            assert not _get_current_function_mode_stack()
+        assert Counting.calls == seen
+        assert _get_current_function_mode_stack() == [outer, inner]
+        torch.ones(2).sum()
+        assert Counting.calls > seen
+
+
 def test_training_flops_formula_and_matmul_params():
     # 6*N*T + 12*L*S*h*T, written out for N=1000, T=10, L=2, S=8, h=4
     assert C.training_flops(1000, 10, 2, 8, 4) == 6 * 1000 * 10 + 12 * 2 * 8 * 4 * 10
