@@ -23,7 +23,8 @@ from torch.overrides import _get_current_function_mode_stack
 
 from megatron.rl.base.errors import UserError
 # cuda_fallbacks registers the paged-attention patch, which install() applies as a CPU patch too
-from megatron.rl.runtime import cuda_fallbacks, kv_append, no_grad_linear, patches, rope_cache, versions  # noqa: F401
+from megatron.rl.runtime import (  # noqa: F401
+    cuda_fallbacks, decode_layer, kv_append, no_grad_linear, patches, rope_cache, versions)
 from megatron.rl.runtime.cuda_to_cpu import CudaToCpuMode
 
 log = logging.getLogger(__name__)
@@ -356,6 +357,15 @@ cpu_patch("dynamic inference KV append: index_copy_",
           "the original)",
           "megatron.core.inference.contexts.dynamic_context:DynamicInferenceContext.append_key_value_cache")(
     kv_append.install)
+
+
+cpu_patch("dynamic inference decode step: a plain layer's calls only",
+          "in a decode step megatron-core's TransformerLayer and Attention forwards run a few hundred Python "
+          "lines per layer around the dozen calls that compute (offload managers, NVTX ranges, recompute and "
+          "fused-kernel branches, cross-attention identities, einops); on CPU that glue is a few percent of a "
+          "small model's decode step. A plain layer's decode step makes the same calls in the same order "
+          "(decode_layer.py; the same bits, tested); every other layer and step runs megatron-core's forward",
+          "megatron.core.transformer.transformer_layer:TransformerLayer.forward")(decode_layer.install)
 
 
 cpu_patch("local linear layers: no autograd Function without gradients",

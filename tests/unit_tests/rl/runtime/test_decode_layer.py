@@ -1,0 +1,113 @@
+"""A plain layer's decode step without megatron-core's per-layer glue (runtime/decode_layer.py) generates the tokens
+and log-probs of megatron-core's own forward bit for bit: requests finishing at different steps, shared-prompt groups,
+chunked prefill, decode steps padded to buckets, and a cache too small for all requests (pauses and evictions)."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import needs_entry
+from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, peaked_tiny_gpt
+
+pytestmark = needs_entry("dynamic inference decode step: a plain layer's calls only")
+
+
+@pytest.fixture(scope="module")
+def model():
+    init_distributed(tp=1)
+    return peaked_tiny_gpt(hidden=64, layers=2, seq=256)
+
+
+def _requests(lengths):
+    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
+
+    prompts = ["a", "Q: 12+7=? A:", "the quick brown fox jumps over the lazy", "xy", "hello world"]
+    return [InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=t, max_tokens=n, seed=10 * j + i))
+            for j, p in enumerate(prompts) for i, n in enumerate(lengths) for t in (0.0, 1.0)]
+
+
+def _generate(model, requests, monkeypatch, lean: bool, **settings):
+    """The responses, and how many layer forwards took the plain decode path and megatron-core's."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron.rl.inference.megatron import EngineSettings, MegatronInference
+    from megatron.rl.runtime import decode_layer
+    from megatron.rl.training.tokenizer import ByteLevelTokenizer
+
+    calls = {"plain": 0, "megatron": 0}
+    plain, megatron = decode_layer.decode_forward, decode_layer.original()
+
+    def counting_plain(*args, **kwargs):
+        calls["plain"] += 1
+        return plain(*args, **kwargs)
+
+    def counting_megatron(*args, **kwargs):
+        calls["megatron"] += 1
+        return megatron(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(decode_layer, "decode_forward", counting_plain)
+        m.setattr(decode_layer, "_ORIGINAL", {"forward": counting_megatron})
+        if not lean:  # megatron-core's forward for every call, as before the patch
+            m.setattr(TransformerLayer, "forward", counting_megatron)
+        backend = MegatronInference(model, ByteLevelTokenizer(), settings=EngineSettings(
+            block_size_tokens=16, max_requests=64, **settings))
+        try:
+            out = backend.generate(requests)
+        finally:
+            backend.exit_inference_mode()
+    return [(r.finish_reason, r.generated_token_ids, r.logprobs) for r in out], calls
+
+
+@pytest.mark.parametrize("case", ["rows move", "evictions", "decode buckets"])
+def test_decode_steps_of_plain_layers_equal_megatron_cores_forward_bit_for_bit(model, case, monkeypatch):
+    if case == "rows move":  # max_tokens 64: the long prompt's group is prefilled in chunks
+        requests, settings = _requests([3, 9, 17, 30]), dict(max_tokens=64)
+    elif case == "evictions":  # room for ~10 requests' worth of blocks: the engine pauses and evicts, then prefills
+        requests, settings = _requests([40, 60, 90]), dict(buffer_size_gb=0.0004)
+    else:  # decode steps padded to a few row counts: the padding rows have no request
+        requests, settings = _requests([3, 9, 17, 30]), dict(decode_buckets=(8, 16, 32, 64))
+    want, before = _generate(model, requests, monkeypatch, lean=False, **settings)
+    got, after = _generate(model, requests, monkeypatch, lean=True, **settings)
+    assert before["plain"] == 0 and before["megatron"] > 0
+    # decode steps took the plain path; prefill and mixed steps still megatron-core's
+    assert after["plain"] > after["megatron"] > 0
+    assert all(reason != "error" for reason, _, _ in got), got
+    assert got == want
+
+
+def test_layers_and_steps_that_megatron_core_computes_otherwise_keep_its_forward(model, monkeypatch):
+    from megatron.rl.runtime import decode_layer
+
+    layer = model.decoder.layers[0]
+    assert decode_layer._is_plain(layer)
+    for owner, name in ((layer, "recompute_mlp"), (layer, "is_moe_layer"), (layer.self_attention, "offload_qkv_linear"),
+                        (layer.config, "flash_decode"), (layer.config, "attention_output_gate"),
+                        (layer.config, "fp32_residual_connection")):
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, True, raising=False)
+            assert not decode_layer._is_plain(layer), name
+
+    class Context:  # a decode step of the dynamic engine, as far as _applies reads it
+        use_flashinfer_fused_rope = False
+
+        def __init__(self, decode_only=True):
+            self.decode_only = decode_only
+
+        def is_static_batching(self):
+            return False
+
+        def is_decode_only(self):
+            return self.decode_only
+
+    import torch
+
+    monkeypatch.setattr(layer, "training", False)  # an engine's model is in eval mode
+    with torch.inference_mode():
+        assert decode_layer._applies(layer, {"inference_context": Context()})
+        assert not decode_layer._applies(layer, {"inference_context": Context(decode_only=False)})  # prefill
+        assert not decode_layer._applies(layer, {"inference_context": None})  # training's and scoring's forwards
+        assert not decode_layer._applies(layer, {"inference_context": Context(), "packed_seq_params": object()})
+    assert not decode_layer._applies(layer, {"inference_context": Context()})  # outside inference mode
+    monkeypatch.setattr(layer, "training", True)
+    with torch.inference_mode():
+        assert not decode_layer._applies(layer, {"inference_context": Context()})
