@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import needs_entry
-from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, peaked_tiny_gpt
+from tests.unit_tests.rl.inference.scripts.megatron_common import (ENGINE_CASES, engine_case, init_distributed,
+                                                                   peaked_tiny_gpt)
 
 pytestmark = needs_entry("dynamic inference decode step: a plain layer's calls only")
 
@@ -15,14 +16,6 @@ pytestmark = needs_entry("dynamic inference decode step: a plain layer's calls o
 def model():
     init_distributed(tp=1)
     return peaked_tiny_gpt(hidden=64, layers=2, seq=256)
-
-
-def _requests(lengths):
-    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
-
-    prompts = ["a", "Q: 12+7=? A:", "the quick brown fox jumps over the lazy", "xy", "hello world"]
-    return [InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=t, max_tokens=n, seed=10 * j + i))
-            for j, p in enumerate(prompts) for i, n in enumerate(lengths) for t in (0.0, 1.0)]
 
 
 def _generate(model, requests, monkeypatch, lean: bool, **settings):
@@ -58,14 +51,9 @@ def _generate(model, requests, monkeypatch, lean: bool, **settings):
     return [(r.finish_reason, r.generated_token_ids, r.logprobs) for r in out], calls
 
 
-@pytest.mark.parametrize("case", ["rows move", "evictions", "decode buckets"])
+@pytest.mark.parametrize("case", ENGINE_CASES)
 def test_decode_steps_of_plain_layers_equal_megatron_cores_forward_bit_for_bit(model, case, monkeypatch):
-    if case == "rows move":  # max_tokens 64: the long prompt's group is prefilled in chunks
-        requests, settings = _requests([3, 9, 17, 30]), dict(max_tokens=64)
-    elif case == "evictions":  # room for ~10 requests' worth of blocks: the engine pauses and evicts, then prefills
-        requests, settings = _requests([40, 60, 90]), dict(buffer_size_gb=0.0004)
-    else:  # decode steps padded to a few row counts: the padding rows have no request
-        requests, settings = _requests([3, 9, 17, 30]), dict(decode_buckets=(8, 16, 32, 64))
+    requests, settings = engine_case(case)
     want, before = _generate(model, requests, monkeypatch, lean=False, **settings)
     got, after = _generate(model, requests, monkeypatch, lean=True, **settings)
     assert before["plain"] == 0 and before["megatron"] > 0

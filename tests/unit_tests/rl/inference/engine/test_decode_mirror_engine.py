@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit_tests.rl.inference.scripts.megatron_common import init_distributed, peaked_tiny_gpt
+from tests.unit_tests.rl.inference.scripts.megatron_common import (ENGINE_CASES, engine_case, init_distributed,
+                                                                   peaked_tiny_gpt)
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +49,7 @@ def _generate(model, mirror: bool, requests, **settings):
     return out, used, evicted, padded
 
 
-def _requests(lengths):
-    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
-
-    prompts = ["a", "Q: 12+7=? A:", "the quick brown fox jumps over the lazy", "xy", "hello world"]
-    return [InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=t, max_tokens=n, seed=10 * j + i))
-            for j, p in enumerate(prompts) for i, n in enumerate(lengths) for t in (0.0, 1.0)]
-
-
-@pytest.mark.parametrize("case", ["rows move", "evictions", "decode buckets"])
+@pytest.mark.parametrize("case", ENGINE_CASES)
 def test_generation_over_the_mirror_is_bit_identical_to_the_gather(model, case, monkeypatch):
     from megatron.rl.runtime import torch_attention
 
@@ -64,12 +57,7 @@ def test_generation_over_the_mirror_is_bit_identical_to_the_gather(model, case, 
 
     monkeypatch.setattr(torch_attention, "MIRROR_MIN_ELEMENTS", 0)  # a small model's steps: the mirror at any size
     monkeypatch.setattr(decode_mirror, "CACHE_SHARE", 1e6)  # and larger than the evictions case's tiny cache
-    if case == "rows move":  # max_tokens 64: the long prompt's group is prefilled in chunks
-        requests, settings = _requests([3, 9, 17, 30]), dict(max_tokens=64)
-    elif case == "evictions":  # room for ~10 requests' worth of blocks: the engine pauses and evicts, then prefills
-        requests, settings = _requests([40, 60, 90]), dict(buffer_size_gb=0.0004)
-    else:  # decode steps padded to a few row counts: the padding rows have no request
-        requests, settings = _requests([3, 9, 17, 30]), dict(decode_buckets=(8, 16, 32, 64))
+    requests, settings = engine_case(case)
     out = {}
     for mirror in (False, True):
         out[mirror], used, evicted, padded = _generate(model, mirror, requests, **settings)

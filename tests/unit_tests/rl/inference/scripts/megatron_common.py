@@ -117,3 +117,23 @@ class CharTokenizer:
 
     def text(self, *ids: int) -> str:
         return self.detokenize(ids)
+
+
+# Engine runs that move requests around: requests finishing at different steps with chunked prefill ("rows move"),
+# a cache too small for all requests, so the engine pauses and evicts, then prefills again ("evictions"), and decode
+# steps padded to a few row counts, whose padding rows have no request ("decode buckets").
+ENGINE_CASES = ("rows move", "evictions", "decode buckets")
+
+
+def engine_case(case: str):
+    """(requests, EngineSettings overrides) of one of :data:`ENGINE_CASES`: five prompts (one a prompt group), greedy
+    and sampled, seeded, of several lengths."""
+    from megatron.rl.inference.api import GenerationArgs, InferenceRequest
+
+    lengths, settings = {"rows move": ([3, 9, 17, 30], dict(max_tokens=64)),  # the long prompt prefilled in chunks
+                         "evictions": ([40, 60, 90], dict(buffer_size_gb=0.0004)),  # room for ~10 requests' blocks
+                         "decode buckets": ([3, 9, 17, 30], dict(decode_buckets=(8, 16, 32, 64)))}[case]
+    prompts = ["a", "Q: 12+7=? A:", "the quick brown fox jumps over the lazy", "xy", "hello world"]
+    requests = [InferenceRequest(prompt=p, generation_args=GenerationArgs(temperature=t, max_tokens=n, seed=10 * j + i))
+                for j, p in enumerate(prompts) for i, n in enumerate(lengths) for t in (0.0, 1.0)]
+    return requests, settings
