@@ -5,17 +5,20 @@ row count as the step before, so :class:`PackedWeights` packs a weight for a row
 (``torch.ops.mkl._mkl_reorder_linear_weight``) when two calls in a row have it, and later calls with it reuse
 the pack (``torch.ops.mkl._mkl_linear``). A pack is a copy of the weights it was made from: its owner drops the
 packs (:meth:`PackedWeights.clear`) before the weights change, and outside a scope nothing is packed. Results can
-differ from ``torch.matmul`` in the last bits (another summation order). Design notes: docs/inference.md.
+differ from ``torch.matmul`` in the last bits (another summation order). Packs pay on some CPUs and cost on others:
+:func:`pays_off` is the engine's default. Design notes: docs/inference.md.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
-__all__ = ["PackedWeights", "available", "current", "packing"]
+__all__ = ["PackedWeights", "available", "current", "packing", "packs_pay", "pays_off"]
 
 MIN_WEIGHT_ELEMENTS = 512 * 512  # smaller weights: the pack saved nothing measurable (docs/inference.md)
 MAX_ROW_COUNTS = 1  # packs kept per weight, each as large as the weight: a generation holds one more copy
@@ -26,6 +29,27 @@ _LOCAL = threading.local()
 def available() -> bool:
     """Whether this torch build has MKL's packed GEMM."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+@functools.lru_cache(maxsize=None)
+def pays_off() -> bool:
+    """Whether packs are the faster default on this machine (:func:`packs_pay`)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    return available() and packs_pay(torch.backends.cpu.get_cpu_capability(), cpuinfo)
+
+
+def packs_pay(capability: str, cpuinfo: str) -> bool:
+    """Packs pay on an Intel CPU whose torch kernels use AVX-512 (``capability`` as
+    ``torch.backends.cpu.get_cpu_capability()``, ``cpuinfo`` a ``/proc/cpuinfo`` text).
+
+    Measured on the large benchmark model's decode steps (docs/benchmarks.md): the packed GEMM made a step 16%
+    faster on an Intel Xeon with AVX-512 and ~4% slower on an AMD EPYC with AVX2. CPUs not measured keep the plain
+    matmul."""
+    return capability == "AVX512" and any(line.startswith("vendor_id") and "GenuineIntel" in line
+                                          for line in cpuinfo.splitlines())
 
 
 class PackedWeights:

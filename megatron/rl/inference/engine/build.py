@@ -37,7 +37,7 @@ from megatron.rl.inference.engine.rollout_engine import RolloutEngine
 from megatron.rl.inference.engine.route_recorder import RouteRecorder
 from megatron.rl.inference.engine.shared_prefill import SharedPromptPrefill, megatron_core_shares_prompts
 from megatron.rl.inference.sampling import NoiseStream, host_sampling, sample_tokens, tempered_log_probs
-from megatron.rl.runtime import decode_mirror, kv_append, patches, rope_cache, torch_attention, versions
+from megatron.rl.runtime import decode_mirror, kv_append, packed_linear, patches, rope_cache, torch_attention, versions
 from megatron.rl.runtime.decode_lengths import set_decode_lengths
 from megatron.rl.runtime.torch_attention import MIN_KEY_SLOTS
 from megatron.rl.routing.replay import install_router_replay
@@ -92,7 +92,8 @@ class EngineSettings:
 
     packed_weights: on CPU (fp32, MKL), inference linear layers reuse MKL packs of their weights across the steps
         of one generation (:mod:`megatron.rl.runtime.packed_linear`; the packs are dropped whenever the engine
-        pauses or stops, before the weights change).
+        pauses or stops, before the weights change). Default: on where they were measured faster
+        (:func:`~megatron.rl.runtime.packed_linear.pays_off`).
 
     Defaults: :meth:`for_device`. On CPU, small blocks and a buffer sized for the batch matter most
     (the stock 256-token blocks and 16 384-token steps gather far more cache than a short request uses).
@@ -113,7 +114,7 @@ class EngineSettings:
     record_routes: bool = False
     decode_buckets: tuple[int, ...] | None = None
     decode_cuda_graphs: bool = False
-    packed_weights: bool = True
+    packed_weights: bool = dataclasses.field(default_factory=packed_linear.pays_off)
 
     @classmethod
     def for_device(cls, device: str | torch.device) -> "EngineSettings":

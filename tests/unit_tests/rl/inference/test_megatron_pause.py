@@ -38,6 +38,13 @@ def test_pause_holds_requests_across_a_weight_update_and_versions_every_token(se
         monkeypatch.setattr(packed_linear.PackedWeights, "clear",
                             lambda self: (cleared.append(self.packed), clear(self))[1])
     model, backend = setup
+    if packed:  # packs are the engine's default only on some CPUs (packed_linear.pays_off)
+        from megatron.rl.inference.engine.build import EngineSettings
+        from megatron.rl.inference.megatron import MegatronInference
+        from megatron.rl.training.tokenizer import ByteLevelTokenizer
+
+        backend.exit_inference_mode()
+        backend = MegatronInference(model, ByteLevelTokenizer(), EngineSettings(packed_weights=True))
     model.train()
     backend.enter_inference_mode()
     backend.set_policy_version(0)

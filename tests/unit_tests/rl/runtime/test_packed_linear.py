@@ -89,3 +89,18 @@ def test_a_weight_keeps_one_pack_for_the_row_count_that_last_repeated():
         assert packs.packed == 1
         assert packs.linear(x24, w) is None and packs.linear(x24, w) is not None and packs.packed == 2
         assert packs.linear(x16, w) is None, "the older pack was dropped"
+
+
+@pytest.mark.parametrize("capability,vendor,pays", [("AVX512", "GenuineIntel", True), ("AVX2", "GenuineIntel", False),
+                                                    ("AVX512", "AuthenticAMD", False), ("AVX2", "AuthenticAMD", False)])
+def test_packs_are_the_default_only_where_they_were_measured_faster(capability, vendor, pays):
+    cpuinfo = f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu avx2\n"
+    assert packed_linear.packs_pay(capability, cpuinfo) is pays
+    assert not packed_linear.packs_pay(capability, "")
+
+
+def test_the_engine_default_follows_this_machine():
+    from megatron.rl.inference.engine.build import EngineSettings
+
+    assert EngineSettings().packed_weights is packed_linear.pays_off()
+    assert EngineSettings.for_device("cpu").packed_weights is packed_linear.pays_off()
