@@ -45,9 +45,8 @@ def packs_pay(capability: str, cpuinfo: str) -> bool:
     """Packs pay on an Intel CPU whose torch kernels use AVX-512 (``capability`` as
     ``torch.backends.cpu.get_cpu_capability()``, ``cpuinfo`` a ``/proc/cpuinfo`` text).
 
-    Measured on the large benchmark model's decode steps (docs/benchmarks.md): the packed GEMM made a step 16%
-    faster on an Intel Xeon with AVX-512 and ~4% slower on an AMD EPYC with AVX2. CPUs not measured keep the plain
-    matmul."""
+    On the large benchmark model's decode steps the packed GEMM made a step faster on an Intel Xeon with AVX-512 and
+    slower on an AMD EPYC with AVX2 (docs/benchmarks.md). CPUs not measured keep the plain matmul."""
     return capability == "AVX512" and any(line.startswith("vendor_id") and "GenuineIntel" in line
                                           for line in cpuinfo.splitlines())
 
