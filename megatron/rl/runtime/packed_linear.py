@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from pathlib import Path
 from typing import Iterator
 
 import torch
+
+from megatron.rl.runtime import machine
 
 __all__ = ["PackedWeights", "available", "current", "packing", "packs_pay", "pays_off"]
 
@@ -34,11 +35,7 @@ def available() -> bool:
 @functools.lru_cache(maxsize=None)
 def pays_off() -> bool:
     """Whether packs are the faster default on this machine (:func:`packs_pay`)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        cpuinfo = ""
-    return available() and packs_pay(torch.backends.cpu.get_cpu_capability(), cpuinfo)
+    return available() and packs_pay(torch.backends.cpu.get_cpu_capability(), machine.read_cpuinfo() or "")
 
 
 def packs_pay(capability: str, cpuinfo: str) -> bool:
@@ -47,8 +44,7 @@ def packs_pay(capability: str, cpuinfo: str) -> bool:
 
     On the large benchmark model's decode steps the packed GEMM made a step faster on an Intel Xeon with AVX-512 and
     slower on an AMD EPYC with AVX2 (docs/benchmarks.md). CPUs not measured keep the plain matmul."""
-    return capability == "AVX512" and any(line.startswith("vendor_id") and "GenuineIntel" in line
-                                          for line in cpuinfo.splitlines())
+    return capability == "AVX512" and machine.cpuinfo_field(cpuinfo, "vendor_id") == "GenuineIntel"
 
 
 class PackedWeights:
