@@ -14,10 +14,13 @@ import weakref
 
 import torch
 
-__all__ = ["install", "original", "plain_layer", "decode_forward"]
+from megatron.rl.runtime import packed_linear
+
+__all__ = ["install", "original", "plain_layer", "split_glu", "decode_forward"]
 
 _ORIGINAL: dict[str, object] = {}
 _PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> whether plain_layer holds
+_SPLIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # MLP -> whether split_glu holds
 
 # Layer, attention and config attributes that each send megatron-core's forward down another path.
 _LAYER_OFF = ("recompute_input_layernorm", "recompute_pre_mlp_layernorm", "recompute_mlp", "offload_attn_norm",
@@ -93,7 +96,49 @@ def decode_forward(layer, hidden_states, inference_context, rotary_pos_emb=None,
     residual, normed = _norm(layer.input_layernorm, hidden_states)
     hidden = _bias_add(*_attention(layer.self_attention, normed, inference_context, rotary_pos_emb), residual)
     residual, normed = _norm(layer.pre_mlp_layernorm, hidden)
-    return _bias_add(*layer.mlp(normed), residual), None
+    return _bias_add(*_mlp(layer.mlp, normed), residual), None
+
+
+def _mlp(mlp, hidden):
+    """megatron-core's ``MLP.forward``; a :func:`split_glu` MLP computes its first product as two, the gate's half and
+    the linear half, into the two halves of the one output megatron-core's product writes (each output element is
+    the same dot product: the same bits), then the GLU of megatron-core's unfused branch on that output."""
+    if packed_linear.current() is not None or not split_glu(mlp):
+        return mlp(hidden)
+    weight = mlp.linear_fc1.weight
+    half = weight.shape[0] // 2
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    both = rows.new_empty(rows.shape[0], weight.shape[0])
+    torch.mm(rows, weight[:half].t(), out=both[:, :half])
+    torch.mm(rows, weight[half:].t(), out=both[:, half:])
+    x_glu, x_linear = torch.chunk(both.view(*hidden.shape[:-1], -1), 2, dim=-1)
+    config = mlp.config
+    return mlp.linear_fc2(config.activation_func(x_glu) * (x_linear + config.glu_linear_offset))
+
+
+def split_glu(mlp) -> bool:
+    """Whether :func:`_mlp` computes ``mlp``'s first product in halves: a gated MLP through megatron-core's unfused
+    activation (no fused bias-activation kernel, no clamp, no TE activation) whose first layer is a local
+    ``ColumnParallelLinear`` without bias, sequence parallelism or offloading (its product, with or without a
+    gradient to its weight, is ``torch.matmul(input, weight.t())``). The halves took less time than the whole where
+    measured (docs/benchmarks.md)."""
+    known = _SPLIT.get(mlp)
+    if known is None:
+        known = _SPLIT[mlp] = _is_split_glu(mlp)
+    return known
+
+
+def _is_split_glu(mlp) -> bool:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    config, fc1 = mlp.config, mlp.linear_fc1
+    return (config.gated_linear_unit and not config.bias_activation_fusion
+            and not getattr(config, "use_te_activation_func", False)
+            and getattr(config, "activation_func_clamp_value", None) is None
+            and type(fc1) is ColumnParallelLinear and fc1.bias is None and fc1.weight is not None
+            and fc1.weight.shape[0] % 2 == 0 and not fc1.sequence_parallel and not fc1.gather_output
+            and not fc1.explicit_expert_comm and not config.defer_embedding_wgrad_compute
+            and config._cpu_offloading_context is None and "_forward_impl" not in vars(fc1))
 
 
 def _norm(norm, hidden):

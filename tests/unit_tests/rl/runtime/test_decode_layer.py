@@ -12,10 +12,11 @@ from tests.unit_tests.rl.inference.scripts.megatron_common import (ENGINE_CASES,
 pytestmark = needs_entry("dynamic inference decode step: a plain layer's calls only")
 
 
-@pytest.fixture(scope="module")
-def model():
+# gated GELU with biases: the whole first product; SwiGLU without biases (the quickstart's): computed in halves
+@pytest.fixture(scope="module", params=["geglu, biases", "swiglu"])
+def model(request):
     init_distributed(tp=1)
-    return peaked_tiny_gpt(hidden=64, layers=2, seq=256)
+    return peaked_tiny_gpt(hidden=64, layers=2, seq=256, swiglu=request.param == "swiglu")
 
 
 def _generate(model, requests, monkeypatch, lean: bool, **settings):
@@ -61,6 +62,29 @@ def test_decode_steps_of_plain_layers_equal_megatron_cores_forward_bit_for_bit(m
     assert after["plain"] > after["megatron"] > 0
     assert all(reason != "error" for reason, _, _ in got), got
     assert got == want
+
+
+def test_a_split_glu_equals_megatron_cores_mlp_bit_for_bit(model):
+    import torch
+
+    from megatron.rl.runtime import decode_layer, packed_linear
+
+    mlp = model.decoder.layers[0].mlp
+    assert decode_layer.split_glu(mlp) == (mlp.linear_fc1.bias is None)
+    with torch.inference_mode():
+        for rows in (1, 2, 7, 16, 33, 64, 129):
+            hidden = torch.randn(rows, 1, 64) * 3
+            want = mlp(hidden)
+            got = decode_layer._mlp(mlp, hidden)
+            assert torch.equal(got[0], want[0]) and (got[1] is None) == (want[1] is None), rows
+        if not packed_linear.available():
+            return
+        with packed_linear.packing():  # packed weights: megatron-core's MLP, whose first layer packs the whole weight
+            calls = []
+            with pytest.MonkeyPatch.context() as m:
+                m.setattr(torch, "mm", lambda *a, **k: calls.append(a) or torch.matmul(*a[:2]))
+                decode_layer._mlp(mlp, torch.randn(4, 1, 64))
+            assert not calls
 
 
 def test_layers_and_steps_that_megatron_core_computes_otherwise_keep_its_forward(model, monkeypatch):

@@ -35,10 +35,13 @@ def init_distributed(tp: int = 1) -> None:
 
 
 def tiny_gpt(tp: int = 1, hidden: int = 64, layers: int = 2, heads: int = 4, seq: int = SEQ, vocab: int = VOCAB,
-             experts: int | None = None, topk: int = 2, **moe: object):
-    """A tiny fp32 GPTModel (local spec, RoPE, RMSNorm, SwiGLU, GQA with 2 KV heads), same weights for any TP;
-    ``experts``: every layer's MLP a mixture of that many experts, ``topk`` per token (local spec, EP = 1), ``moe``:
-    more ``TransformerConfig`` MoE fields."""
+             experts: int | None = None, topk: int = 2, swiglu: bool = False, **moe: object):
+    """A tiny fp32 GPTModel (local spec, RoPE, RMSNorm, a gated GELU MLP with biases, GQA with 2 KV heads), same
+    weights for any TP; ``swiglu``: the quickstart's MLP instead (SiLU gate, no biases); ``experts``: every layer's
+    MLP a mixture of that many experts, ``topk`` per token (local spec, EP = 1), ``moe``: more ``TransformerConfig``
+    MoE fields."""
+    import torch.nn.functional as F
+
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -51,6 +54,7 @@ def tiny_gpt(tp: int = 1, hidden: int = 64, layers: int = 2, heads: int = 4, seq
         cross_entropy_loss_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         normalization="RMSNorm", gated_linear_unit=True, tensor_model_parallel_size=tp,
         init_method_std=0.1,  # a larger init than usual so untrained logits are far from uniform
+        **(dict(activation_func=F.silu, add_bias_linear=False) if swiglu else {}),
         **({} if experts is None else dict(num_moe_experts=experts, moe_router_topk=topk, moe_aux_loss_coeff=0.0,
                                            moe_router_load_balancing_type="none", moe_permute_fusion=False,
                                            moe_token_dispatcher_type="alltoall", **moe)))
