@@ -15,8 +15,14 @@ It prints the median per step, in wall seconds and in CPU seconds of the process
 shared machine), and the ratio. Sides alternate within every round, after one untimed round of each (first-touch
 page faults of the KV cache, HF's first allocations).
 
+``--paired``: each of the engine's decode steps is followed, on the engine's thread, by one HF decode step over the
+same prompts (the model's forward with its KV cache, then softmax and multinomial: no ``generate`` bookkeeping, so
+HF's side is the lighter), and the ratio is the median of the per-step ratios. A step and its pair run within
+~0.1 s of each other at the same batch and context length, so a machine whose speed drifts by tens of percent
+between runs still gives a ratio steady to ~1%.
+
     python benchmarks/decode_step.py [--rows 128] [--new-tokens 24] [--rounds 3] [--threads 2] [--shape large]
-        [--off packed_weights]
+        [--off packed_weights] [--paired]
 """
 from __future__ import annotations
 
@@ -73,6 +79,8 @@ def build_megatron(settings=None):
         w0, c0 = time.perf_counter(), time.process_time()
         result = await step(self, *args, **kwargs)
         steps.append((rows["n"], time.perf_counter() - w0, time.process_time() - c0))
+        if AFTER_STEP:
+            AFTER_STEP[0]()
         return result
 
     SamplingController._dynamic_step_sample_logits = counting_sample
@@ -80,6 +88,65 @@ def build_megatron(settings=None):
     tokenizer = _NoEos(trainer.tokenizer)
     backend = MegatronInference(trainer.model[0], tokenizer, max_sequence_length=SEQ, settings=settings)
     return backend, tokenizer, steps
+
+
+AFTER_STEP: list = []  # --paired: called on the engine thread after each timed engine step
+
+
+class HFSteps:
+    """HF's decode one step at a time, for ``--paired``: the prompts left-padded as ``generate`` pads them, then per
+    step the forward over the last tokens with the KV cache, softmax and multinomial sampling (T = 1)."""
+
+    def __init__(self, model, prompts):
+        self.model, self.prompts, self.times = model, prompts, []
+
+    def prefill(self) -> None:
+        width = max(len(p) for p in self.prompts)
+        ids = torch.full((len(self.prompts), width), VOCAB - 1, dtype=torch.long)
+        self.mask = torch.zeros_like(ids)
+        for i, p in enumerate(self.prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            self.mask[i, width - len(p):] = 1
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.inference_mode(), C.without_device_mode():
+            out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
+        self.cache, self.logits, self.position = out.past_key_values, out.logits[:, -1], positions[:, -1:]
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        with torch.inference_mode(), C.without_device_mode():
+            token = torch.multinomial(torch.softmax(self.logits.float(), -1), 1)
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.prompts), 1)], 1)
+            self.position = self.position + 1
+            out = self.model(input_ids=token, attention_mask=self.mask, position_ids=self.position,
+                             past_key_values=self.cache, use_cache=True)
+            self.cache, self.logits = out.past_key_values, out.logits[:, -1]
+        self.times.append(time.perf_counter() - start)
+
+
+def run_paired(backend, tokenizer, steps, hf, prompts, new_tokens: int, rows: int) -> list[tuple[float, float]]:
+    """One generation of ours with an HF step after each of our steps: (our wall s, HF wall s) per decode step."""
+    hf_steps = HFSteps(hf, prompts)
+    ours_at: list[int] = []
+
+    def after_step():
+        if not ours_at:
+            hf_steps.prefill()  # after the engine's first step, which prefilled
+        else:
+            hf_steps.step()
+        ours_at.append(len(steps) - 1)
+
+    AFTER_STEP[:] = [after_step]
+    try:
+        backend.enter_inference_mode()
+        steps.clear()
+        asyncio.run(backend.agenerate(_requests(prompts, new_tokens)))
+        backend.exit_inference_mode()
+    finally:
+        AFTER_STEP.clear()
+    # our step i (i >= 1) is paired with HF's step i - 1: both add token i + 1 to every row
+    return [(steps[i][1], hf_steps.times[k]) for k, i in enumerate(ours_at[1:])
+            if k < len(hf_steps.times) and steps[i][0] == rows]
 
 
 class _NoEos:
@@ -102,15 +169,18 @@ class _NoEos:
         return self.inner.offsets(ids, text)
 
 
-def run_megatron(backend, tokenizer, steps, prompts, new_tokens: int, rows: int):
+def _requests(prompts, new_tokens: int) -> list:
     from megatron.rl.inference.api import GenerationArgs, InferenceRequest
 
-    texts = [bytes(p).decode("ascii") for p in prompts]
-    requests = [InferenceRequest(prompt=t, generation_args=GenerationArgs(temperature=1.0, max_tokens=new_tokens,
-                                                                          seed=i)) for i, t in enumerate(texts)]
+    return [InferenceRequest(prompt=bytes(p).decode("ascii"),
+                             generation_args=GenerationArgs(temperature=1.0, max_tokens=new_tokens, seed=i))
+            for i, p in enumerate(prompts)]
+
+
+def run_megatron(backend, tokenizer, steps, prompts, new_tokens: int, rows: int):
     backend.enter_inference_mode()
     steps.clear()
-    out = asyncio.run(backend.agenerate(requests))
+    out = asyncio.run(backend.agenerate(_requests(prompts, new_tokens)))
     backend.exit_inference_mode()
     failed = [r.error for r in out if r.finish_reason == "error"]
     assert not failed, failed[:3]
@@ -159,6 +229,8 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="small", help="grpo_vs_trl's model shape")
     p.add_argument("--off", nargs="*", default=[], choices=["packed_weights", "decode_mirror"],
                    help="engine features to turn off (EngineSettings fields)")
+    p.add_argument("--paired", action="store_true",
+                   help="an HF decode step after each of ours, on the same thread; the median per-step ratio")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -179,6 +251,10 @@ def main() -> None:
     # touched (a page fault each), HF's first generate allocates its cache; neither is a decode step's cost.
     run_megatron(backend, tokenizer, steps, prompts, args.new_tokens, args.rows)
     run_hf(hf, prompts, args.new_tokens)
+    if args.paired:
+        report_paired(backend, tokenizer, steps, hf, prompts, args)
+        C.teardown()
+        return
     for r in range(args.rounds):
         order = ["megatron", "huggingface"] if r % 2 == 0 else ["huggingface", "megatron"]
         for side in order:
@@ -198,6 +274,21 @@ def main() -> None:
     print(f"megatron / huggingface: wall {med['megatron'][0] / med['huggingface'][0]:.2f}x, "
           f"CPU {med['megatron'][1] / med['huggingface'][1]:.2f}x")
     C.teardown()
+
+
+def report_paired(backend, tokenizer, steps, hf, prompts, args) -> None:
+    print(f"decode steps at {args.rows} rows, paired ({LAYERS} layers, hidden {HIDDEN}, {HEADS} heads / {KV_GROUPS} KV "
+          f"groups, FFN {FFN}; {torch.get_num_threads()} threads): each of ours followed by one of HF's")
+    print("| round | steps | ours ms/step | HF ms/step | median of per-step ratios ours / HF |")
+    print("|---|---|---|---|---|")
+    ratios = []
+    for r in range(args.rounds):
+        pairs = run_paired(backend, tokenizer, steps, hf, prompts, args.new_tokens, args.rows)
+        ratios.append(statistics.median(a / b for a, b in pairs))
+        print(f"| {r + 1} | {len(pairs)} | {statistics.median(a for a, _ in pairs) * 1e3:.1f} | "
+              f"{statistics.median(b for _, b in pairs) * 1e3:.1f} | {ratios[-1]:.3f} |")
+    print(f"ours / HF per step: median {statistics.median(ratios):.3f} over {args.rounds} rounds "
+          f"(range {min(ratios):.3f}-{max(ratios):.3f})")
 
 
 if __name__ == "__main__":

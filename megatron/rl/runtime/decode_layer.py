@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.nn.modules import module as torch_module
 
 from megatron.rl.runtime import packed_linear
 
@@ -103,7 +104,7 @@ def _mlp(mlp, hidden):
     """megatron-core's ``MLP.forward``; a :func:`split_glu` MLP computes its first product as two, the gate's half and
     the linear half, into the two halves of the one output megatron-core's product writes (each output element is
     the same dot product: the same bits), then the GLU of megatron-core's unfused branch on that output."""
-    if packed_linear.current() is not None or not split_glu(mlp):
+    if packed_linear.current() is not None or not split_glu(mlp) or _hooked(mlp) or _hooked(mlp.linear_fc1):
         return mlp(hidden)
     weight = mlp.linear_fc1.weight
     half = weight.shape[0] // 2
@@ -114,6 +115,14 @@ def _mlp(mlp, hidden):
     x_glu, x_linear = torch.chunk(both.view(*hidden.shape[:-1], -1), 2, dim=-1)
     config = mlp.config
     return mlp.linear_fc2(config.activation_func(x_glu) * (x_linear + config.glu_linear_offset))
+
+
+def _hooked(module) -> bool:
+    """Whether calling ``module`` would run forward hooks (its own or global ones: megatron-core's DDP waits for a
+    parameter all-gather in one), which the halves would skip."""
+    return bool(module._forward_pre_hooks or module._forward_hooks
+                or getattr(torch_module, "_global_forward_pre_hooks", None)
+                or getattr(torch_module, "_global_forward_hooks", None))
 
 
 def split_glu(mlp) -> bool:

@@ -202,17 +202,9 @@ def _zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(~valid[:, :, None, None], 0.0)
 
 
-def mirror_min_elements(capability: str) -> int:
-    """Below this many elements of K (padded batch x slots x KV heads x dim) a decode step gathers instead of reading
-    the mirror, on a CPU whose torch kernels use ``capability`` (``torch.backends.cpu.get_cpu_capability()``).
-
-    A small gather undercuts the mirror's scattered per-layer copies where measured with AVX-512 up to ~0.6M
-    elements; with AVX2 the mirror was the cheaper from 0.26M, the smallest batch measured (docs/benchmarks.md)."""
-    return 1 << 18 if capability == "AVX2" else 1 << 20
-
-
-# The next step that reads the mirror copies what the steps that gathered left out.
-MIRROR_MIN_ELEMENTS = mirror_min_elements(torch.backends.cpu.get_cpu_capability())
+# Below this many elements of K (padded batch x slots x KV heads x dim) a step gathers: a small gather undercuts the
+# mirror's scattered per-layer copies (docs/benchmarks.md). The next step that reads the mirror copies what it missed.
+MIRROR_MIN_ELEMENTS = 1 << 20
 
 _BUFFERS = threading.local()
 # Pairs handed back by threads that stopped stepping an engine (release_thread_buffers), for the next thread:

@@ -289,3 +289,15 @@ def test_decode_step_table():
     # admitted the requests over two steps), HF the 2 after its second logits call; both rounds count
     assert 1 <= int(rows["megatron"][0]) <= 6 and rows["huggingface"][0] == "4", out
     assert "megatron / huggingface" in out
+
+
+@pytest.mark.slow  # runs the benchmark script end to end: opt-in
+def test_decode_step_paired_table():
+    out = run_bench("decode_step.py", "--rows", "4", "--new-tokens", "6", "--rounds", "2", "--paired")
+    rows = table_rows(out)
+    # 6 new tokens: our steps 1-5 decode (fewer at 4 rows when admission took two steps), each paired with an HF step
+    for r in ("1", "2"):
+        steps, ours, hf, ratio = rows[r]
+        assert 1 <= int(steps) <= 5 and float(ours) > 0 and float(hf) > 0, out
+        assert float(ratio) > 0, out
+    assert "ours / HF per step: median" in out

@@ -77,6 +77,16 @@ def test_a_split_glu_equals_megatron_cores_mlp_bit_for_bit(model):
             want = mlp(hidden)
             got = decode_layer._mlp(mlp, hidden)
             assert torch.equal(got[0], want[0]) and (got[1] is None) == (want[1] is None), rows
+        # a forward hook on the first layer or the MLP (megatron-core's DDP waits for a parameter gather in one): the
+        # module is called, so the hook runs
+        for module in (mlp, mlp.linear_fc1):
+            seen = []
+            handle = module.register_forward_pre_hook(lambda *_: seen.append(1))
+            try:
+                decode_layer._mlp(mlp, torch.randn(4, 1, 64))
+            finally:
+                handle.remove()
+            assert seen
         if not packed_linear.available():
             return
         with packed_linear.packing():  # packed weights: megatron-core's MLP, whose first layer packs the whole weight

@@ -212,9 +212,3 @@ def test_small_steps_gather_and_the_first_large_one_catches_the_mirror_up(monkey
         assert bool(copied) == (paged.length[0] >= 12)
     # the first mirrored step copied every token so far, the later ones one per request
     assert copied[0] == 4 * 12 * KV_HEADS and copied[-1] == 4 * KV_HEADS
-
-
-def test_the_mirror_starts_at_a_smaller_batch_on_avx2_than_elsewhere():
-    # measured: with AVX2 the mirror was the cheaper at every batch size tried, with AVX-512 a gather up to ~0.6M
-    assert ta.mirror_min_elements("AVX2") == 1 << 18
-    assert ta.mirror_min_elements("AVX512") == ta.mirror_min_elements("DEFAULT") == 1 << 20
