@@ -17,9 +17,9 @@ page faults of the KV cache, HF's first allocations).
 
 ``--paired``: each of the engine's decode steps is followed, on the engine's thread, by one HF decode step over the
 same prompts (the model's forward with its KV cache, then softmax and multinomial: no ``generate`` bookkeeping, so
-HF's side is the lighter), and the ratio is the median of the per-step ratios. A step and its pair run within
-~0.1 s of each other at the same batch and context length, so a machine whose speed drifts by tens of percent
-between runs still gives a ratio steady to ~1%.
+HF's side is the lighter), and the ratio is the median of the per-step ratios. A step and its pair run back to back
+at the same batch and context length, so the ratio holds steadier than whole runs on a machine whose speed drifts
+(figures: docs/benchmarks.md).
 
     python benchmarks/decode_step.py [--rows 128] [--new-tokens 24] [--rounds 3] [--threads 2] [--shape large]
         [--off packed_weights] [--paired]
@@ -101,12 +101,7 @@ class HFSteps:
         self.model, self.prompts, self.times = model, prompts, []
 
     def prefill(self) -> None:
-        width = max(len(p) for p in self.prompts)
-        ids = torch.full((len(self.prompts), width), VOCAB - 1, dtype=torch.long)
-        self.mask = torch.zeros_like(ids)
-        for i, p in enumerate(self.prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            self.mask[i, width - len(p):] = 1
+        ids, self.mask = left_padded(self.prompts)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode(), C.without_device_mode():
             out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
@@ -138,10 +133,7 @@ def run_paired(backend, tokenizer, steps, hf, prompts, new_tokens: int, rows: in
 
     AFTER_STEP[:] = [after_step]
     try:
-        backend.enter_inference_mode()
-        steps.clear()
-        asyncio.run(backend.agenerate(_requests(prompts, new_tokens)))
-        backend.exit_inference_mode()
+        run_megatron(backend, tokenizer, steps, prompts, new_tokens, rows)  # leaves every step's record in ``steps``
     finally:
         AFTER_STEP.clear()
     # our step i (i >= 1) is paired with HF's step i - 1: both add token i + 1 to every row
@@ -169,18 +161,15 @@ class _NoEos:
         return self.inner.offsets(ids, text)
 
 
-def _requests(prompts, new_tokens: int) -> list:
+def run_megatron(backend, tokenizer, steps, prompts, new_tokens: int, rows: int):
     from megatron.rl.inference.api import GenerationArgs, InferenceRequest
 
-    return [InferenceRequest(prompt=bytes(p).decode("ascii"),
-                             generation_args=GenerationArgs(temperature=1.0, max_tokens=new_tokens, seed=i))
-            for i, p in enumerate(prompts)]
-
-
-def run_megatron(backend, tokenizer, steps, prompts, new_tokens: int, rows: int):
+    texts = [bytes(p).decode("ascii") for p in prompts]
+    requests = [InferenceRequest(prompt=t, generation_args=GenerationArgs(temperature=1.0, max_tokens=new_tokens,
+                                                                          seed=i)) for i, t in enumerate(texts)]
     backend.enter_inference_mode()
     steps.clear()
-    out = asyncio.run(backend.agenerate(_requests(prompts, new_tokens)))
+    out = asyncio.run(backend.agenerate(requests))
     backend.exit_inference_mode()
     failed = [r.error for r in out if r.finish_reason == "error"]
     assert not failed, failed[:3]
@@ -197,15 +186,21 @@ def build_hf():
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def run_hf(model, prompts, new_tokens: int):
-    from transformers import LogitsProcessor, LogitsProcessorList
-
+def left_padded(prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's input ids and attention mask of ``prompts``, padded on the left as ``generate`` expects."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), VOCAB - 1, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as generate expects
+    for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def run_hf(model, prompts, new_tokens: int):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    ids, mask = left_padded(prompts)
     marks: list[tuple[float, float]] = []
 
     class Clock(LogitsProcessor):
