@@ -202,9 +202,17 @@ def _zero_invalid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(~valid[:, :, None, None], 0.0)
 
 
-# Below this many elements of K (padded batch x slots x KV heads x dim) a step gathers: a small gather undercuts the
-# mirror's scattered per-layer copies (docs/benchmarks.md). The next step that reads the mirror copies what it missed.
-MIRROR_MIN_ELEMENTS = 1 << 20
+def mirror_min_elements(capability: str) -> int:
+    """Below this many elements of K (padded batch x slots x KV heads x dim) a decode step gathers instead of reading
+    the mirror: a small gather undercuts the mirror's scattered per-layer copies of the new tokens. ``capability`` as
+    ``torch.backends.cpu.get_cpu_capability()``. Measured (docs/benchmarks.md): on an AMD EPYC with AVX-512 the
+    gather was cheaper up to 0.6M elements and the mirror from 1.2M; on one with AVX2 the mirror was cheaper from
+    256K. CPUs not measured keep 1M."""
+    return 1 << 18 if capability == "AVX2" else 1 << 20
+
+
+# The next step that reads the mirror copies what the steps that gathered left out.
+MIRROR_MIN_ELEMENTS = mirror_min_elements(torch.backends.cpu.get_cpu_capability())
 
 _BUFFERS = threading.local()
 # Pairs handed back by threads that stopped stepping an engine (release_thread_buffers), for the next thread:
@@ -321,8 +329,9 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
                        cache_shape: torch.Size, mirrored: bool = False) -> list[_DecodeGroup]:
     """The step's :class:`_DecodeGroup` list, built by the first layer and reused by the others.
 
-    ``mirrored``: K and V come from the :mod:`decode_mirror`, where one padded batch of all rows is read in place
-    and a group's rows are copied out first: groups then pay only when they save more than twice their slots.
+    ``mirrored``: K and V come from the :mod:`decode_mirror` (one group reads it in place, more groups copy their
+    rows out of it). The groups are the gather's either way: a softmax or product over other numbers of padded
+    slots can round differently, and the mirror must give the gather's bits.
 
     megatron-core hands every layer of a step the same ``cache_seqlens`` and ``block_table`` tensors and writes
     the next step's values in place (which bumps their version counters), so the plan is keyed on those two
@@ -343,9 +352,6 @@ def _paged_decode_plan(cache_seqlens: torch.Tensor, block_table: torch.Tensor, q
     groups = [list(range(batch))]
     if batch > 1 and (host is None or host.split_groups):
         split = length_groups(host_lens, overhead)
-        if len(split) > 1 and mirrored:  # in place, or each group copied out (its slots twice) and attended
-            copied = sum(overhead + 2 * len(g) * max(host_lens[i] for i in g) for g in split)
-            split = split if copied < batch * max(host_lens) else groups
         if len(split) > 1:  # lengths too far apart for one padded batch
             groups = split
     plan = []

@@ -212,3 +212,25 @@ def test_small_steps_gather_and_the_first_large_one_catches_the_mirror_up(monkey
         assert bool(copied) == (paged.length[0] >= 12)
     # the first mirrored step copied every token so far, the later ones one per request
     assert copied[0] == 4 * 12 * KV_HEADS and copied[-1] == 4 * KV_HEADS
+
+
+@pytest.mark.parametrize("lens", [[2, 3] + [50] * 6, [4] * 3 + [100] * 5, [5, 60, 61, 62]])
+def test_the_mirror_attends_the_groups_a_gather_would(lens, monkeypatch):
+    """A softmax or product over another number of padded slots can round differently (it did in the quickstart's
+    steps), so the mirror keeps the gather's groups, even where one padded batch read in place copies less."""
+    monkeypatch.setitem(ta._SPLIT_OVERHEAD_ELEMENTS, "cpu", 16 * HEADS * DIM)
+    paged = _PagedRequests(seed=6)
+    for rid, n in enumerate(lens):
+        paged.admit(rid, prompt=n)
+    lengths, table = paged.step_inputs(list(range(len(lens))))
+    set_decode_lengths(lengths, request_ids=list(range(len(lens))), owner=_Owner())
+    plans = [ta._paged_decode_plan(lengths, table, (len(lens), 1, HEADS, DIM), paged.caches[0][0].shape,
+                                   mirrored=mirrored) for mirrored in (True, False)]
+    groups = [[None if part.rows is None else part.rows.tolist() for part in plan] for plan in plans]
+    assert len(groups[1]) > 1 and groups[0] == groups[1]
+    assert [part.max_len for part in plans[0]] == [part.max_len for part in plans[1]]
+
+
+def test_the_mirror_threshold_is_the_one_measured_on_each_instruction_set():
+    assert ta.mirror_min_elements("AVX2") == 1 << 18
+    assert ta.mirror_min_elements("AVX512") == ta.mirror_min_elements("DEFAULT") == 1 << 20
