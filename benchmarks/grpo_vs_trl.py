@@ -7,7 +7,8 @@ and one optimizer step per iteration (TRL: ``num_iterations=1``, ``steps_per_gen
 ``--global-batch-size`` of all rollouts, ``--grpo-iterations 1``). Each side runs in its own fresh process
 with the same number of torch threads; the sides alternate within every round (order swapped each round)
 so a shared machine's load hits them alike. The first step of every run is a warm-up and left out; the
-table shows the median over the measured steps of all rounds.
+table shows the median over the measured steps of all rounds, and a line under it the ratios of each round's
+two runs (:func:`paired_line`), which a machine whose speed drifts over minutes moves less.
 
 Identical work on both sides:
 
@@ -424,9 +425,11 @@ def run(a) -> dict:
 def run_shape(a, shape: str, sides: list[str]) -> dict:
     """Every side on ``shape``, interleaved over the rounds; prints the table, returns the summary."""
     records: dict[str, list[dict]] = {s: [] for s in sides}
+    rounds: dict[str, list[list[dict]]] = {s: [] for s in sides}  # each round's measured steps, per side
     for r in range(a.rounds):
         for side in (sides if r % 2 == 0 else sides[::-1]):
-            records[side] += run_side(side, shape, a.steps, a.threads, a.group_size)
+            rounds[side].append(run_side(side, shape, a.steps, a.threads, a.group_size))
+            records[side] += rounds[side][-1]
             print(f"[{shape}] round {r + 1}/{a.rounds} {side}: "
                   f"{C.median([x['total'] for x in records[side]]):.3f} s/step so far", file=sys.stderr, flush=True)
     summary = {s: summarize(s, records[s]) for s in sides}
@@ -458,7 +461,23 @@ def run_shape(a, shape: str, sides: list[str]) -> dict:
                           "peak RSS MB"], rows, title=f"GRPO step, {shape} shape"))
     for line in unequal:
         print(f"no ratio to TRL for {line} per step (more than {EQUAL_WORK_TOLERANCE:.0%} apart)")
+    if "trl" in summary:
+        for s in sides:
+            if s != "trl" and not any(line.startswith(f"{s}:") for line in unequal):
+                print(paired_line(s, rounds[s], rounds["trl"]))
     return summary
+
+
+def paired_line(side: str, ours: list[list[dict]], trl: list[list[dict]]) -> str:
+    """The ratios of each round's medians, TRL's against ``side``'s run next to it: the machine's speed drifts
+    over minutes, and the sides of one round ran within a minute or two of each other."""
+    def per_round(key: str, inverse: bool = False) -> str:
+        ratios = sorted((C.median([x[key] for x in o]) / C.median([x[key] for x in t])) if inverse else
+                        (C.median([x[key] for x in t]) / C.median([x[key] for x in o])) for o, t in zip(ours, trl))
+        return f"median {C.median(ratios):.2f}x (range {ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+    return (f"paired by round, {side}: TRL s/step / this {per_round('total')}; this generate / TRL's "
+            f"{per_round('generate', inverse=True)}; {len(ours)} rounds")
 
 
 def parse(argv=None):

@@ -179,6 +179,28 @@ def test_grpo_vs_trl_prints_no_ratio_for_unequal_work(monkeypatch, capsys):
     assert "no ratio to TRL for ours-padded: generated_tokens 512 vs 2048" in out
 
 
+def test_grpo_vs_trl_pairs_each_round_with_trls_run_next_to_it(monkeypatch, capsys):
+    """The machine slows by 2x in round 2: the medians over all steps mix the rounds, the paired ratios do not."""
+    import grpo_vs_trl
+
+    monkeypatch.setattr(grpo_vs_trl, "trl_available", lambda: True)
+    calls = {"ours": 0, "trl": 0}
+    per_round = {"ours": [1.0, 2.0, 1.0], "trl": [1.2, 2.2, 1.3]}
+
+    def run_side(side, *a):
+        total = per_round[side][calls[side]]
+        calls[side] += 1
+        return [{"total": total, "cpu": total, "generate": total / 2, "logprobs": 0.0, "train": total / 2,
+                 "generated_tokens": 2048.0, "trained_tokens": 2048.0}]
+
+    monkeypatch.setattr(grpo_vs_trl, "run_side", run_side)
+    grpo_vs_trl.run(grpo_vs_trl.parse(["--shapes", "tiny", "--sides", "ours", "trl", "--rounds", "3",
+                                       "--steps", "2"]))
+    out = capsys.readouterr().out
+    assert ("paired by round, ours: TRL s/step / this median 1.20x (range 1.10-1.30); this generate / TRL's "
+            "median 0.83x (range 0.77-0.91); 3 rounds") in out, out
+
+
 @pytest.mark.parametrize("shape", ["small", "large", "long"])
 def test_grpo_vs_trl_ours_runs_the_default_layout_and_ours_padded_the_old_one(shape, tmp_path):
     """``ours`` passes no layout flag, so it measures the default: rows of one group, all in one micro-batch, as
