@@ -207,7 +207,7 @@ def mirror_min_elements(capability: str) -> int:
     the mirror: a small gather undercuts the mirror's scattered per-layer copies of the new tokens. ``capability`` as
     ``torch.backends.cpu.get_cpu_capability()``. Measured (docs/benchmarks.md): on an AMD EPYC with AVX-512 the
     gather was cheaper up to 0.6M elements and the mirror from 1.2M; on one with AVX2 the mirror was cheaper from
-    256K. CPUs not measured keep 1M."""
+    256K. Other AVX2 CPUs take the AVX2 figure; the rest (AVX-512 and AMX Intel CPUs not measured) keep 1M."""
     return 1 << 18 if capability == "AVX2" else 1 << 20
 
 
