@@ -82,7 +82,7 @@ def launcher(nproc: int) -> list[str]:
 
 # Console lines worth showing from a stage's output: iteration lines (whole: they start with the iteration
 # number), evaluations, warnings about the run, and errors.
-_SHOW = (" iteration ", "evaluation", "possible training problem", "error")
+_SHOW = (" iteration ", "evaluation", "possible training problem", "error", "cpu threads:")
 _ERROR = re.compile(r"(\S+\.py: error: .*|\b[A-Za-z]*Error: .*)")
 
 
@@ -98,6 +98,17 @@ def first_error(lines: list[str]) -> str | None:
     found = [m.group(1) for line in lines for m in [_ERROR.search(line)] if m and "ChildFailedError" not in line]
     reported = [f for f in found if ": error: " in f]
     return (reported or found or [None])[0]
+
+
+def thread_changes(points: list[tuple[int, float]]) -> str | None:
+    """A line when torch's CPU thread count changed during the RL run (``cpu_threads`` per iteration): another
+    process kept cores busy, and reductions over another number of threads add in another order."""
+    counts = [int(v) for _, v in sorted(points)]
+    path = [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]]
+    if len(path) < 2:
+        return None
+    return (f"CPU threads changed during RL ({' -> '.join(map(str, path))}): other processes kept cores busy, so "
+            f"this run's figures are not bitwise those of a run on an idle machine (--cpu-threads N fixes the count)")
 
 
 def clock(seconds: float) -> str:
@@ -302,6 +313,9 @@ def main(argv=None) -> int:
         print(f"held-out pass@1 (sampled at T=1, 200 prompts): {first:.3f} at iteration {evals[0][0]} -> {final:.3f} "
               f"(mean of the last {min(3, len(evals))} evaluations, up to iteration {evals[-1][0]}); "
               f"change {final - first:+.3f}; on {machine_type()}")
+    changed = thread_changes(series.get("cpu_threads", []))
+    if changed:
+        print(changed)
     print(f"reward curve: {png}; metrics: {metrics}; total {clock(time.time() - start)}")
     print(f"sample completions: python tools/show_samples.py {metrics} --last 1")
     return 0

@@ -187,6 +187,8 @@ class _Loop:
                                           rl.observe.env_collapse_weight_factor, report=parallel_utils.is_rank0())
         metrics.update(acted)
         self.stop_reason = self.stop_reason or stop
+        if self.run.threads is not None:  # the count this iteration ran with: a change moves a run's floats
+            metrics["cpu_threads"] = float(self.run.threads.threads)
         record = {"iteration": iteration, **metrics}
         self.history.append(record)
         finite_or_raise(metrics)

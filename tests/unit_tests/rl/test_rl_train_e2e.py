@@ -110,6 +110,7 @@ def test_train_rl_end_to_end(full_run):
         assert rec["logprob_gap_max"] < 1e-5 and rec["logprob_gap_mean"] <= rec["logprob_gap_max"], rec
         assert 0.0 <= rec["reward_mean"] <= 1.0 and rec["reward_std"] > 0, rec
         assert rec["optimizer_steps"] == 2 and rec["num_sequences"] == 16 and rec["failed_rollouts"] == 0
+        assert rec["cpu_threads"] >= 1  # the count the iteration ran with (its floats depend on it)
         assert 0 < rec["packing_efficiency"] <= 1 and rec["grad_norm"] > 0
         assert 1 <= rec["response_length_mean"] <= 8
         # one environment: its per-environment numbers are the run's, computed separately

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from examples.rl.quickstart import Eta, Phases, console_line, first_error, main, pretrain, run
+from examples.rl.quickstart import Eta, Phases, console_line, first_error, main, pretrain, run, thread_changes
 
 PRETRAIN_LINE = ("[2026-11-22 17:00:00] [rank 0] INFO megatron.rl.training.loop:  iteration      575/     600 | "
                  "consumed samples:        18400 | elapsed time per iteration (ms): 101.3 | learning rate: 3.123E-04 | "
@@ -83,3 +83,11 @@ def test_help_shows_the_defaults(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "(default: 600)" in out and "(default: 200)" in out and "(default: 5e-4)" in out
+
+
+def test_a_thread_count_that_changed_is_reported_once_at_the_end():
+    assert thread_changes([]) is None and thread_changes([(1, 2.0), (2, 2.0)]) is None
+    line = thread_changes([(3, 1.0), (1, 2.0), (2, 2.0), (4, 1.0), (5, 2.0)])
+    assert line.startswith("CPU threads changed during RL (2 -> 1 -> 2)") and "--cpu-threads N" in line
+    assert console_line("[..] INFO megatron.rl.runtime.cpu_threads: CPU threads: 2 -> 1 (other processes kept "
+                        "0.9 of 2 usable cores busy)") is not None
