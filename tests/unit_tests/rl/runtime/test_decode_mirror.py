@@ -216,8 +216,8 @@ def test_small_steps_gather_and_the_first_large_one_catches_the_mirror_up(monkey
 
 @pytest.mark.parametrize("lens", [[2, 3] + [50] * 6, [4] * 3 + [100] * 5, [5, 60, 61, 62]])
 def test_the_mirror_attends_the_groups_a_gather_would(lens, monkeypatch):
-    """A softmax or product over another number of padded slots can round differently (it did in the quickstart's
-    steps), so the mirror keeps the gather's groups, even where one padded batch read in place copies less."""
+    """A softmax or product over another number of padded slots can round differently, so the mirror keeps the
+    gather's groups, even where one padded batch read in place copies less."""
     monkeypatch.setitem(ta._SPLIT_OVERHEAD_ELEMENTS, "cpu", 16 * HEADS * DIM)
     paged = _PagedRequests(seed=6)
     for rid, n in enumerate(lens):
