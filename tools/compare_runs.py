@@ -69,11 +69,15 @@ class Comparison:
     threads: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # each run's counts, as they changed
 
 
+def changes(counts: list[int]) -> list[int]:
+    """``counts`` with repeats in a row folded: ``[2, 2, 1, 1, 2]`` -> ``[2, 1, 2]`` (pure)."""
+    return [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]]
+
+
 def thread_path(records: dict[tuple[str, int], dict]) -> list[int]:
     """The run's CPU thread counts in iteration order, each change once (``[2]``: never changed)."""
-    counts = [int(r["cpu_threads"]) for (kind, _), r in sorted(records.items(), key=lambda x: x[0][1])
-              if kind == "training" and "cpu_threads" in r]
-    return [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]]
+    return changes([int(r["cpu_threads"]) for (kind, _), r in sorted(records.items(), key=lambda x: x[0][1])
+                    if kind == "training" and "cpu_threads" in r])
 
 
 def compare(a: dict[tuple[str, int], dict], b: dict[tuple[str, int], dict]) -> Comparison:

@@ -103,8 +103,9 @@ def first_error(lines: list[str]) -> str | None:
 def thread_changes(points: list[tuple[int, float]]) -> str | None:
     """A line when torch's CPU thread count changed during the RL run (``cpu_threads`` per iteration): another
     process kept cores busy, and reductions over another number of threads add in another order."""
-    counts = [int(v) for _, v in sorted(points)]
-    path = [c for i, c in enumerate(counts) if i == 0 or c != counts[i - 1]]
+    from tools.compare_runs import changes
+
+    path = changes([int(v) for _, v in sorted(points)])
     if len(path) < 2:
         return None
     return (f"CPU threads changed during RL ({' -> '.join(map(str, path))}): other processes kept cores busy, so "
